@@ -1,0 +1,816 @@
+"""Shared, non-algorithmic helpers for rloo.py, ppo.py, dpo.py and kto.py.
+
+Conventions used throughout (shapes in docstrings use these names):
+  B  batch size            Lq  query (prompt) length, LEFT-padded with pad_token_id
+  R  response length       T = Lq + R, a `query_response` row is [left pads | query | response | right pads]
+  V  vocabulary size
+The pad token is always distinct from EOS, so `ids != pad_token_id` is the attention mask. A response keeps
+its first EOS and everything after it is pad. Nothing algorithm-specific lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import asdict, is_dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+INVALID_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
+
+# ---------------------------------------------------------------------------------------------------------
+# Aliases: short names for the public TL;DR checkpoints and datasets behind the published RLOO/PPO/DPO runs
+# (Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO"; TRL documentation), and the toy task.
+# ---------------------------------------------------------------------------------------------------------
+TLDR_DATASETS = {
+    "prompt": "trl-lib/tldr",  # prompt, completion
+    "preference": "trl-lib/tldr-preference",  # prompt, chosen, rejected
+    "unpaired": "trl-lib/tldr-preference",  # unpaired automatically by kto.py
+}
+MODEL_ALIASES = {
+    f"pythia-{size}": {
+        "policy": f"cleanrl/EleutherAI_pythia-{size}-deduped__sft__tldr",
+        "reward": f"cleanrl/EleutherAI_pythia-{size}-deduped__reward__tldr",
+        "dataset": "tldr",
+    }
+    for size in ("1b", "2.8b", "6.9b")
+}
+DATASET_ALIASES = {"tldr": TLDR_DATASETS}
+TOY_ALIAS = "toy"
+
+
+class UserError(ValueError):
+    """Bad input from the command line or data: printed as one line by `main_guard`, exit code 2."""
+
+
+def main_guard(main: Callable[[], None]) -> None:
+    """Run `main()`; a `UserError` becomes a one-line message on stderr and exit code 2 (no traceback)."""
+    import sys
+
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def resolve_model(name: str, kind: str = "policy") -> str:
+    """Map `--model`/`--reward_model` to a loadable id or folder. kind: "policy" or "reward".
+
+    `toy` builds (or reuses) the offline toy task; `pythia-1b|2.8b|6.9b` map to the TL;DR SFT/reward
+    checkpoints; an existing local folder or any other hub id is returned unchanged."""
+    if name == TOY_ALIAS:
+        import toy_task
+
+        return toy_task.build()[kind]
+    if name in MODEL_ALIASES:
+        return MODEL_ALIASES[name][kind]
+    return name
+
+
+def default_reward_model(model: str) -> str:
+    """The reward model paired with a `--model` alias (toy -> toy RM, pythia-1b -> its TL;DR RM)."""
+    if model == TOY_ALIAS:
+        return TOY_ALIAS
+    if model in MODEL_ALIASES:
+        return model
+    raise UserError(f"--reward_model is required when --model is {model!r} (no paired reward model is known)")
+
+
+def default_dataset(model: str) -> str:
+    """The dataset paired with a `--model` alias (toy -> toy, pythia-* -> tldr)."""
+    if model == TOY_ALIAS:
+        return TOY_ALIAS
+    if model in MODEL_ALIASES:
+        return MODEL_ALIASES[model]["dataset"]
+    raise UserError(f"--dataset is required when --model is {model!r} (no paired dataset is known)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading models and tokenizers
+# ---------------------------------------------------------------------------------------------------------
+def _check_model_source(name: str, resolved: str) -> None:
+    """Fail early, in one line, for a path that does not exist (a hub id is `org/name` or a bare name)."""
+    if os.path.exists(os.path.expanduser(resolved)):
+        return
+    if resolved.startswith((".", "/", "~")) or resolved.count("/") > 1:
+        raise UserError(f"model {name!r}: local path {resolved!r} does not exist")
+
+
+_HUB_REACHABLE: Optional[bool] = None
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connect to the hub endpoint (cached). Hub libraries retry for about a minute when offline;
+    this lets a run fail in seconds instead."""
+    global _HUB_REACHABLE
+    if _HUB_REACHABLE is None:
+        import socket
+        from urllib.parse import urlparse
+
+        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+            _HUB_REACHABLE = False
+        else:
+            url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+            try:
+                socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+                _HUB_REACHABLE = True
+            except OSError:
+                _HUB_REACHABLE = False
+    return _HUB_REACHABLE
+
+
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _from_pretrained(loader, name: str, resolved: str, **kwargs):
+    """`loader.from_pretrained` with one-line errors; a hub id not in the local cache fails at once when the
+    hub is unreachable."""
+    _check_model_source(name, resolved)
+    hint = f" (known aliases: {', '.join([TOY_ALIAS, *MODEL_ALIASES])})" if "/" not in name else ""
+    local = os.path.exists(os.path.expanduser(resolved))
+    try:
+        if local:
+            return loader.from_pretrained(os.path.expanduser(resolved), **kwargs)
+        try:
+            return loader.from_pretrained(resolved, local_files_only=True, **kwargs)
+        except OSError:
+            if not hub_reachable():
+                raise UserError(f"could not load {name!r}: hub id {resolved!r} is not in the local cache and the "
+                                f"hub is unreachable (offline){hint}") from None
+            return loader.from_pretrained(resolved, **kwargs)
+    except OSError as e:  # missing files, unknown id: transformers raises OSError
+        raise UserError(f"could not load {name!r} ({resolved}): {_first_line(e)}{hint}") from None
+
+
+def load_tokenizer(name: str, kind: str = "policy", trust_remote_code: bool = False):
+    """Load the tokenizer of `name` (alias, hub id or folder). Guarantees an EOS token and a pad token
+    distinct from EOS: when the tokenizer has no pad (or pad == eos), a new `[PAD]` token is added, and model
+    loaders below resize embeddings to `len(tokenizer)`. Raises UserError when there is no EOS token."""
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(name, kind)
+    tokenizer = _from_pretrained(AutoTokenizer, name, resolved, trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise UserError(f"tokenizer of {name!r} has no EOS token; responses could never end")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    return tokenizer
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Set p=0 in every nn.Dropout: RL log-ratios and DPO rewards assume a deterministic forward."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+
+
+def model_dtype(bf16: bool) -> torch.dtype:
+    """float32 on CPU; bfloat16 only when asked for and a GPU is present."""
+    if bf16 and not torch.cuda.is_available():
+        raise UserError("--bf16 needs a GPU; on a CPU the scripts run in float32")
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def load_causal_lm(name: str, tokenizer, kind: str = "policy", bf16: bool = False, trust_remote_code: bool = False,
+                   load_in_4bit: bool = False):
+    """AutoModelForCausalLM for `name`, dropout off, embeddings resized to the tokenizer, pad id set."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = dict(dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                           bnb_4bit_compute_dtype=model_dtype(bf16))
+    model = _from_pretrained(AutoModelForCausalLM, name, resolve_model(name, kind), **kwargs)
+    _fit_to_tokenizer(model, tokenizer)
+    disable_dropout(model)
+    return model
+
+
+def load_scalar_model(name: str, tokenizer, kind: str = "reward", bf16: bool = False, trust_remote_code: bool = False):
+    """AutoModelForSequenceClassification with one output (a reward or value model), dropout off."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = _from_pretrained(AutoModelForSequenceClassification, name, resolve_model(name, kind), num_labels=1,
+                             dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
+    _fit_to_tokenizer(model, tokenizer)
+    disable_dropout(model)
+    return model
+
+
+def _fit_to_tokenizer(model, tokenizer) -> None:
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+
+
+def check_same_vocab(tokenizer_a, tokenizer_b, what: str = "reward model") -> None:
+    """Scoring token ids produced by one tokenizer with a model of another is silently wrong: refuse it."""
+    if tokenizer_a.get_vocab() != tokenizer_b.get_vocab():
+        raise UserError(f"the {what}'s tokenizer differs from the policy's (vocab sizes {len(tokenizer_b)} vs "
+                        f"{len(tokenizer_a)}); they must share a vocabulary")
+
+
+def add_lora(model, r: int, alpha: int, dropout: float, target_modules: Optional[Sequence[str]] = None,
+             task_type: str = "CAUSAL_LM"):
+    """Wrap `model` with a fresh LoRA adapter (PEFT). The base weights stay frozen; `target_modules=None`
+    lets PEFT choose the architecture's default projections."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
+                        target_modules=list(target_modules) if target_modules else None)
+    return get_peft_model(model, config)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference model: one interface for the three modes
+# ---------------------------------------------------------------------------------------------------------
+class Reference:
+    """The frozen reference policy pi_ref, in one of three modes:
+
+    - "copy":        a separate frozen model (eval mode, requires_grad False, never in an optimizer).
+    - "adapter_off": the policy's own base weights with its LoRA adapter switched off (no second copy).
+    - "none":        reference-free; `logprobs` returns zeros.
+
+    `logprobs(...)` has the signature of `response_logprobs` and is always run under no_grad."""
+
+    def __init__(self, mode: str, model: Optional[nn.Module] = None, policy: Optional[nn.Module] = None):
+        assert mode in ("copy", "adapter_off", "none"), mode
+        self.mode, self.model, self.policy = mode, model, policy
+        if mode == "copy":
+            model.eval()
+            model.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def _model(self):
+        if self.mode == "copy":
+            yield self.model
+        else:
+            policy = unwrap(self.policy)
+            with policy.disable_adapter():
+                yield self.policy
+
+    @torch.no_grad()
+    def logprobs(self, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                 temperature: float = 1.0, chunk_size: Optional[int] = None) -> torch.Tensor:
+        """(B, T) ids -> (B, T - context_length) reference log-probs of the response tokens."""
+        if self.mode == "none":
+            return torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
+                               device=query_responses.device)
+        with self._model() as model:
+            chunk_size = chunk_size or query_responses.shape[0]
+            return torch.cat([
+                response_logprobs(model, query_responses[i:i + chunk_size], context_length, pad_token_id, temperature)
+                for i in range(0, query_responses.shape[0], chunk_size)
+            ])
+
+    def free(self) -> None:
+        """Drop the frozen copy (e.g. after precomputing reference log-probs); later calls are an error."""
+        self.model, self.mode = None, "freed"
+
+
+def create_reference(policy: nn.Module, ref_model: Optional[str], tokenizer, use_peft: bool, reference_free: bool,
+                     accelerator=None, bf16: bool = False, trust_remote_code: bool = False) -> Reference:
+    """Build the Reference for a run. `ref_model=None` means "the starting policy": with `use_peft` that is the
+    adapter-off base (no copy), otherwise a frozen copy loaded from the policy's own source. A frozen copy is
+    prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine)."""
+    if reference_free:
+        return Reference("none")
+    if use_peft and ref_model is None:
+        return Reference("adapter_off", policy=policy)
+    model = load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
+    model.eval().requires_grad_(False)
+    if accelerator is not None:
+        model = prepare_frozen(model, accelerator)
+    return Reference("copy", model=model)
+
+
+def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
+    """Place a frozen model (reference, reward, value-free scorer) for inference. Under DeepSpeed ZeRO-3 it
+    becomes an inference engine sharded like the policy; otherwise it is moved to the device (no DDP
+    wrapper: it has no gradients to synchronise)."""
+    model.eval().requires_grad_(False)
+    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds_plugin is not None and ds_plugin.zero_stage == 3:
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4},
+            "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+    return model.to(accelerator.device)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`)."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(model: nn.Module, accelerator=None):
+    """Yield a plain model that can `.generate`. Under DeepSpeed ZeRO-3 the sharded parameters are gathered
+    for the duration of the block (one all-gather per call, so generate in as few calls as possible)."""
+    unwrapped = unwrap(model)
+    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None) if accelerator is not None else None
+    if ds_plugin is not None and ds_plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            yield unwrapped
+    else:
+        yield unwrapped
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------
+def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
+                           min_new_tokens: Optional[int] = None):
+    """Sampling config for training (pure temperature sampling: top_k=0, top_p=1.0) or, with `greedy=True`,
+    the deterministic config used for evaluation. pad/eos ids come from the tokenizer."""
+    from transformers import GenerationConfig
+
+    if not greedy and temperature <= 0:
+        raise UserError(f"temperature must be > 0 for sampling, got {temperature}")
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    if min_new_tokens:
+        kwargs["min_new_tokens"] = min_new_tokens
+    if greedy:
+        return GenerationConfig(do_sample=False, **kwargs)
+    return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **kwargs)
+
+
+@torch.no_grad()
+def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
+                     generation_config, chunk_size: int, accelerator=None):
+    """Generate responses for a LEFT-padded batch of queries, `chunk_size` rows at a time.
+
+    queries: (B, Lq) left-padded with pad_token_id.
+    Returns (query_responses, logprobs):
+      query_responses (B, Lq + max_new_tokens): query then response; after the first EOS (kept) every token
+        is pad, and short responses are right-padded to max_new_tokens.
+      logprobs (B, max_new_tokens): log-probs of the sampled tokens under logits / temperature (the
+        sampling distribution), INVALID_LOGPROB after EOS. For greedy configs temperature is 1.
+    """
+    R = generation_config.max_new_tokens
+    temperature = generation_config.temperature if generation_config.do_sample else 1.0
+    generation_config = copy.deepcopy(generation_config)
+    generation_config.return_dict_in_generate, generation_config.output_logits = True, True
+    responses, logprobs = [], []
+    with unwrap_for_generation(model, accelerator) as gen_model:
+        for i in range(0, queries.shape[0], chunk_size):
+            query = queries[i:i + chunk_size]
+            out = gen_model.generate(input_ids=query, attention_mask=(query != pad_token_id).long(),
+                                     generation_config=generation_config)
+            response = out.sequences[:, query.shape[1]:]
+            logits = torch.stack(out.logits, 1).float() / temperature  # (b, r, V), r <= R
+            logprob = torch.gather(logits.log_softmax(-1), 2, response.unsqueeze(-1)).squeeze(-1)
+            responses.append(F.pad(response, (0, R - response.shape[1]), value=pad_token_id))
+            logprobs.append(F.pad(logprob, (0, R - logprob.shape[1]), value=INVALID_LOGPROB))
+    responses = truncate_after_eos(torch.cat(responses), eos_token_id, pad_token_id)
+    logprobs = torch.cat(logprobs).masked_fill(responses == pad_token_id, INVALID_LOGPROB)
+    return torch.cat([queries, responses], 1), logprobs
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Forward passes: logits and log-probs of response tokens, padding-safe
+# ---------------------------------------------------------------------------------------------------------
+def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
+    """attention_mask and position_ids for rows with left-padded queries and right-padded responses:
+    positions count real tokens only, so a row's logits do not depend on how much padding surrounds it."""
+    attention_mask = (query_responses != pad_token_id).long()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    return attention_mask, position_ids
+
+
+def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
+    query_responses[:, context_length:]. Temperature is applied here and only here."""
+    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+    input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    logits = out.logits[:, context_length - 1:-1]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """(B, R, V) logits, (B, R) tokens -> (B, R) log softmax(logits)[token], one row at a time so that a full
+    (B, R, V) log-softmax is never materialised (peak extra memory R x V instead of B x R x V)."""
+    token_logits = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
+    if logits.dtype in (torch.float32, torch.float64):
+        logsumexp = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        return token_logits - logsumexp
+    # low precision: logsumexp in bf16 is inaccurate, so compute the row's log-softmax in float32
+    return torch.stack([torch.gather(row.float().log_softmax(-1), -1, tok.unsqueeze(-1)).squeeze(-1)
+                        for row, tok in zip(logits, tokens)])
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """(B, R, V) -> (B, R) entropy of softmax(logits), row by row."""
+    return torch.stack([torch.logsumexp(row, -1) - (row.softmax(-1) * row).sum(-1) for row in logits])
+
+
+def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                      temperature: float = 1.0) -> torch.Tensor:
+    """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature.
+    Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
+    logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature)
+    return selective_logprobs(logits, query_responses[:, context_length:])
+
+
+def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
+    Runs the backbone and the `score` head directly so that every position is read, padding-safe."""
+    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+    base = unwrap(model)
+    backbone = getattr(base, base.base_model_prefix)
+    hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
+                      position_ids=position_ids, use_cache=False).last_hidden_state
+    return base.score(hidden).squeeze(-1)
+
+
+def get_reward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """(B, T) -> (B,) reward-model score read at the last non-pad token of each row."""
+    values = scalar_forward(model, query_responses, pad_token_id)
+    last = last_token_index(query_responses != pad_token_id)
+    return values[torch.arange(values.shape[0], device=values.device), last]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small tensor utilities
+# ---------------------------------------------------------------------------------------------------------
+def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
+    """(B, L) bool -> (B,) index of the first True in each row, or L when a row has none."""
+    row_len = bools.size(-1)
+    zero_or_index = row_len * (~bools).type(dtype) + torch.arange(row_len, dtype=dtype, device=bools.device)
+    return torch.min(zero_or_index, dim=-1).values
+
+
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool mask of real tokens -> (B,) index of the last True (0 for an all-False row)."""
+    L = mask.shape[1]
+    return (L - 1 - first_true_indices(mask.flip(1))).clamp(min=0)
+
+
+def truncate_after_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
+    """(B, R) -> (B, R): keep each row up to and including its first EOS, pad everything after it."""
+    eos_index = first_true_indices(responses == eos_token_id)
+    after_eos = torch.arange(responses.shape[1], device=responses.device).unsqueeze(0) > eos_index.unsqueeze(1)
+    return responses.masked_fill(after_eos, pad_token_id)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """Mean of `values` where `mask` is True (over all elements, or along `dim`)."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum()
+    return (values * mask).sum(dim) / mask.sum(dim)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of `values` where `mask` is True (Bessel-corrected by default)."""
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n < 2:
+            raise ValueError("masked_var needs at least two unmasked values")
+        var = var * n / (n - 1)
+    return var
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) over the masked entries; mean added back if not shift_mean."""
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    """a / b as an int, or a UserError that says which batch sizes do not divide."""
+    if b <= 0 or a % b != 0:
+        raise UserError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+def pad_sequences(seqs: Sequence[Sequence[int]], pad_token_id: int, side: str) -> torch.Tensor:
+    """List of token-id lists -> (B, max_len) tensor, padded on `side` ("left" or "right")."""
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            if side == "left":
+                out[i, width - len(s):] = torch.as_tensor(s)
+            else:
+                out[i, :len(s)] = torch.as_tensor(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data: loading, columns, chat templates, prompt/completion tokenisation
+# ---------------------------------------------------------------------------------------------------------
+def load_any_dataset(name: str, form: str, split: str):
+    """Load one split of a dataset given by alias (`toy`, `tldr`), local `save_to_disk` folder, local
+    .json/.jsonl/.parquet file(s) (comma-separated), or hub id. `form` is "prompt", "preference" or
+    "unpaired" and picks the alias's matching dataset. An empty split is a UserError."""
+    import datasets
+
+    if name == TOY_ALIAS:
+        import toy_task
+
+        name = toy_task.build()[f"{form}_dataset"]
+    elif name in DATASET_ALIASES:
+        name = DATASET_ALIASES[name][form]
+    files = [f for f in name.split(",") if f]
+    try:
+        if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_dict.json"))
+                                    or os.path.exists(os.path.join(name, "state.json"))):
+            ds = datasets.load_from_disk(name)
+        elif files and all(f.endswith((".json", ".jsonl", ".parquet")) for f in files):
+            missing = [f for f in files if not os.path.exists(f)]
+            if missing:
+                raise UserError(f"dataset file(s) not found: {', '.join(missing)}")
+            ds = datasets.load_dataset("parquet" if files[0].endswith(".parquet") else "json", data_files=files)
+        elif os.path.exists(name) or name.startswith((".", "/", "~")):
+            raise UserError(f"dataset {name!r}: not a save_to_disk folder nor .json/.jsonl/.parquet file(s)")
+        else:
+            if not hub_reachable() and not _in_datasets_cache(name):
+                raise UserError(f"could not load dataset {name!r}: not a local path, and the hub is unreachable "
+                                f"(offline); known aliases: {', '.join([TOY_ALIAS, *DATASET_ALIASES])}")
+            ds = datasets.load_dataset(name)
+    except (FileNotFoundError, ConnectionError, OSError) as e:
+        raise UserError(f"could not load dataset {name!r}: {_first_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise UserError(f"dataset {name!r} has no split {split!r} (has: {', '.join(ds.keys())})")
+        ds = ds[split]
+    if len(ds) == 0:
+        raise UserError(f"dataset {name!r} split {split!r} is empty")
+    return ds
+
+
+def _in_datasets_cache(name: str) -> bool:
+    import datasets
+
+    cache = os.environ.get("HF_DATASETS_CACHE", datasets.config.HF_DATASETS_CACHE)
+    return os.path.isdir(os.path.join(str(cache), name.replace("/", "___")))
+
+
+def require_columns(dataset, columns: Iterable[str], name: str) -> None:
+    """UserError naming every required column the dataset lacks."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise UserError(f"dataset {name!r} is missing column(s) {missing}; it has {dataset.column_names}")
+
+
+def is_conversational(value) -> bool:
+    """True for a list of {"role", "content"} messages (the conversational dataset form)."""
+    return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+
+
+def render_prompt(tokenizer, prompt) -> str:
+    """Text of a prompt: unchanged if already text; messages are rendered with the chat template and the
+    generation prompt appended."""
+    if is_conversational(prompt):
+        if tokenizer.chat_template is None:
+            raise UserError("conversational data needs a tokenizer with a chat template")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def render_completion(tokenizer, prompt, completion) -> str:
+    """Text of a completion: unchanged if text; for messages, the chat-template rendering of prompt+completion
+    minus the rendering of the prompt (so that the two concatenate back to the full conversation)."""
+    if is_conversational(completion):
+        full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        head = render_prompt(tokenizer, prompt)
+        if not full.startswith(head):
+            raise UserError("chat template does not render the prompt as a prefix of prompt+completion")
+        return full[len(head):]
+    return completion
+
+
+def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, max_prompt_length: int,
+                               max_length: int):
+    """Token ids of (prompt, completion + EOS) under the documented truncation rule:
+    1. the prompt keeps its LAST `max_prompt_length` tokens (truncated from the left);
+    2. the completion keeps its FIRST `max_length - len(prompt)` tokens (truncated from the right);
+    EOS is appended before truncation, so a truncated completion has no EOS. Returns (prompt_ids,
+    completion_ids); completion_ids is empty when truncation removed all of it (callers drop and count)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] if max_prompt_length > 0 else []
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids, completion_ids[:max(0, max_length - len(prompt_ids))]
+
+
+def tokenize_prompts(tokenizer, prompts: Sequence, max_prompt_length: int) -> List[List[int]]:
+    """Token ids of each prompt (rendered with the chat template if conversational). A prompt longer than
+    `max_prompt_length` is a UserError (RL scripts refuse rather than silently cut the task)."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            raise UserError(f"prompt {i} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
+                            "raise the limit or filter the dataset")
+        if len(ids) == 0:
+            raise UserError(f"prompt {i} is empty")
+        out.append(ids)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs: seeding, run folder, metrics, saving, checkpoints
+# ---------------------------------------------------------------------------------------------------------
+def seed_everything(seed: int, process_index: int = 0) -> int:
+    """Seed python, numpy and torch with seed + process_index (each process samples differently, runs
+    repeat exactly). Returns the per-process seed."""
+    local_seed = seed + process_index
+    random.seed(local_seed)
+    np.random.seed(local_seed % 2**32)
+    torch.manual_seed(local_seed)
+    return local_seed
+
+
+def run_name(script: str, dataset: str, seed: int) -> str:
+    """`<dataset>__<script>__<seed>__<unix time>`, as in CleanRL."""
+    return f"{os.path.basename(dataset.rstrip('/'))}__{script}__{seed}__{int(time.time())}"
+
+
+def config_dict(args) -> dict:
+    return asdict(args) if is_dataclass(args) else dict(vars(args))
+
+
+class MetricsLogger:
+    """Append one JSON object per `log` call to `<output_dir>/metrics.jsonl` (always), and send the same
+    metrics to wandb when `track` is on. Only the main process writes; others are no-ops. The wandb API
+    key is never written anywhere by this class."""
+
+    def __init__(self, output_dir: str, args, is_main_process: bool = True, track: bool = False,
+                 wandb_project: str = "policy-rlhf", run_name: Optional[str] = None):
+        self.active, self.track = is_main_process, track and is_main_process
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        if not self.active:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        config = config_dict(args)
+        with open(os.path.join(output_dir, "args.json"), "w") as f:
+            json.dump(config, f, indent=2, default=str)
+        if self.track:
+            import wandb
+
+            wandb.init(project=wandb_project, name=run_name, config=config, dir=output_dir)
+            wandb.run.log_code(".", include_fn=lambda p: p.endswith(".py"))
+
+    def log(self, metrics: Dict[str, float], step: int) -> None:
+        if not self.active:
+            return
+        row = {"step": step, **{k: _to_float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.track:
+            import wandb
+
+            wandb.log(row, step=step)
+
+    def log_samples(self, name: str, rows: List[Dict[str, object]], step: int) -> None:
+        """Sample table (prompt/response/score rows): printed, and a wandb Table when tracking."""
+        if not self.active:
+            return
+        for row in rows:
+            print(" | ".join(f"{k}: {v}" for k, v in row.items()))
+        if self.track and rows:
+            import wandb
+
+            wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
+
+    def close(self) -> None:
+        if self.track:
+            import wandb
+
+            wandb.finish()
+
+
+def _to_float(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    if isinstance(v, (np.floating, np.integer)):
+        return v.item()
+    return v
+
+
+def reduce_metrics(accelerator, metrics: Dict[str, float]) -> Dict[str, float]:
+    """Average a dict of scalars across processes (one all-reduce for the whole dict)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return {k: _to_float(v) for k, v in metrics.items()}
+    keys = sorted(metrics)
+    values = torch.tensor([float(_to_float(metrics[k])) for k in keys], device=accelerator.device)
+    values = accelerator.reduce(values, reduction="mean")
+    return dict(zip(keys, values.tolist()))
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str):
+    """Yield a temporary sibling folder to write into; on success it replaces `path` in one rename, so a
+    reader never sees a half-written folder. On failure the temporary folder is removed."""
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = f"{path}.old-{os.getpid()}"
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: bool = False) -> None:
+    """Save `model` (+ tokenizer) to `path` atomically, safetensors, loadable by `from_pretrained`.
+    A PEFT model saves its adapter; with `merge_peft` the merged full weights are saved instead."""
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards on the main process
+        is_main = accelerator.is_main_process
+    else:
+        state_dict, is_main = None, True
+    if not is_main:
+        return
+    base = unwrap(model)
+    with atomic_dir(path) as tmp:
+        if merge_peft and hasattr(base, "merge_and_unload"):
+            merged = copy.deepcopy(base).merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+        else:
+            base.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+
+def save_checkpoint(accelerator, path: str, extra_state: dict) -> None:
+    """Atomically write a resumable checkpoint: accelerate state (model, optimizer, scheduler, RNG states
+    of every process) plus `extra_state` (step, data position, ...) as trainer_state.json."""
+    accelerator.wait_for_everyone()
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp, safe_serialization=True)
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(extra_state, f)
+        old = f"{path}.old"
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def load_checkpoint(accelerator, path: str) -> dict:
+    """Restore what `save_checkpoint` wrote; returns its `extra_state`."""
+    state_file = os.path.join(path, "trainer_state.json")
+    if not os.path.exists(state_file):
+        raise UserError(f"--resume_from {path!r} is not a checkpoint (no trainer_state.json)")
+    accelerator.load_state(path)
+    with open(state_file) as f:
+        return json.load(f)
+
+
+class StopSignal:
+    """Turn SIGTERM / Ctrl-C into a flag the training loop checks between steps, so it can write a checkpoint
+    and exit cleanly instead of dying mid-step."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name

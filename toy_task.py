@@ -1,0 +1,337 @@
+"""The built-in toy task: a complete, offline RLHF world that builds on a CPU in about a minute.
+
+Task: a prompt is 3-6 distinct letters from a..l followed by "=", e.g. "f b k c =". The ideal completion is the
+same letters sorted, " b c f k", then EOS.
+
+Gold score of a completion (`gold_score`), in [0, 1]: the number of positions where the completion's letters
+match the sorted letters, divided by max(len(target), len(completion)). Extra, missing, misplaced or foreign
+letters all cost; only the exact sorted answer scores 1.
+
+What gets built (deterministically from a seed, cached under $TOY_TASK_CACHE or ~/.cache/policy_rlhf/toy):
+- tokenizer/: a word-level `tokenizers` tokenizer wrapped as a transformers fast tokenizer ([PAD], [EOS]).
+- sft/: a tiny GPT-NeoX (Pythia architecture) causal LM trained on imperfect demonstrations (most of them a
+  lazy copy of the prompt's letters, some sorted, some sorted with a mistake), so it writes task-shaped but
+  mediocre completions: greedy decoding mostly copies, samples are sometimes right.
+- reward/: a GPTNeoXForSequenceClassification (one label), initialised from the SFT weights and trained on
+  gold-labelled pairs of the SFT policy's own samples. It is a learned proxy: it can be over-optimised.
+- datasets (save_to_disk, train/test splits): prompt/ (`prompt`), preference/ (`prompt`, `chosen`,
+  `rejected`) and unpaired/ (`prompt`, `completion`, `label`: gold >= 0.75). prompt/test is the fixed
+  held-out evaluation set.
+- report.json: sizes, the reward model's held-out pairwise accuracy, the SFT policy's gold scores.
+
+Use: `python -c "import toy_task; print(toy_task.build())"`, or any script with its defaults (`--model toy`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+
+import torch
+import torch.nn.functional as F
+
+BUILDER_VERSION = 1
+LETTERS = list("abcdefghijkl")
+MIN_LETTERS, MAX_LETTERS = 3, 6
+MAX_PROMPT_TOKENS = MAX_LETTERS + 1  # letters + "="
+MAX_NEW_TOKENS = MAX_LETTERS + 2  # room for an answer, its EOS and one mistake
+DESIRABLE_THRESHOLD = 0.75
+
+
+def cache_root() -> str:
+    return os.environ.get("TOY_TASK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "policy_rlhf", "toy"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The task and its gold scorer
+# ---------------------------------------------------------------------------------------------------------
+def make_prompt(rng: random.Random) -> str:
+    letters = rng.sample(LETTERS, rng.randint(MIN_LETTERS, MAX_LETTERS))
+    return " ".join(letters) + " ="
+
+
+def prompt_letters(prompt: str) -> list:
+    return [t for t in prompt.split() if t != "="]
+
+
+def target_completion(prompt: str) -> str:
+    return " " + " ".join(sorted(prompt_letters(prompt)))
+
+
+def gold_score(prompt: str, completion: str) -> float:
+    """Ground truth in [0, 1]: position-wise matches against the sorted prompt letters, divided by the
+    longer of target and completion. Special tokens in `completion` are ignored."""
+    target = sorted(prompt_letters(prompt))
+    response = [t for t in completion.split() if not (t.startswith("[") and t.endswith("]"))]
+    if not response:
+        return 0.0
+    matches = sum(r == t for r, t in zip(response, target))
+    return matches / max(len(target), len(response))
+
+
+def imperfect_demonstration(prompt: str, rng: random.Random) -> str:
+    """What the (lazy, noisy) demonstrators wrote: 55% of the time the letters copied in prompt order, 30% the
+    sorted answer, 15% the sorted answer with one mistake (two neighbours swapped, a letter replaced or
+    dropped). The most likely demonstration is the lazy copy, so a policy imitating them decodes greedily to
+    a mediocre answer while its samples contain the good one: room for preference learning and RL."""
+    letters = prompt_letters(prompt)
+    u = rng.random()
+    if u < 0.55:
+        return " " + " ".join(letters)
+    answer = sorted(letters)
+    if u >= 0.85:
+        kind = rng.choice(["swap", "replace", "drop"])
+        i = rng.randrange(len(answer) - 1)
+        if kind == "swap":
+            answer[i], answer[i + 1] = answer[i + 1], answer[i]
+        elif kind == "replace":
+            answer[i] = rng.choice([c for c in LETTERS if c not in answer])
+        else:
+            del answer[i]
+    return " " + " ".join(answer)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------------------
+def _make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[EOS]", "[UNK]", "=", *LETTERS])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with single spaces
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+
+
+def _model_config(tokenizer):
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=512, max_position_embeddings=64, rotary_pct=0.25,
+                         hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                         use_parallel_residual=True, bos_token_id=tokenizer.eos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def _encode(tokenizer, texts):
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
+    from transformers import GPTNeoXForCausalLM
+    from policy_common import pad_sequences, padding_inputs
+
+    model = GPTNeoXForCausalLM(_model_config(tokenizer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.train()
+    for _ in range(steps):
+        prompts = [make_prompt(rng) for _ in range(batch_size)]
+        demos = [imperfect_demonstration(p, rng) for p in prompts]
+        q = pad_sequences(_encode(tokenizer, prompts), pad, "left")
+        r = pad_sequences([ids + [eos] for ids in _encode(tokenizer, demos)], pad, "right")
+        ids = torch.cat([q, r], 1)
+        mask, pos = padding_inputs(ids, pad)
+        logits = model(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask, position_ids=pos).logits
+        labels = ids[:, q.shape[1]:].masked_fill(r == pad, -100)  # loss on completion tokens only
+        loss = F.cross_entropy(logits[:, q.shape[1] - 1:-1].reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _sample(model, tokenizer, prompts, greedy: bool):
+    from policy_common import batch_generation, make_generation_config, pad_sequences
+
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    queries = pad_sequences(_encode(tokenizer, prompts), pad, "left")
+    config = make_generation_config(tokenizer, MAX_NEW_TOKENS, temperature=1.0, greedy=greedy)
+    query_responses, _ = batch_generation(model, queries, pad, eos, config, chunk_size=512)
+    return [" " + tokenizer.decode(r, skip_special_tokens=True) for r in query_responses[:, queries.shape[1]:]]
+
+
+def _train_reward(sft_dir, tokenizer, pairs, steps: int, batch_size: int, rng: random.Random):
+    from transformers import GPTNeoXForSequenceClassification
+    from policy_common import get_reward, pad_sequences
+
+    model = GPTNeoXForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    model.train()
+    for _ in range(steps):
+        batch = rng.sample(pairs, batch_size)
+        texts = [p["prompt"] + c for p in batch for c in (p["chosen"], p["rejected"])]
+        ids = pad_sequences([x + [eos] for x in _encode(tokenizer, texts)], pad, "right")
+        rewards = get_reward(model, ids, pad).view(-1, 2)
+        loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def _pair_accuracy(model, tokenizer, pairs) -> float:
+    from policy_common import get_reward, pad_sequences
+
+    texts = [p["prompt"] + c for p in pairs for c in (p["chosen"], p["rejected"])]
+    ids = pad_sequences([x + [tokenizer.eos_token_id] for x in _encode(tokenizer, texts)], tokenizer.pad_token_id, "right")
+    rewards = get_reward(model, ids, tokenizer.pad_token_id).view(-1, 2)
+    return (rewards[:, 0] > rewards[:, 1]).float().mean().item()
+
+
+def _make_pairs(model, tokenizer, prompts):
+    """Two SFT samples per prompt, gold-labelled; ties (equal gold) are dropped."""
+    completions = _sample(model, tokenizer, [p for p in prompts for _ in range(2)], greedy=False)
+    pairs, samples = [], []
+    for i, prompt in enumerate(prompts):
+        a, b = completions[2 * i], completions[2 * i + 1]
+        ga, gb = gold_score(prompt, a), gold_score(prompt, b)
+        samples += [(prompt, a, ga), (prompt, b, gb)]
+        if ga != gb:
+            chosen, rejected = (a, b) if ga > gb else (b, a)
+            pairs.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+    return pairs, samples
+
+
+def _save_dataset(splits: dict, path: str) -> None:
+    from datasets import Dataset, DatasetDict
+
+    dd = DatasetDict()
+    for split, rows in splits.items():
+        ds = Dataset.from_list(rows)
+        digest = hashlib.sha256(json.dumps(rows, sort_keys=True).encode()).hexdigest()[:16]
+        ds._fingerprint = digest  # deterministic files: the default fingerprint is random
+        dd[split] = ds
+    dd.save_to_disk(path)
+
+
+def _build_into(root: str, seed: int, verbose: bool) -> dict:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    t0 = time.time()
+    log = (lambda *a: print("[toy]", *a, flush=True)) if verbose else (lambda *a: None)
+
+    tokenizer = _make_tokenizer()
+    tokenizer.save_pretrained(os.path.join(root, "tokenizer"))
+
+    # 1. SFT policy on imperfect demonstrations
+    sft = _train_sft(tokenizer, rng, steps=600, batch_size=64)
+    sft.save_pretrained(os.path.join(root, "sft"), safe_serialization=True)
+    tokenizer.save_pretrained(os.path.join(root, "sft"))
+    log(f"sft trained ({time.time() - t0:.0f}s)")
+
+
+    # 2. prompts: train and a fixed held-out set (no overlap)
+    seen, train_prompts, test_prompts = set(), [], []
+    while len(test_prompts) < 256:
+        p = make_prompt(rng)
+        if p not in seen:
+            seen.add(p)
+            test_prompts.append(p)
+    while len(train_prompts) < 4096:
+        p = make_prompt(rng)
+        if p not in seen:
+            seen.add(p)
+            train_prompts.append(p)
+
+    # 3. gold-labelled preference pairs of the SFT policy's own samples, and a reward model on them
+    pref_train, samples_train = _make_pairs(sft, tokenizer, train_prompts)
+    pref_test, samples_test = _make_pairs(sft, tokenizer, test_prompts)
+    log(f"pairs sampled ({time.time() - t0:.0f}s)")
+    reward = _train_reward(os.path.join(root, "sft"), tokenizer, pref_train, steps=500, batch_size=32, rng=rng)
+    reward.save_pretrained(os.path.join(root, "reward"), safe_serialization=True)
+    tokenizer.save_pretrained(os.path.join(root, "reward"))
+    rm_accuracy = _pair_accuracy(reward, tokenizer, pref_test)
+    log(f"reward model trained, held-out pairwise accuracy {rm_accuracy:.3f} ({time.time() - t0:.0f}s)")
+
+    # 4. datasets in the standard formats
+    _save_dataset({"train": [{"prompt": p} for p in train_prompts], "test": [{"prompt": p} for p in test_prompts]},
+                  os.path.join(root, "prompt"))
+    _save_dataset({"train": pref_train, "test": pref_test}, os.path.join(root, "preference"))
+    unpaired = {split: [{"prompt": p, "completion": c, "label": g >= DESIRABLE_THRESHOLD} for p, c, g in samples]
+                for split, samples in (("train", samples_train), ("test", samples_test))}
+    _save_dataset(unpaired, os.path.join(root, "unpaired"))
+
+    sample_gold = sum(g for _, _, g in samples_test) / len(samples_test)
+    greedy = _sample(sft, tokenizer, test_prompts, greedy=True)
+    greedy_gold = sum(gold_score(p, c) for p, c in zip(test_prompts, greedy)) / len(test_prompts)
+    report = {
+        "builder_version": BUILDER_VERSION, "seed": seed,
+        "reward_model_heldout_pair_accuracy": round(rm_accuracy, 4),
+        "sft_gold_sampled_T1": round(sample_gold, 4), "sft_gold_greedy": round(greedy_gold, 4),
+        "n_prompt_train": len(train_prompts), "n_prompt_test": len(test_prompts),
+        "n_preference_train": len(pref_train), "n_preference_test": len(pref_test),
+        "unpaired_desirable_fraction_train": round(sum(r["label"] for r in unpaired["train"]) / len(unpaired["train"]), 4),
+    }
+    with open(os.path.join(root, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    log(f"built in {time.time() - t0:.0f}s: {report}")
+    return report
+
+
+def paths(root: str) -> dict:
+    return {
+        "root": root, "policy": os.path.join(root, "sft"), "reward": os.path.join(root, "reward"),
+        "tokenizer": os.path.join(root, "tokenizer"), "prompt_dataset": os.path.join(root, "prompt"),
+        "preference_dataset": os.path.join(root, "preference"), "unpaired_dataset": os.path.join(root, "unpaired"),
+    }
+
+
+def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
+    """Build the toy world once per (seed, builder version) and return its paths. A finished build is a
+    folder with report.json, made by renaming a completed temporary folder, so a half-written cache is never
+    used; concurrent builders (several processes of one run) wait on a file lock."""
+    from filelock import FileLock
+
+    cache_dir = cache_dir or cache_root()
+    root = os.path.join(cache_dir, f"v{BUILDER_VERSION}-seed{seed}")
+    if os.path.exists(os.path.join(root, "report.json")):
+        return paths(root)
+    os.makedirs(cache_dir, exist_ok=True)
+    with FileLock(root + ".lock"):
+        if not os.path.exists(os.path.join(root, "report.json")):
+            tmp = f"{root}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            # builds are deterministic with a fixed thread count; pin it for the build only
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                _build_into(tmp, seed, verbose)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                torch.set_num_threads(threads)
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+    return paths(root)
+
+
+def gold_scorer(dataset: str):
+    """The gold scorer for a dataset name or path if it is the toy task's, else None."""
+    if dataset == "toy" or os.path.abspath(dataset).startswith(os.path.abspath(cache_root())):
+        return gold_score
+    return None
+
+
+if __name__ == "__main__":
+    print(json.dumps(build(), indent=2))
