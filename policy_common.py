@@ -96,6 +96,31 @@ def default_dataset(model: str) -> str:
     raise UserError(f"--dataset is required when --model is {model!r} (no paired dataset is known)")
 
 
+def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv: Optional[List[str]] = None):
+    """tyro CLI with `--snake_case` flags. `alias_defaults` maps a `--model` alias (e.g. "toy") to tuned
+    defaults for that alias; each applies only where the flag was not given on the command line, so the
+    dataclass defaults stay those of the real-scale path."""
+    import sys
+
+    import tyro
+
+    argv = sys.argv[1:] if argv is None else argv
+    args = tyro.cli(args_cls, args=argv, use_underscores=True)
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    for field, value in (alias_defaults or {}).get(getattr(args, "model", None), {}).items():
+        if field not in given and f"no_{field}" not in given:
+            setattr(args, field, value)
+    return args
+
+
+def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
+    """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task
+    does), else None. Evaluation reports `eval/gold_score` whenever one exists."""
+    import toy_task
+
+    return toy_task.gold_scorer(dataset)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Loading models and tokenizers
 # ---------------------------------------------------------------------------------------------------------
@@ -668,11 +693,22 @@ class MetricsLogger:
     key is never written anywhere by this class."""
 
     def __init__(self, output_dir: str, args, is_main_process: bool = True, track: bool = False,
-                 wandb_project: str = "policy-rlhf", run_name: Optional[str] = None):
+                 wandb_project: str = "policy-rlhf", run_name: Optional[str] = None,
+                 resume_step: Optional[int] = None):
+        """A fresh run refuses an output folder that already holds metrics (it is never overwritten); a
+        resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
         self.active, self.track = is_main_process, track and is_main_process
         self.path = os.path.join(output_dir, "metrics.jsonl")
         if not self.active:
             return
+        if os.path.exists(self.path):
+            if resume_step is None:
+                raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
+                                "or pass --resume_from")
+            with open(self.path) as f:
+                rows = [line for line in f if json.loads(line)["step"] <= resume_step]
+            with open(self.path, "w") as f:
+                f.writelines(rows)
         os.makedirs(output_dir, exist_ok=True)
         config = config_dict(args)
         with open(os.path.join(output_dir, "args.json"), "w") as f:
