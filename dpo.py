@@ -1,0 +1,491 @@
+"""Direct Preference Optimization (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290) and common variants.
+
+Trains a policy on (prompt, chosen, rejected) pairs with no reward model and no sampling:
+    loss = -log sigmoid(beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))])
+Variants (--loss_type): sigmoid (DPO; with --label_smoothing it is conservative DPO, cDPO), ipo (Azar et al. 2023),
+hinge (SLiC, Zhao et al. 2023), robust (Chowdhury et al. 2024); --rpo_alpha adds an NLL term on the chosen
+completion (Pang et al. 2024); --reference_free drops the reference.
+
+    python dpo.py                                        # the offline toy task, a few CPU minutes
+    accelerate launch dpo.py --model pythia-1b           # TL;DR preference data (trl-lib/tldr-preference)
+
+Style after vwxyzjn/summarize_from_feedback_details dpo.py; loss variants as in TRL's DPOTrainer.
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list, gather_object
+from transformers import get_scheduler
+
+import policy_common as pc
+from policy_common import UserError
+
+# Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
+ALIAS_DEFAULTS = {
+    "toy": dict(learning_rate=1e-4, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                per_device_eval_batch_size=64, num_train_epochs=1.0, warmup_ratio=0.1, eval_steps=40,
+                max_prompt_length=8, max_length=18, response_length=8, num_eval_prompts=256, max_eval_pairs=0),
+}
+
+
+@dataclass
+class Args:
+    # common arguments
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (data order; runs repeat exactly)"""
+    model: str = "toy"
+    """starting policy: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    ref_model: Optional[str] = None
+    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
+    dataset: Optional[str] = None
+    """preference data (prompt, chosen, rejected): alias, hub id, save_to_disk folder or json/jsonl/parquet files; None = the model alias's"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go; None = runs/<run name>"""
+    track: bool = False
+    """log to Weights and Biases"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project"""
+
+    # optimisation
+    learning_rate: float = 1e-6
+    """AdamW learning rate (peak, after warmup)"""
+    per_device_train_batch_size: int = 8
+    """pairs per process per micro-batch"""
+    per_device_eval_batch_size: int = 8
+    """pairs (or prompts, for generation) per process per evaluation forward"""
+    gradient_accumulation_steps: int = 8
+    """micro-batches per optimizer step"""
+    num_train_epochs: float = 1.0
+    """passes over the training pairs (fractional allowed)"""
+    max_steps: Optional[int] = None
+    """stop after this many optimizer steps whatever the run length says"""
+    warmup_ratio: float = 0.1
+    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    skip_nonfinite: bool = False
+    """skip (and count) an optimizer step whose loss or gradient norm is not finite, instead of stopping"""
+    eval_steps: int = 500
+    """evaluate every this many steps (0 = only at the end)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = none)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from"""
+
+    # model loading
+    use_peft: bool = False
+    """train a LoRA adapter instead of all weights"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: Optional[List[str]] = None
+    """LoRA target modules; None = PEFT's default for the architecture"""
+    merge_peft: bool = False
+    """with --use_peft, save merged full weights instead of the adapter"""
+    load_in_4bit: bool = False
+    """load the policy in 4 bits (QLoRA; needs --use_peft and a GPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow custom model code from the hub"""
+
+    # DPO
+    loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
+    """sigmoid (DPO / cDPO), ipo, hinge (SLiC) or robust (rDPO)"""
+    beta: float = 0.1
+    """inverse temperature of the implicit reward beta * log(pi / ref)"""
+    label_smoothing: float = 0.0
+    """probability that a preference label is flipped (cDPO for sigmoid, the noise rate for robust)"""
+    rpo_alpha: Optional[float] = None
+    """weight of an NLL term on the chosen completion (RPO); None = off"""
+    reference_free: bool = False
+    """no reference model (its log-probs are 0)"""
+    precompute_ref_logprobs: bool = False
+    """compute the reference log-probs once before training, then free the reference model"""
+    max_prompt_length: int = 512
+    """prompts keep their last this many tokens"""
+    max_length: int = 640
+    """prompt + completion tokens; completions are cut from the right (rows left with no completion are dropped)"""
+    max_eval_pairs: int = 2000
+    """evaluate on the first this many held-out pairs (0 = all)"""
+
+    # generation at evaluation (only when the dataset has a gold scorer, e.g. the toy task)
+    response_length: int = 53
+    """max new tokens of the greedy evaluation generations"""
+    num_eval_prompts: int = 256
+    """held-out prompts generated from at each evaluation"""
+
+
+def validate(args: Args) -> None:
+    if args.beta <= 0:
+        raise UserError(f"--beta must be > 0, got {args.beta}")
+    if args.loss_type in ("sigmoid", "robust") and not 0 <= args.label_smoothing < 0.5:
+        raise UserError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    if args.loss_type in ("ipo", "hinge") and args.label_smoothing != 0:
+        raise UserError(f"--label_smoothing applies to sigmoid and robust only, not {args.loss_type}")
+    if args.rpo_alpha is not None and args.rpo_alpha < 0:
+        raise UserError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
+    if args.reference_free and (args.precompute_ref_logprobs or args.ref_model):
+        raise UserError("--reference_free excludes --precompute_ref_logprobs and --ref_model")
+    if args.max_prompt_length < 1 or args.max_length <= args.max_prompt_length:
+        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and {args.max_length}")
+    if args.learning_rate <= 0 or args.max_grad_norm <= 0 or args.num_train_epochs <= 0:
+        raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0")
+    if not 0 <= args.warmup_ratio < 1:
+        raise UserError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise UserError(f"--max_steps must be >= 1, got {args.max_steps}")
+    if args.load_in_4bit and not args.use_peft:
+        raise UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
+    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
+        raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data: (prompt, chosen, rejected) -> token ids
+# ---------------------------------------------------------------------------------------------------------
+def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
+    """Rows of text or conversational pairs -> (rows, dropped). Each row is a dict of token-id lists `prompt`,
+    `chosen`, `rejected` (EOS appended to completions, then the truncation rule of
+    pc.tokenize_prompt_completion). A row whose chosen or rejected completion is cut to nothing is dropped and
+    counted. A value that is neither text nor a list of messages is a UserError."""
+    pc.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
+    rows, dropped = [], 0
+    for i, example in enumerate(dataset):
+        for column in ("prompt", "chosen", "rejected"):
+            value = example[column]
+            if not (isinstance(value, str) or pc.is_conversational(value)):
+                raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
+                                f"{{role, content}} messages, got {type(value).__name__}")
+        prompt = pc.render_prompt(tokenizer, example["prompt"])
+        prompt_ids, chosen_ids = pc.tokenize_prompt_completion(
+            tokenizer, prompt, pc.render_completion(tokenizer, example["prompt"], example["chosen"]),
+            max_prompt_length, max_length)
+        _, rejected_ids = pc.tokenize_prompt_completion(
+            tokenizer, prompt, pc.render_completion(tokenizer, example["prompt"], example["rejected"]),
+            max_prompt_length, max_length)
+        if not prompt_ids or not chosen_ids or not rejected_ids:
+            dropped += 1
+            continue
+        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids})
+    if not rows:
+        raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
+                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
+    return rows, dropped
+
+
+def concatenated_inputs(rows, pad_token_id: int):
+    """b rows -> (query_responses (2b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
+    RIGHT-padded to R; the b chosen rows first, then the b rejected rows (one forward pass for both)."""
+    prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
+    completions = pc.pad_sequences([r["chosen"] for r in rows] + [r["rejected"] for r in rows], pad_token_id,
+                                   "right")  # (2b, R)
+    return torch.cat([prompts.repeat(2, 1), completions], 1), prompts.shape[1]
+
+
+def completion_logps(token_logprobs: torch.Tensor, query_responses: torch.Tensor, context_length: int,
+                     pad_token_id: int):
+    """(2b, R) per-token log-probs -> (sum over completion tokens (2b,), completion lengths (2b,)); prompt and
+    padding positions do not count."""
+    mask = query_responses[:, context_length:] != pad_token_id
+    return (token_logprobs * mask).sum(1), mask.sum(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: the preference losses
+# ---------------------------------------------------------------------------------------------------------
+def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+    """Per-pair losses (b,) and implicit rewards beta * log(pi / ref) of chosen and rejected (b,), (b,).
+
+    h = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l)), eps = label_smoothing:
+      sigmoid: -(1 - eps) log s(beta h) - eps log s(-beta h)          DPO (eps = 0), cDPO (Mitchell 2023)
+      robust:  (-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)   rDPO (Chowdhury et al. 2024)
+      hinge:   max(0, 1 - beta h)                                      SLiC (Zhao et al. 2023)
+      ipo:     (h - 1 / (2 beta))^2                                    IPO (Azar et al. 2023)
+    For ipo the caller passes length-normalised (per-token mean) log-probs, as TRL does: the IPO target
+    1/(2 beta) then does not depend on completion length."""
+    chosen_logratios = policy_chosen_logps - ref_chosen_logps
+    rejected_logratios = policy_rejected_logps - ref_rejected_logps
+    h = chosen_logratios - rejected_logratios
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "robust":
+        losses = (-(1 - label_smoothing) * F.logsigmoid(beta * h) + label_smoothing * F.logsigmoid(-beta * h)) \
+            / (1 - 2 * label_smoothing)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise UserError(f"unknown --loss_type {loss_type!r}")
+    return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def pair_losses(args: Args, policy_token_logprobs, ref_token_logprobs, query_responses, context_length, pad_token_id):
+    """Everything DPO needs from one concatenated batch: per-pair losses (b,) (with the RPO term when on) and the
+    per-pair values logged as metrics."""
+    policy_logps, lengths = completion_logps(policy_token_logprobs, query_responses, context_length, pad_token_id)
+    ref_logps, _ = completion_logps(ref_token_logprobs, query_responses, context_length, pad_token_id)
+    if args.loss_type == "ipo":  # length-normalised log-probs (see dpo_loss)
+        policy_logps, ref_logps = policy_logps / lengths, ref_logps / lengths
+    return pair_losses_from_logps(args, policy_logps, ref_logps, lengths)
+
+
+def pair_losses_from_logps(args: Args, policy_logps, ref_logps, lengths):
+    """(2b,) sequence log-probs of policy and reference (chosen rows, then rejected) -> losses and metrics."""
+    policy_chosen, policy_rejected = policy_logps.chunk(2)
+    ref_chosen, ref_rejected = ref_logps.chunk(2)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
+                                                        args.beta, args.loss_type, args.label_smoothing)
+    stats = {"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+             "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
+             "rewards/margins": chosen_rewards - rejected_rewards,
+             "logps/chosen": policy_chosen.detach(), "logps/rejected": policy_rejected.detach()}
+    if args.rpo_alpha is not None:  # NLL of the chosen completion, per token (RPO, Pang et al. 2024, eq. 1)
+        chosen_nll = -policy_chosen if args.loss_type == "ipo" else -policy_chosen / lengths.chunk(2)[0]
+        stats["nll_loss"] = chosen_nll.detach()
+        losses = losses + args.rpo_alpha * chosen_nll
+    stats["loss"] = losses.detach()
+    return losses, stats
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference log-probs and evaluation (each process takes a contiguous slice, results gathered in order)
+# ---------------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator) -> torch.Tensor:
+    """(N, 2) per-token reference log-probs summed over each row's chosen / rejected completion."""
+    out = []
+    with accelerator.split_between_processes(list(range(len(rows)))) as my_rows:
+        for i in range(0, len(my_rows), batch_size):
+            query_responses, context_length = concatenated_inputs([rows[j] for j in my_rows[i:i + batch_size]],
+                                                                  pad_token_id)
+            query_responses = query_responses.to(accelerator.device)
+            token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id)
+            logps, _ = completion_logps(token_logprobs, query_responses, context_length, pad_token_id)
+            out += torch.stack(logps.chunk(2), 1).tolist()
+    return torch.tensor(gather_object(out))
+
+
+@torch.no_grad()
+def evaluate_pairs(args, policy, reference, rows, ref_logps, pad_token_id, accelerator) -> dict:
+    """Mean preference metrics over the held-out pairs, named eval/..."""
+    values = []
+    with accelerator.split_between_processes(list(range(len(rows)))) as my_rows:
+        for i in range(0, len(my_rows), args.per_device_eval_batch_size):
+            index = my_rows[i:i + args.per_device_eval_batch_size]
+            query_responses, context_length = concatenated_inputs([rows[j] for j in index], pad_token_id)
+            query_responses = query_responses.to(accelerator.device)
+            policy_token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id)
+            ref_token_logprobs = ref_token_logprobs_for(reference, ref_logps, index, query_responses, context_length,
+                                                        pad_token_id)
+            _, stats = pair_losses(args, policy_token_logprobs, ref_token_logprobs, query_responses, context_length,
+                                   pad_token_id)
+            values += [dict(zip(stats, row)) for row in torch.stack(list(stats.values()), 1).tolist()]
+    values = gather_object(values)  # one dict per held-out pair, in dataset order
+    return {f"eval/{k}": sum(v[k] for v in values) / len(values) for k in values[0]}
+
+
+def ref_token_logprobs_for(reference, ref_logps, index, query_responses, context_length, pad_token_id):
+    """Reference per-token log-probs of a batch, or (when precomputed) a stand-in whose completion sums equal
+    the stored sequence log-probs: the whole sum sits on the first completion token."""
+    if ref_logps is None:
+        return reference.logprobs(query_responses, context_length, pad_token_id)
+    token_logprobs = torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
+                                 device=query_responses.device)
+    token_logprobs[:, 0] = torch.cat([ref_logps[index, 0], ref_logps[index, 1]]).to(query_responses.device)
+    return token_logprobs
+
+
+@torch.no_grad()
+def evaluate_gold(policy, tokenizer, queries, scorer, generation_config, batch_size, accelerator):
+    """Greedy completions of the held-out prompts -> (mean gold score, a few sample rows)."""
+    pad = tokenizer.pad_token_id
+    results = []
+    with accelerator.split_between_processes(queries) as my_queries:
+        if my_queries:
+            query_responses, _ = pc.batch_generation(policy, pc.pad_sequences(my_queries, pad, "left").to(
+                accelerator.device), pad, tokenizer.eos_token_id, generation_config, batch_size, accelerator)
+            context_length = max(len(q) for q in my_queries)
+            for query_response in query_responses:
+                prompt = tokenizer.decode(query_response[:context_length], skip_special_tokens=True)
+                completion = tokenizer.decode(query_response[context_length:], skip_special_tokens=True)
+                results.append((prompt, completion, scorer(prompt, completion)))
+    results = gather_object(results)
+    gold = sum(r[2] for r in results) / len(results)
+    return gold, [{"prompt": p, "completion": c, "gold": round(g, 3)} for p, c, g in results[:3]]
+
+
+def main() -> None:
+    # TRY NOT TO MODIFY: arguments, sizes, seeding
+    args = pc.parse_args(Args, ALIAS_DEFAULTS)
+    validate(args)
+    args.dataset = args.dataset or pc.default_dataset(args.model)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    world_size = accelerator.num_processes
+    local_micro_batch_size = args.per_device_train_batch_size
+    micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes
+    batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
+    pc.seed_everything(args.seed, accelerator.process_index)
+
+    # 1. models: policy, reference (frozen copy / adapter-off base / none)
+    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    pad = tokenizer.pad_token_id
+    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                               load_in_4bit=args.load_in_4bit)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        policy.enable_input_require_grads()
+    if args.use_peft:
+        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    if args.ref_model:
+        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.ref_model, trust_remote_code=args.trust_remote_code),
+                            "reference model")
+    reference = pc.create_reference(policy, args.ref_model or (None if args.use_peft else args.model), tokenizer,
+                                    args.use_peft, args.reference_free, accelerator, args.bf16, args.trust_remote_code)
+
+    # 2. data: tokenised pairs (train, held-out), held-out prompts for the gold score
+    train_rows, dropped = tokenize_preferences(tokenizer, pc.load_any_dataset(args.dataset, "preference", "train"),
+                                               args.max_prompt_length, args.max_length, args.dataset)
+    eval_dataset = pc.load_any_dataset(args.dataset, "preference", args.eval_split)
+    if args.max_eval_pairs:
+        eval_dataset = eval_dataset.select(range(min(args.max_eval_pairs, len(eval_dataset))))
+    eval_rows, eval_dropped = tokenize_preferences(tokenizer, eval_dataset, args.max_prompt_length, args.max_length,
+                                                   f"{args.dataset}:{args.eval_split}")
+    accelerator.print(f"pairs: {len(train_rows)} train ({dropped} dropped by truncation), {len(eval_rows)} held-out "
+                      f"({eval_dropped} dropped)")
+    scorer = pc.gold_scorer(args.dataset)
+    if scorer is not None and args.num_eval_prompts > 0:
+        prompt_dataset = pc.load_any_dataset(args.dataset, "prompt", args.eval_split)
+        pc.require_columns(prompt_dataset, ["prompt"], args.dataset)
+        eval_queries = pc.tokenize_prompts(tokenizer, prompt_dataset["prompt"][:args.num_eval_prompts],
+                                           args.max_prompt_length)
+        greedy_config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+    steps_per_epoch = len(train_rows) // batch_size
+    if steps_per_epoch == 0:
+        raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} "
+                        f"(per_device_train_batch_size {local_micro_batch_size} x {world_size} processes x "
+                        f"gradient_accumulation_steps {args.gradient_accumulation_steps})")
+    total_steps = max(1, int(steps_per_epoch * args.num_train_epochs))
+    total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
+
+    # 3. optimizer, schedule. The scheduler is not passed to prepare (accelerate would step it once per process);
+    # it is registered so that checkpoints hold it.
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(scheduler)
+    start_step = pc.load_checkpoint(accelerator, args.resume_from)["step"] if args.resume_from else 0
+
+    # 4. the run folder (every input is valid by now) and the logger
+    run_name = broadcast_object_list([pc.run_name(args.exp_name, args.dataset, args.seed)])[0]
+    args.output_dir = args.output_dir or os.path.join("runs", run_name)
+    logger = pc.MetricsLogger(args.output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              run_name, resume_step=start_step if args.resume_from else None)
+    if not args.resume_from:
+        logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
+                    "data/eval_dropped": eval_dropped}, step=0)
+
+    # 5. reference log-probs once, then the reference model is freed
+    ref_logps = eval_ref_logps = None
+    if args.precompute_ref_logprobs:
+        ref_logps = sequence_ref_logps(reference, train_rows, args.per_device_eval_batch_size, pad, accelerator)
+        eval_ref_logps = sequence_ref_logps(reference, eval_rows, args.per_device_eval_batch_size, pad, accelerator)
+        reference.free()
+
+    def evaluate(step: int) -> dict:
+        policy.eval()
+        metrics = evaluate_pairs(args, policy, reference, eval_rows, eval_ref_logps, pad, accelerator)
+        if scorer is not None and args.num_eval_prompts > 0:
+            metrics["eval/gold_score"], samples = evaluate_gold(policy, tokenizer, eval_queries, scorer, greedy_config,
+                                                                args.per_device_eval_batch_size, accelerator)
+            logger.log_samples("eval/samples", samples, step)
+        policy.train()
+        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return metrics
+
+    # 6. training: every optimizer step takes the next `batch_size` pairs of a seeded per-epoch permutation (the
+    # same global order for any number of processes); micro-batch m of process p is slice (m, p) of them.
+    stop = pc.StopSignal()
+    skipped, start_time = 0, time.time()
+    policy.train()
+    for step in range(start_step, total_steps):
+        epoch, position = divmod(step, steps_per_epoch)
+        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed * 1000003 + epoch))
+        batch_index = order[position * batch_size:(position + 1) * batch_size].tolist()
+        sums = {}
+        for micro in range(args.gradient_accumulation_steps):
+            start = micro * micro_batch_size + accelerator.process_index * local_micro_batch_size
+            index = batch_index[start:start + local_micro_batch_size]
+            query_responses, context_length = concatenated_inputs([train_rows[i] for i in index], pad)
+            query_responses = query_responses.to(accelerator.device)  # (2b, Lq + R): chosen rows, rejected rows
+            with accelerator.accumulate(policy):
+                # ALGO LOGIC: one forward over chosen and rejected, per-pair losses, backward
+                policy_token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad)
+                with torch.no_grad():
+                    ref_token_logprobs = ref_token_logprobs_for(reference, ref_logps, index, query_responses,
+                                                                context_length, pad)
+                losses, stats = pair_losses(args, policy_token_logprobs, ref_token_logprobs, query_responses,
+                                            context_length, pad)
+                accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
+
+        # 7. clip, check, step
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+        metrics = pc.reduce_metrics(accelerator, {**sums, "grad_norm": grad_norm})
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+            if not args.skip_nonfinite:
+                pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-nonfinite", {"step": step})
+                raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step "
+                                f"{step + 1}; last good state saved to {args.output_dir}/checkpoint-nonfinite")
+            skipped += 1
+        else:
+            optimizer.step()
+        metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
+                        "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
+                        "time/pairs_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # TRY NOT TO MODIFY: evaluation, logging, checkpoints
+        global_step = step + 1
+        if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
+            metrics.update(evaluate(global_step))
+        logger.log(metrics, step=global_step)
+        if (args.save_steps and global_step % args.save_steps == 0) or stop.received:
+            pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-{global_step}", {"step": global_step})
+        if stop.received:
+            accelerator.print(f"{stop.received} received: checkpoint-{global_step} written, exiting")
+            logger.close()
+            return
+
+    # 8. final save
+    pc.save_model(accelerator, policy, tokenizer, os.path.join(args.output_dir, "model"), merge_peft=args.merge_peft)
+    logger.close()
+    accelerator.print(f"model saved to {args.output_dir}/model")
+
+
+if __name__ == "__main__":
+    pc.main_guard(main)
