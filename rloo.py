@@ -1,0 +1,454 @@
+# REINFORCE Leave-One-Out (RLOO): Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization
+# for Learning from Human Feedback in LLMs" (https://arxiv.org/abs/2402.14740); defaults follow TRL's RLOO TL;DR run
+# (https://huggingface.co/docs/trl/rloo_trainer, "Benchmark experiments").
+#   python rloo.py                                  # toy task, CPU, a few minutes
+#   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+import torch
+from accelerate import Accelerator
+
+import policy_common as pc
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each process adds its index)"""
+    model: str = "toy"
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    ref_model: Optional[str] = None
+    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
+    reward_model: Optional[str] = None
+    """reward model; None = the reward model paired with --model"""
+    dataset: Optional[str] = None
+    """prompt dataset (column `prompt`): alias, hub id, save_to_disk folder or json/jsonl/parquet; None = --model's"""
+    eval_split: str = "test"
+    """split of the prompt dataset held out for evaluation"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go; None = runs/<run_name> (or the folder of --resume_from)"""
+    track: bool = False
+    """log to Weights & Biases as well as metrics.jsonl"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project name"""
+
+    # Model loading
+    use_peft: bool = False
+    """train a LoRA adapter instead of all weights (the reference is then the adapter-off base)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: Optional[List[str]] = None
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
+    merge_peft: bool = False
+    """with --use_peft, save merged full weights instead of the adapter"""
+    load_in_4bit: bool = False
+    """load the policy in 4 bits (QLoRA; needs a GPU and --use_peft)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow models with custom code from the hub"""
+
+    # Run length, optimisation, logging
+    total_episodes: int = 1_000_000
+    """total number of sampled completions (episodes) to train on"""
+    max_steps: Optional[int] = None
+    """stop after this many steps (one step = one batch of rollouts) whatever total_episodes says"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate, decayed linearly to 0"""
+    per_device_train_batch_size: int = 16
+    """completions per forward/backward pass (micro-batch) on each process"""
+    gradient_accumulation_steps: int = 16
+    """micro-batches accumulated into one optimizer step"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    skip_nonfinite: bool = False
+    """skip an optimizer step whose loss or gradient norm is not finite (else checkpoint and stop)"""
+    eval_steps: int = 0
+    """evaluate every this many steps (0 = only at the start and the end)"""
+    num_eval_prompts: int = 512
+    """held-out prompts used by each evaluation (capped by the split size)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = none)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from (exactly: data order, RNG, optimizer)"""
+
+    # Algorithm specific arguments
+    rloo_k: int = 2
+    """completions sampled per prompt (k of the leave-one-out baseline)"""
+    kl_coef: float = 0.03
+    """beta: weight of the KL penalty to the reference (0.03 in TRL's TL;DR run; TRL's config default is 0.05)"""
+    kl_estimator: Literal["k1", "k3"] = "k1"
+    """per-token KL estimator: k1 = logp - ref_logp; k3 = exp(ref_logp - logp) - 1 - (ref_logp - logp)"""
+    token_level_kl: bool = False
+    """penalise KL per token (return-to-go of per-token rewards) instead of once per sequence"""
+    normalize_advantage: bool = False
+    """whiten the advantages over the batch"""
+    cliprange: float = 0.2
+    """clip range of the importance ratio"""
+    num_ppo_epochs: int = 1
+    """passes over each batch of rollouts (1 = plain REINFORCE)"""
+    num_mini_batches: int = 1
+    """mini-batches (optimizer steps) per pass"""
+    response_length: int = 53
+    """maximum new tokens per completion"""
+    max_prompt_length: int = 512
+    """longest prompt accepted (a longer prompt is an error, not silently cut)"""
+    temperature: float = 0.7
+    """sampling temperature (log-probs are computed under the same temperature)"""
+    missing_eos_penalty: Optional[float] = 1.0
+    """subtracted from the score of completions without EOS (None = no penalty)"""
+    local_rollout_forward_batch_size: int = 16
+    """rows per generation / no-grad forward chunk"""
+
+
+# Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
+ALIAS_DEFAULTS = {
+    "toy": dict(
+        total_episodes=24_576, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
+        rloo_k=4, kl_coef=0.05, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16,
+        num_eval_prompts=256, missing_eos_penalty=1.0, local_rollout_forward_batch_size=256,
+    )
+}
+
+
+# ALGO LOGIC: the RLOO pieces, pure functions of tensors (tested in tests/test_rloo.py)
+def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """(B, R), (B, R) -> (B, R) per-token estimate of KL(pi || pi_ref) from tokens sampled from pi.
+    k1 = log r with r = pi/pi_ref (unbiased, can be negative); k3 = (1/r - 1) + log r (unbiased, >= 0)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.expm1(-log_ratio) + log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def leave_one_out_baseline(rewards: torch.Tensor, rloo_k: int) -> torch.Tensor:
+    """(P * k,) -> (P * k,) mean reward of the OTHER k-1 completions of the same prompt.
+    Rows are grouped prompt by prompt (repeat_interleave order): rows [i*k, (i+1)*k) share prompt i."""
+    grouped = rewards.view(-1, rloo_k)  # (P, k)
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (rloo_k - 1)
+    return baseline.reshape(-1)
+
+
+def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor,
+                        kl_coef: float) -> torch.Tensor:
+    """Per-token rewards r_t = -kl_coef * kl_t, plus the score at the last response token; returns the
+    undiscounted REINFORCE return-to-go G_t = sum_{s >= t} r_s, (B, R), zero on padding. G_0 is the sequence
+    reward score - kl_coef * sum_t kl_t."""
+    rewards = -kl_coef * kl * response_mask
+    last = pc.last_token_index(response_mask.bool())
+    rewards[torch.arange(rewards.shape[0]), last] += scores
+    returns = rewards.flip(1).cumsum(1).flip(1)
+    return returns * response_mask
+
+
+def rloo_advantages(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
+                    rloo_k: int, token_level_kl: bool, normalize: bool):
+    """scores (B,), kl (B, R) per-token KL, response_mask (B, R) -> (advantages, rlhf_reward, non_score_reward).
+    Sequence-level: rlhf_reward = score - kl_coef * sum_t kl_t, advantage (B,) = rlhf_reward - LOO baseline.
+    Token-level: advantage (B, R) = return-to-go G_t - LOO baseline (baseline from the others' G_0)."""
+    response_mask = response_mask.to(kl.dtype)
+    non_score_reward = -kl_coef * (kl * response_mask).sum(1)  # (B,)
+    rlhf_reward = scores + non_score_reward  # (B,)
+    baseline = leave_one_out_baseline(rlhf_reward, rloo_k)  # (B,)
+    if token_level_kl:
+        advantages = (token_level_returns(scores, kl, response_mask, kl_coef) - baseline[:, None]) * response_mask
+    else:
+        advantages = rlhf_reward - baseline
+    if normalize:
+        mask = response_mask if token_level_kl else torch.ones_like(advantages)
+        mean = pc.masked_mean(advantages, mask.bool())
+        std = pc.masked_mean((advantages - mean) ** 2, mask.bool()).sqrt()
+        advantages = (advantages - mean) / (std + 1e-8) * mask  # constant advantages stay 0, never NaN
+    return advantages, rlhf_reward, non_score_reward
+
+
+def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                        response_mask: torch.Tensor, cliprange: float):
+    """Clipped-ratio REINFORCE loss. new/old_logprobs, response_mask: (B, R).
+    advantages (B,): the completion is one action, ratio = exp(sum_t new - old) (RLOO's sequence view).
+    advantages (B, R): every token is an action with its own ratio; token losses are summed per sequence.
+    Returns (loss, stats) with stats = clipfrac, ratio (per action, for logging), approxkl."""
+    mask = response_mask.to(new_logprobs.dtype)
+    log_ratio = (new_logprobs - old_logprobs) * mask  # (B, R)
+    if advantages.dim() == 1:
+        log_ratio, mask = log_ratio.sum(1), torch.ones_like(advantages)  # (B,)
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss_max = torch.max(pg_losses, pg_losses_clipped) * mask
+    loss = (pg_loss_max.sum(1) if pg_loss_max.dim() == 2 else pg_loss_max).mean()
+    with torch.no_grad():
+        stats = dict(clipfrac=pc.masked_mean((pg_losses_clipped > pg_losses).float(), mask.bool()),
+                     approxkl=pc.masked_mean(0.5 * log_ratio ** 2, mask.bool()),
+                     ratio=ratio[mask.bool()])
+    return loss, stats
+
+
+# TRY NOT TO MODIFY: data order and evaluation
+def prompt_stream(start: int, count: int, num_prompts: int, seed: int) -> List[int]:
+    """Dataset indices of prompts start..start+count of an endless stream: a fresh seeded permutation per pass
+    over the data. The position `start` is all a checkpoint needs to resume the same order."""
+    out = []
+    for i in range(start, start + count):
+        epoch, j = divmod(i, num_prompts)
+        if j == 0 or not out:
+            perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
+        out.append(perm[j])
+    return out
+
+
+@torch.no_grad()
+def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold, logger, step):
+    """Greedy completions of the held-out prompts (this process's share): reward, KL to the reference, length,
+    EOS rate and the gold score when the task has one. Returns metrics averaged over processes."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+    chunk = args.local_rollout_forward_batch_size
+    mine = eval_prompts[accelerator.process_index::accelerator.num_processes]
+    totals, rows = dict(scores=0.0, kl=0.0, response_length=0.0, eos_rate=0.0, gold_score=0.0), []
+    policy.eval()
+    for i in range(0, len(mine), chunk):
+        queries = pc.pad_sequences(mine[i:i + chunk], pad, "left").to(accelerator.device)
+        context_length = queries.shape[1]
+        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, accelerator)
+        responses = query_responses[:, context_length:]
+        mask = responses != pad
+        logprobs = pc.response_logprobs(policy, query_responses, context_length, pad, args.temperature)
+        ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
+        scores = pc.get_reward(reward_model, query_responses, pad)
+        totals["scores"] += scores.sum().item()
+        totals["kl"] += ((logprobs - ref_logprobs) * mask).sum().item()
+        totals["response_length"] += mask.sum().item()
+        totals["eos_rate"] += (responses == eos).any(1).sum().item()
+        for query, response, score in zip(queries, responses, scores.tolist()):
+            prompt_text = tokenizer.decode(query, skip_special_tokens=True)
+            completion_text = tokenizer.decode(response, skip_special_tokens=True)
+            row = dict(prompt=prompt_text, completion=completion_text, score=round(score, 4))
+            if gold is not None:
+                row["gold"] = gold(prompt_text, completion_text)
+                totals["gold_score"] += row["gold"]
+            rows.append(row)
+    if gold is None:
+        totals.pop("gold_score")
+    metrics = pc.reduce_metrics(accelerator, {f"eval/{k}": v / max(len(mine), 1) for k, v in totals.items()})
+    logger.log_samples("eval/samples", rows[:args.num_samples_printed], step)
+    return metrics
+
+
+def main():
+    # 0. arguments: validate and derive every batch size once
+    args = pc.parse_args(Args, ALIAS_DEFAULTS)
+    if args.rloo_k < 2:
+        raise pc.UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
+    if args.kl_coef < 0 or args.cliprange <= 0 or args.learning_rate <= 0 or args.max_grad_norm <= 0:
+        raise pc.UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
+    if args.temperature <= 0:
+        raise pc.UserError(f"--temperature must be > 0 for sampling, got {args.temperature}")
+    if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size,
+           args.gradient_accumulation_steps, args.response_length, args.total_episodes) < 1:
+        raise pc.UserError("batch sizes, epochs, --response_length and --total_episodes must be >= 1")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise pc.UserError(f"--max_steps must be >= 1, got {args.max_steps}")
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # sequences per process per step; the k completions of a prompt stay on one process
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
+    local_mini_batch_size = pc.exact_div(local_batch_size, args.num_mini_batches, "local_batch_size / num_mini_batches")
+    local_prompts = pc.exact_div(local_batch_size, args.rloo_k,
+                                 "local_batch_size (per_device_train_batch_size * gradient_accumulation_steps * "
+                                 "num_mini_batches) / rloo_k")
+    batch_size = local_batch_size * accelerator.num_processes
+    num_total_batches = math.ceil(args.total_episodes / batch_size)
+    if args.max_steps is not None:
+        num_total_batches = min(num_total_batches, args.max_steps)
+    num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
+    local_seed = pc.seed_everything(args.seed, accelerator.process_index)
+
+    # 1. models: policy (+LoRA), reference, reward model; same vocabulary everywhere
+    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    reward_name = args.reward_model or pc.default_reward_model(args.model)
+    pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_name, "reward", args.trust_remote_code))
+    policy, reference = load_policy_and_reference(args, tokenizer, accelerator)
+    reward_model = pc.load_scalar_model(reward_name, tokenizer, "reward", args.bf16, args.trust_remote_code)
+    reward_model = pc.prepare_frozen(reward_model, accelerator)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    # 2. data: prompts tokenised once; train prompts come in a seeded order, position saved for resume
+    dataset_name = args.dataset or pc.default_dataset(args.model)
+    train_data = pc.load_any_dataset(dataset_name, "prompt", "train")
+    eval_data = pc.load_any_dataset(dataset_name, "prompt", args.eval_split)
+    pc.require_columns(train_data, ["prompt"], dataset_name)
+    pc.require_columns(eval_data, ["prompt"], dataset_name)
+    train_prompts = pc.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+    eval_prompts = pc.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
+    gold = pc.gold_scorer(dataset_name)
+    generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+
+    # 3. optimizer, linear decay per optimizer step, checkpointable state
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    accelerator.register_for_checkpointing(scheduler)  # not prepared: accelerate would step it once per process
+    state = dict(step=0, episode=0, prompts_seen=0, skipped=0)
+    if args.resume_from:
+        state.update(pc.load_checkpoint(accelerator, args.resume_from))
+    output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from else
+                                     os.path.join("runs", pc.run_name(args.exp_name, dataset_name, args.seed)))
+    logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
+    stop = pc.StopSignal()
+    if state["step"] == 0:
+        logger.log(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
+                            logger, 0), step=0)
+
+    start_time, start_episode = time.time(), state["episode"]
+    while state["step"] < num_total_batches:
+        step = state["step"] + 1
+        # 4. generate: local_prompts prompts, each repeated rloo_k times in a row (repeat_interleave order)
+        indices = prompt_stream(state["prompts_seen"], local_prompts * accelerator.num_processes,
+                                len(train_prompts), args.seed)
+        indices = indices[accelerator.process_index * local_prompts:(accelerator.process_index + 1) * local_prompts]
+        queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
+        queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
+        context_length = queries.shape[1]
+        policy.eval()
+        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, generation_config,
+                                                 args.local_rollout_forward_batch_size, accelerator)
+        responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
+        response_mask = responses != pad  # (B, R)
+
+        # 5. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
+        with torch.no_grad():
+            logprobs, entropy, scores = [], [], []
+            for i in range(0, local_batch_size, args.local_rollout_forward_batch_size):
+                query_response = query_responses[i:i + args.local_rollout_forward_batch_size]
+                logits = pc.forward_logits(policy, query_response, context_length, pad, args.temperature)
+                logprobs.append(pc.selective_logprobs(logits, query_response[:, context_length:]))
+                entropy.append(pc.entropy_from_logits(logits))
+                scores.append(pc.get_reward(reward_model, query_response, pad))
+            logprobs, entropy, scores = torch.cat(logprobs), torch.cat(entropy), torch.cat(scores)
+            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature,
+                                              args.local_rollout_forward_batch_size)
+            logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
+            ref_logprobs = ref_logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
+            contain_eos = (responses == eos).any(1)
+            if args.missing_eos_penalty is not None:  # the "EOS trick"
+                scores = torch.where(contain_eos, scores, scores - args.missing_eos_penalty)
+
+            # 6. rewards and leave-one-out advantages
+            kl = per_token_kl(logprobs, ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
+            advantages, rlhf_reward, non_score_reward = rloo_advantages(
+                scores, kl, response_mask, args.kl_coef, args.rloo_k, args.token_level_kl, args.normalize_advantage)
+
+        # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
+        policy.train()
+        losses, clipfracs, approxkls, ratios, nonfinite = [], [], [], [], 0
+        for _ in range(args.num_ppo_epochs):
+            order = torch.randperm(local_batch_size, device=accelerator.device)
+            for mini_start in range(0, local_batch_size, local_mini_batch_size):
+                finite = True
+                for micro_start in range(mini_start, mini_start + local_mini_batch_size,
+                                         args.per_device_train_batch_size):
+                    mb = order[micro_start:micro_start + args.per_device_train_batch_size]
+                    with accelerator.accumulate(policy):
+                        new_logprobs = pc.response_logprobs(policy, query_responses[mb], context_length, pad,
+                                                            args.temperature)
+                        loss, stats = clipped_policy_loss(new_logprobs, logprobs[mb], advantages[mb],
+                                                          response_mask[mb], args.cliprange)
+                        accelerator.backward(loss)
+                        finite = finite and bool(torch.isfinite(loss))
+                        losses.append(loss.detach())
+                        clipfracs.append(stats["clipfrac"])
+                        approxkls.append(stats["approxkl"])
+                        ratios.append(stats["ratio"])
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                            ok = torch.tensor([finite and bool(torch.isfinite(grad_norm))], device=accelerator.device)
+                            if not accelerator.gather(ok).all():
+                                if not args.skip_nonfinite:
+                                    optimizer.zero_grad()
+                                    pc.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
+                                                       dict(state))
+                                    raise pc.UserError(f"non-finite loss or gradient norm at step {step} (loss/policy "
+                                                       f"{loss.item()}, grad norm {grad_norm}); last good state saved "
+                                                       "to checkpoint-nonfinite (use --skip_nonfinite to skip)")
+                                nonfinite += 1
+                            else:
+                                optimizer.step()
+                            scheduler.step()
+                            optimizer.zero_grad()
+        state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + nonfinite,
+                     prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
+
+        # 8. log
+        ratio = torch.cat(ratios)
+        metrics = {
+            "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
+            "objective/non_score_reward": non_score_reward.mean(), "objective/rlhf_reward": rlhf_reward.mean(),
+            "objective/entropy": (entropy * response_mask).sum(1).mean(),
+            "objective/advantage_std": advantages[response_mask].std() if advantages.dim() == 2 else advantages.std(),
+            "loss/policy": torch.stack(losses).mean(), "policy/clipfrac": torch.stack(clipfracs).mean(),
+            "policy/approxkl": torch.stack(approxkls).mean(), "val/ratio": ratio.mean(),
+            "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
+            "val/num_eos_tokens": (responses == eos).sum().float(), "val/response_length": response_mask.sum(1).float().mean(),
+            "nonfinite/skipped": float(state["skipped"]),
+        }
+        metrics = pc.reduce_metrics(accelerator, metrics)
+        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
+                        "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
+        if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
+            metrics.update(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
+                                    logger, step))
+        logger.log(metrics, step=step)
+
+        # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C (then exit cleanly)
+        if (args.save_steps and step % args.save_steps == 0) or stop.received:
+            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state))
+        if stop.received:
+            accelerator.print(f"{stop.received} received: checkpoint-{step} written, stopping")
+            logger.close()
+            return
+
+    # 10. final save
+    pc.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    logger.close()
+    accelerator.print(f"done: {output_dir}")
+
+
+def load_policy_and_reference(args, tokenizer, accelerator):
+    """The trainable policy (optionally LoRA-wrapped) and its frozen reference: with --use_peft and no
+    --ref_model the reference is the policy's own adapter-off base; otherwise a frozen copy of --ref_model
+    (default: the starting policy)."""
+    if args.load_in_4bit and not args.use_peft:
+        raise pc.UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
+    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                               load_in_4bit=args.load_in_4bit)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+    if args.use_peft:
+        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    ref_name = args.ref_model if (args.ref_model or args.use_peft) else args.model
+    reference = pc.create_reference(policy, ref_name, tokenizer, args.use_peft, False, accelerator, args.bf16,
+                                    args.trust_remote_code)
+    return policy, reference
+
+
+if __name__ == "__main__":
+    pc.main_guard(main)
