@@ -195,10 +195,19 @@ def load_tokenizer(name: str, kind: str = "policy", trust_remote_code: bool = Fa
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """Set p=0 in every nn.Dropout: RL log-ratios and DPO rewards assume a deterministic forward."""
+    """Switch off every dropout: RL log-ratios and DPO rewards assume a deterministic forward. Covers
+    nn.Dropout modules, float `*dropout*` attributes that attention layers pass to functional dropout, and
+    the config's dropout fields."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name in list(vars(config)) if config is not None else []:
+        if "dropout" in name and isinstance(getattr(config, name), float):
+            setattr(config, name, 0.0)
 
 
 def model_dtype(bf16: bool) -> torch.dtype:
@@ -373,13 +382,16 @@ def unwrap_for_generation(model: nn.Module, accelerator=None):
 def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
                            min_new_tokens: Optional[int] = None):
     """Sampling config for training (pure temperature sampling: top_k=0, top_p=1.0) or, with `greedy=True`,
-    the deterministic config used for evaluation. pad/eos ids come from the tokenizer."""
+    the deterministic config used for evaluation. pad/eos ids come from the tokenizer; the pad token is
+    suppressed (never generated)."""
     from transformers import GenerationConfig
 
     if not greedy and temperature <= 0:
         raise UserError(f"temperature must be > 0 for sampling, got {temperature}")
+    # pad is never a valid output: a sampled pad would read as padding everywhere downstream
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+                  eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                  suppress_tokens=[tokenizer.pad_token_id])
     if min_new_tokens:
         kwargs["min_new_tokens"] = min_new_tokens
     if greedy:
@@ -396,13 +408,13 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     Returns (query_responses, logprobs):
       query_responses (B, Lq + max_new_tokens): query then response; after the first EOS (kept) every token
         is pad, and short responses are right-padded to max_new_tokens.
-      logprobs (B, max_new_tokens): log-probs of the sampled tokens under logits / temperature (the
-        sampling distribution), INVALID_LOGPROB after EOS. For greedy configs temperature is 1.
+      logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (the
+        processed scores: logits / temperature, suppressed tokens such as pad removed), INVALID_LOGPROB
+        after EOS. A forward pass gives the same values up to the (tiny) probability mass of suppressed tokens.
     """
     R = generation_config.max_new_tokens
-    temperature = generation_config.temperature if generation_config.do_sample else 1.0
     generation_config = copy.deepcopy(generation_config)
-    generation_config.return_dict_in_generate, generation_config.output_logits = True, True
+    generation_config.return_dict_in_generate, generation_config.output_scores = True, True
     responses, logprobs = [], []
     with unwrap_for_generation(model, accelerator) as gen_model:
         for i in range(0, queries.shape[0], chunk_size):
@@ -410,12 +422,12 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             out = gen_model.generate(input_ids=query, attention_mask=(query != pad_token_id).long(),
                                      generation_config=generation_config)
             response = out.sequences[:, query.shape[1]:]
-            logits = torch.stack(out.logits, 1).float() / temperature  # (b, r, V), r <= R
-            logprob = torch.gather(logits.log_softmax(-1), 2, response.unsqueeze(-1)).squeeze(-1)
+            scores = torch.stack(out.scores, 1).float()  # (b, r, V), r <= R, processed as sampled
+            logprob = torch.gather(scores.log_softmax(-1), 2, response.unsqueeze(-1)).squeeze(-1)
             responses.append(F.pad(response, (0, R - response.shape[1]), value=pad_token_id))
             logprobs.append(F.pad(logprob, (0, R - logprob.shape[1]), value=INVALID_LOGPROB))
     responses = truncate_after_eos(torch.cat(responses), eos_token_id, pad_token_id)
-    logprobs = torch.cat(logprobs).masked_fill(responses == pad_token_id, INVALID_LOGPROB)
+    logprobs = torch.cat(logprobs).masked_fill(responses == pad_token_id, INVALID_LOGPROB).nan_to_num(INVALID_LOGPROB)
     return torch.cat([queries, responses], 1), logprobs
 
 
@@ -578,7 +590,13 @@ def load_any_dataset(name: str, form: str, split: str):
             missing = [f for f in files if not os.path.exists(f)]
             if missing:
                 raise UserError(f"dataset file(s) not found: {', '.join(missing)}")
-            ds = datasets.load_dataset("parquet" if files[0].endswith(".parquet") else "json", data_files=files)
+            empty = [f for f in files if os.path.getsize(f) == 0]
+            if empty:
+                raise UserError(f"dataset file(s) are empty: {', '.join(empty)}")
+            try:
+                ds = datasets.load_dataset("parquet" if files[0].endswith(".parquet") else "json", data_files=files)
+            except Exception as e:  # malformed files surface as assorted pyarrow/datasets errors
+                raise UserError(f"could not read dataset file(s) {name!r}: {type(e).__name__}: {_first_line(e)}") from None
         elif os.path.exists(name) or name.startswith((".", "/", "~")):
             raise UserError(f"dataset {name!r}: not a save_to_disk folder nor .json/.jsonl/.parquet file(s)")
         else:
@@ -684,6 +702,9 @@ def run_name(script: str, dataset: str, seed: int) -> str:
 
 
 def config_dict(args) -> dict:
+    """Args dataclass (or namespace, or dict) -> plain dict for args.json and wandb."""
+    if isinstance(args, dict):
+        return dict(args)
     return asdict(args) if is_dataclass(args) else dict(vars(args))
 
 

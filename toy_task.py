@@ -34,7 +34,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # bump whenever the build or anything it calls (generation, training) changes
 LETTERS = list("abcdefghijkl")
 MIN_LETTERS, MAX_LETTERS = 3, 6
 MAX_PROMPT_TOKENS = MAX_LETTERS + 1  # letters + "="

@@ -1,0 +1,438 @@
+"""policy_common helpers against independent, obviously-correct computations on tiny models built here."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import (AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
+                          GenerationConfig)
+
+import policy_common as pc
+
+PAD, EOS, VOCAB = 0, 1, 40
+
+
+def tiny_config(**kw):
+    kw = {"hidden_dropout": 0.0, "attention_dropout": 0.0, **kw}
+    return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64, rotary_pct=0.25, tie_word_embeddings=False,
+                         eos_token_id=EOS, bos_token_id=EOS, pad_token_id=PAD, **kw)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(tiny_config()).eval()
+
+
+def random_queries(gen, lengths):
+    return [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+# --------------------------------------------------------------------------------------------- small utilities
+def test_first_true_indices_matches_loop():
+    gen = torch.Generator().manual_seed(0)
+    bools = torch.rand(50, 7, generator=gen) < 0.2
+    expected = [next((j for j in range(7) if bools[i, j]), 7) for i in range(50)]
+    assert pc.first_true_indices(bools).tolist() == expected
+
+
+def test_truncate_after_eos_hand_made():
+    responses = torch.tensor([[5, EOS, 7, EOS], [5, 6, 7, 8], [EOS, 2, 3, 4], [5, 6, 7, EOS]])
+    expected = torch.tensor([[5, EOS, PAD, PAD], [5, 6, 7, 8], [EOS, PAD, PAD, PAD], [5, 6, 7, EOS]])
+    assert torch.equal(pc.truncate_after_eos(responses, EOS, PAD), expected)
+
+
+def test_last_token_index():
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    assert pc.last_token_index(mask).tolist() == [2, 3, 2]
+
+
+def test_masked_stats_against_numpy():
+    gen = torch.Generator().manual_seed(1)
+    values = torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    mask = torch.rand(6, 9, generator=gen) < 0.6
+    picked = values[mask].numpy()
+    assert pc.masked_mean(values, mask).item() == pytest.approx(picked.mean())
+    assert pc.masked_var(values, mask).item() == pytest.approx(picked.var(ddof=1))
+    assert pc.masked_var(values, mask, unbiased=False).item() == pytest.approx(picked.var())
+    whitened = pc.masked_whiten(values, mask)[mask].numpy()
+    np.testing.assert_allclose(whitened, (picked - picked.mean()) / np.sqrt(picked.var(ddof=1) + 1e-8), rtol=1e-6)
+    np.testing.assert_allclose(pc.masked_mean(values, mask, dim=1).numpy(),
+                               [values[i][mask[i]].mean().item() for i in range(6)])
+
+
+def test_exact_div():
+    assert pc.exact_div(12, 4, "x") == 3
+    with pytest.raises(pc.UserError, match="local_batch_size: 10 is not divisible by 4"):
+        pc.exact_div(10, 4, "local_batch_size")
+
+
+def test_pad_sequences():
+    assert pc.pad_sequences([[1, 2], [3]], 0, "left").tolist() == [[1, 2], [0, 3]]
+    assert pc.pad_sequences([[1, 2], [3]], 0, "right").tolist() == [[1, 2], [3, 0]]
+
+
+# --------------------------------------------------------------------------------------------- log-probs
+def unpadded_logprobs(model, query, response, temperature=1.0):
+    """The obvious computation: one unpadded row, full log-softmax."""
+    ids = torch.tensor([query + response])
+    logits = model(input_ids=ids).logits[0, len(query) - 1:-1] / temperature
+    return logits.log_softmax(-1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 6), st.integers(1, 5)), min_size=1, max_size=4),
+       st.sampled_from([1.0, 0.7, 1.3]))
+def test_forward_logits_padding_invariant(lm, shapes, temperature):
+    gen = torch.Generator().manual_seed(len(shapes) * 31 + sum(a * 7 + b for a, b in shapes))
+    queries = random_queries(gen, [q for q, _ in shapes])
+    responses = random_queries(gen, [r for _, r in shapes])
+    q = pc.pad_sequences(queries, PAD, "left")
+    r = pc.pad_sequences(responses, PAD, "right")
+    with torch.no_grad():
+        batch = pc.response_logprobs(lm, torch.cat([q, r], 1), q.shape[1], PAD, temperature)
+        for i, (query, response) in enumerate(zip(queries, responses)):
+            expected = unpadded_logprobs(lm, query, response, temperature)
+            torch.testing.assert_close(batch[i, :len(response)], expected, atol=1e-5, rtol=0)
+
+
+def test_forward_logits_applies_temperature_once(lm):
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        raw = lm(input_ids=ids).logits[:, 1:-1]
+        scaled = pc.forward_logits(lm, ids, 2, PAD, temperature=0.5)
+    torch.testing.assert_close(scaled, raw / 0.5)
+
+
+def test_selective_logprobs_equals_full_log_softmax():
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(3, 5, VOCAB, generator=gen)
+    tokens = torch.randint(0, VOCAB, (3, 5), generator=gen)
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(pc.selective_logprobs(logits, tokens), expected)
+    torch.testing.assert_close(pc.selective_logprobs(logits.bfloat16(), tokens),
+                               torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+
+
+def test_entropy_from_logits():
+    logits = torch.randn(2, 3, VOCAB)
+    p = logits.softmax(-1)
+    torch.testing.assert_close(pc.entropy_from_logits(logits), -(p * p.log()).sum(-1))
+
+
+# --------------------------------------------------------------------------------------------- generation
+def test_batch_generation_greedy_equals_one_at_a_time(lm):
+    gen = torch.Generator().manual_seed(3)
+    queries = random_queries(gen, [2, 5, 3, 6, 1])
+    config = GenerationConfig(do_sample=False, max_new_tokens=6, pad_token_id=PAD, eos_token_id=EOS,
+                              suppress_tokens=[PAD])
+    q = pc.pad_sequences(queries, PAD, "left")
+    for chunk_size in (2, 5):
+        query_responses, logprobs = pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=chunk_size)
+        assert query_responses.shape == (5, q.shape[1] + 6)
+        for i, query in enumerate(queries):
+            alone = lm.generate(torch.tensor([query]), generation_config=config)[0, len(query):]
+            alone = pc.truncate_after_eos(alone.unsqueeze(0), EOS, PAD)[0]
+            got = query_responses[i, q.shape[1]:q.shape[1] + len(alone)]
+            assert got.tolist() == alone.tolist(), (i, chunk_size)
+            assert (query_responses[i, q.shape[1] + len(alone):] == PAD).all()
+
+
+def test_batch_generation_stops_at_eos_and_logprobs_match_forward():
+    """A model biased towards EOS so that rows end at different lengths; the returned sampling log-probs equal
+    a fresh padded forward pass at the sampling temperature."""
+    torch.manual_seed(4)
+    model = GPTNeoXForCausalLM(tiny_config()).eval()
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[EOS] += 0.15 * head[2:].mean(0) + 0.02  # raise P(EOS) somewhat
+    gen = torch.Generator().manual_seed(5)
+    q = pc.pad_sequences(random_queries(gen, [3, 1, 4, 2] * 4), PAD, "left")
+    temperature = 0.8
+    config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=8,
+                              pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD])
+    torch.manual_seed(6)
+    query_responses, logprobs = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5)
+    responses = query_responses[:, q.shape[1]:]
+    eos_at = pc.first_true_indices(responses == EOS)
+    assert 0 < (eos_at < 8).sum() < 16, "want rows that end early and rows that do not"
+    in_response = torch.arange(8).unsqueeze(0) <= eos_at.unsqueeze(1)  # up to and including the first EOS
+    assert (responses[~in_response] == PAD).all()
+    with torch.no_grad():  # the sampling distribution: logits / T with the suppressed pad token removed
+        logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature)
+        forward = pc.selective_logprobs(logits.index_fill(-1, torch.tensor([PAD]), float("-inf")), responses)
+    torch.testing.assert_close(logprobs[in_response], forward[in_response], atol=1e-4, rtol=0)
+    assert (logprobs[~in_response] == pc.INVALID_LOGPROB).all()
+
+
+def test_make_generation_config():
+    class Tok:
+        pad_token_id, eos_token_id, bos_token_id = PAD, EOS, None
+
+    sample = pc.make_generation_config(Tok, 10, temperature=0.7, min_new_tokens=2)
+    assert sample.do_sample and sample.temperature == 0.7 and sample.top_k == 0 and sample.top_p == 1.0
+    assert sample.max_new_tokens == 10 and sample.min_new_tokens == 2
+    assert sample.pad_token_id == PAD and sample.eos_token_id == EOS
+    assert not pc.make_generation_config(Tok, 10, greedy=True).do_sample
+    with pytest.raises(pc.UserError, match="temperature"):
+        pc.make_generation_config(Tok, 10, temperature=0.0)
+
+
+# --------------------------------------------------------------------------------------------- scalar heads
+def test_get_reward_reads_last_real_token():
+    torch.manual_seed(7)
+    rm = GPTNeoXForSequenceClassification(tiny_config(num_labels=1)).eval()
+    gen = torch.Generator().manual_seed(8)
+    queries, responses = random_queries(gen, [2, 4, 3]), random_queries(gen, [3, 1, 2])
+    q, r = pc.pad_sequences(queries, PAD, "left"), pc.pad_sequences(responses, PAD, "right")
+    with torch.no_grad():
+        scores = pc.get_reward(rm, torch.cat([q, r], 1), PAD)
+        for i in range(3):
+            ids = torch.tensor([queries[i] + responses[i]])
+            hidden = rm.gpt_neox(input_ids=ids).last_hidden_state
+            assert scores[i].item() == pytest.approx(rm.score(hidden)[0, -1, 0].item(), abs=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- reference modes
+def test_adapter_off_reference_is_the_base_model_before_and_after_training():
+    torch.manual_seed(9)
+    base = GPTNeoXForCausalLM(tiny_config()).eval()
+    base_copy = GPTNeoXForCausalLM(tiny_config()).eval()
+    base_copy.load_state_dict(base.state_dict())
+    policy = pc.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value", "dense"])
+    reference = pc.Reference("adapter_off", policy=policy)
+    ids = torch.tensor([[PAD, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, PAD]])
+    with torch.no_grad():
+        expected = pc.response_logprobs(base_copy, ids, 3, PAD)
+    torch.testing.assert_close(reference.logprobs(ids, 3, PAD), expected)
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
+    for _ in range(3):  # LoRA B starts at zero; after steps the adapter changes the policy's output
+        loss = -pc.response_logprobs(policy, ids, 3, PAD).sum()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        assert not torch.allclose(pc.response_logprobs(policy, ids, 3, PAD), expected, atol=1e-4)
+    torch.testing.assert_close(reference.logprobs(ids, 3, PAD), expected)
+
+
+def test_frozen_copy_unchanged_by_training(tmp_path):
+    torch.manual_seed(10)
+    GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "m")
+    _save_tiny_tokenizer(tmp_path / "m", with_pad=True)
+    tokenizer = pc.load_tokenizer(str(tmp_path / "m"))
+    policy = pc.load_causal_lm(str(tmp_path / "m"), tokenizer)
+    reference = pc.create_reference(policy, str(tmp_path / "m"), tokenizer, use_peft=False, reference_free=False)
+    assert reference.mode == "copy" and reference.model is not policy
+    assert not any(p.requires_grad for p in reference.model.parameters())
+    before = {k: v.clone() for k, v in reference.model.state_dict().items()}
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    for _ in range(3):
+        pc.response_logprobs(policy, ids, 2, PAD).sum().neg().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for k, v in reference.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert not torch.equal(policy.state_dict()["lm_head.weight"], before["lm_head.weight"])
+    none = pc.create_reference(policy, None, tokenizer, use_peft=False, reference_free=True)
+    assert torch.equal(none.logprobs(ids, 2, PAD), torch.zeros(1, 3))
+
+
+# --------------------------------------------------------------------------------------------- loading
+def _save_tiny_tokenizer(path, with_pad: bool):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    kwargs = dict(eos_token="t1", unk_token="t2", **({"pad_token": "t0"} if with_pad else {}))
+    PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs).save_pretrained(path)
+
+
+def test_tokenizer_without_pad_gets_a_distinct_one_and_model_is_resized(tmp_path):
+    torch.manual_seed(11)
+    GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    _save_tiny_tokenizer(tmp_path, with_pad=False)
+    tokenizer = pc.load_tokenizer(str(tmp_path))
+    assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
+    model = pc.load_causal_lm(str(tmp_path), tokenizer)
+    assert model.get_input_embeddings().num_embeddings >= len(tokenizer)
+    assert model.config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_dropout_disabled_and_dtype(tmp_path):
+    torch.manual_seed(12)
+    GPTNeoXForCausalLM(tiny_config(hidden_dropout=0.3, attention_dropout=0.3)).save_pretrained(tmp_path)
+    _save_tiny_tokenizer(tmp_path, with_pad=True)
+    tokenizer = pc.load_tokenizer(str(tmp_path))
+    model = pc.load_causal_lm(str(tmp_path), tokenizer).train()
+    assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
+    assert next(model.parameters()).dtype == torch.float32
+    ids = torch.tensor([[3, 4, 5, 6]])
+    torch.testing.assert_close(model(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+def test_bad_model_names_fail_in_one_line():
+    with pytest.raises(pc.UserError, match="does not exist"):
+        pc.load_tokenizer("./no/such/model")
+    with pytest.raises(pc.UserError, match="unreachable|could not load"):
+        pc.load_tokenizer("no-such-alias-xyz")
+
+
+def test_check_same_vocab(tmp_path):
+    _save_tiny_tokenizer(tmp_path / "a", with_pad=True)
+    _save_tiny_tokenizer(tmp_path / "b", with_pad=False)
+    a, b = pc.load_tokenizer(str(tmp_path / "a")), pc.load_tokenizer(str(tmp_path / "b"))
+    pc.check_same_vocab(a, a)
+    with pytest.raises(pc.UserError, match="share a vocabulary"):
+        pc.check_same_vocab(a, b)
+
+
+# --------------------------------------------------------------------------------------------- saving
+def test_save_then_reload_gives_identical_logits(tmp_path, lm):
+    _save_tiny_tokenizer(tmp_path / "tok", with_pad=True)
+    tokenizer = pc.load_tokenizer(str(tmp_path / "tok"))
+    pc.save_model(None, lm, tokenizer, str(tmp_path / "model"))
+    assert os.path.exists(tmp_path / "model" / "model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, lm(input_ids=ids).logits)
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p]
+
+
+def test_peft_save_adapter_and_merged(tmp_path):
+    torch.manual_seed(13)
+    base = GPTNeoXForCausalLM(tiny_config()).eval()
+    base.save_pretrained(tmp_path / "base")
+    policy = pc.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value"])
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+    pc.save_model(None, policy, None, str(tmp_path / "adapter"))
+    assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
+    pc.save_model(None, policy, None, str(tmp_path / "merged"), merge_peft=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    # the in-memory policy still has its adapter after a merged save
+    assert any("lora_A" in n for n, _ in policy.named_parameters())
+
+
+def test_atomic_dir_keeps_old_folder_on_failure(tmp_path):
+    target = tmp_path / "ckpt"
+    with pc.atomic_dir(str(target)) as tmp:
+        open(os.path.join(tmp, "a.txt"), "w").write("first")
+    with pytest.raises(RuntimeError):
+        with pc.atomic_dir(str(target)) as tmp:
+            open(os.path.join(tmp, "a.txt"), "w").write("half")
+            raise RuntimeError("killed mid-write")
+    assert open(target / "a.txt").read() == "first"
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+# --------------------------------------------------------------------------------------------- data
+def test_tokenize_prompt_completion_truncation_rule(toy):
+    tokenizer = pc.load_tokenizer("toy")
+    ids = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+    prompt_ids, completion_ids = pc.tokenize_prompt_completion(tokenizer, "a b c d =", " a b c", 3, 6)
+    assert prompt_ids == ids("c d =")  # prompt keeps its last 3 tokens
+    assert completion_ids == ids(" a b c")  # 6 - 3 = 3 tokens: EOS truncated away
+    prompt_ids, completion_ids = pc.tokenize_prompt_completion(tokenizer, "a b =", " a b", 5, 10)
+    assert completion_ids == ids(" a b") + [tokenizer.eos_token_id]
+    _, completion_ids = pc.tokenize_prompt_completion(tokenizer, "a b c d =", " a", 5, 5)
+    assert completion_ids == []  # nothing of the completion survives: callers drop and count the row
+
+
+def test_tokenize_prompts_refuses_long_prompts(toy):
+    tokenizer = pc.load_tokenizer("toy")
+    assert len(pc.tokenize_prompts(tokenizer, ["a b ="], 3)[0]) == 3
+    with pytest.raises(pc.UserError, match="prompt 1 has 4 tokens, more than --max_prompt_length 3"):
+        pc.tokenize_prompts(tokenizer, ["a b =", "a b c ="], 3)
+
+
+def test_load_any_dataset_sources_and_errors(tmp_path, toy):
+    rows = [{"prompt": "a b =", "chosen": " a b", "rejected": " b a"}] * 3
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    ds = pc.load_any_dataset(str(jsonl), "preference", "train")
+    assert ds.column_names == ["prompt", "chosen", "rejected"] and len(ds) == 3
+    toy_pref = pc.load_any_dataset("toy", "preference", "test")
+    pc.require_columns(toy_pref, ["prompt", "chosen", "rejected"], "toy")
+    assert len(pc.load_any_dataset(toy["prompt_dataset"], "prompt", "test")) == 256
+    with pytest.raises(pc.UserError, match=r"missing column\(s\) \['label'\]"):
+        pc.require_columns(ds, ["prompt", "label"], "d.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(pc.UserError):
+        pc.load_any_dataset(str(tmp_path / "empty.jsonl"), "preference", "train")
+    with pytest.raises(pc.UserError, match="not found"):
+        pc.load_any_dataset(str(tmp_path / "missing.json"), "preference", "train")
+    with pytest.raises(pc.UserError, match="no split 'validation'"):
+        pc.load_any_dataset("toy", "prompt", "validation")
+
+
+def test_render_conversational(toy):
+    tokenizer = pc.load_tokenizer("toy")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
+    prompt = [{"role": "user", "content": "b a"}]
+    assert pc.render_prompt(tokenizer, prompt) == "b a ="
+    assert pc.render_prompt(tokenizer, "b a =") == "b a ="
+    assert pc.is_conversational(prompt) and not pc.is_conversational("x")
+
+
+# --------------------------------------------------------------------------------------------- runs
+def test_metrics_logger_appends_refuses_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    logger = pc.MetricsLogger(out, {"lr": 1.0})
+    logger.log({"loss": torch.tensor(0.5), "lr": 1.0}, step=1)
+    logger.log({"loss": 0.25}, step=2)
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows == [{"step": 1, "loss": 0.5, "lr": 1.0}, {"step": 2, "loss": 0.25}]
+    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0}
+    with pytest.raises(pc.UserError, match="already holds a run"):
+        pc.MetricsLogger(out, {"lr": 1.0})
+    pc.MetricsLogger(out, {"lr": 1.0}, resume_step=1)
+    assert [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))] == [1]
+    pc.MetricsLogger(str(tmp_path / "other"), {}, is_main_process=False).log({"x": 1}, step=1)
+    assert not os.path.exists(tmp_path / "other")
+
+
+def test_parse_args_alias_defaults_only_for_flags_not_given():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        model: str = "toy"
+        """policy"""
+        learning_rate: float = 3e-6
+        """lr"""
+        use_peft: bool = False
+        """lora"""
+
+    defaults = {"toy": {"learning_rate": 1e-3, "use_peft": True}}
+    args = pc.parse_args(Args, defaults, argv=[])
+    assert args.learning_rate == 1e-3 and args.use_peft
+    args = pc.parse_args(Args, defaults, argv=["--learning_rate", "0.5", "--no_use_peft"])
+    assert args.learning_rate == 0.5 and not args.use_peft
+    args = pc.parse_args(Args, defaults, argv=["--model", "pythia-1b"])
+    assert args.learning_rate == 3e-6
+
+
+def test_seed_everything_per_process():
+    pc.seed_everything(5, 0)
+    a = torch.rand(3)
+    pc.seed_everything(5, 0)
+    assert torch.equal(a, torch.rand(3))
+    pc.seed_everything(5, 1)
+    assert not torch.equal(a, torch.rand(3))

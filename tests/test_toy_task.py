@@ -1,0 +1,81 @@
+"""The toy world: gold scorer by hand, a deterministic build, a useful reward model, an improvable SFT policy."""
+
+import filecmp
+import json
+import os
+
+import pytest
+
+import toy_task
+
+
+def test_gold_score_hand_worked():
+    assert toy_task.gold_score("c a b =", " a b c") == 1.0
+    assert toy_task.gold_score("c a b =", " c a b") == 0.0  # the lazy copy: no position right
+    assert toy_task.gold_score("c a b =", " a c b") == pytest.approx(1 / 3)
+    assert toy_task.gold_score("c a b =", " a b") == pytest.approx(2 / 3)  # one missing
+    assert toy_task.gold_score("c a b =", " a b c d") == pytest.approx(3 / 4)  # one extra
+    assert toy_task.gold_score("c a b =", " a b c [EOS]") == 1.0  # special tokens ignored
+    assert toy_task.gold_score("c a b =", "") == 0.0
+
+
+def test_target_completion_is_sorted():
+    assert toy_task.target_completion("f b k c =") == " b c f k"
+
+
+def test_reward_model_beats_chance_and_sft_has_room(toy):
+    report = json.load(open(os.path.join(toy["root"], "report.json")))
+    # figures at seed 0: pairwise accuracy ~0.88, SFT greedy gold ~0.47, SFT sampled gold ~0.46
+    assert report["reward_model_heldout_pair_accuracy"] > 0.75
+    assert 0.2 < report["sft_gold_greedy"] < 0.75
+    assert 0.2 < report["sft_gold_sampled_T1"] < 0.75
+    for name in ("policy", "reward", "tokenizer", "prompt_dataset", "preference_dataset", "unpaired_dataset"):
+        assert os.path.isdir(toy[name]), name
+
+
+def _all_files(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files)
+
+
+def test_build_is_deterministic_and_cached(toy, tmp_path):
+    """A second build with the same seed (fresh cache folder) writes byte-identical files."""
+    again = toy_task.build(seed=0, cache_dir=str(tmp_path), verbose=False)
+    files = _all_files(toy["root"])
+    assert files == _all_files(again["root"])
+    _, mismatch, errors = filecmp.cmpfiles(toy["root"], again["root"], files, shallow=False)
+    assert not mismatch and not errors, mismatch
+    assert toy_task.build(seed=0, cache_dir=str(tmp_path), verbose=False) == again  # reused, not rebuilt
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_half_written_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
+    """A folder without report.json (a build that died) is rebuilt; a failed build leaves no folder behind."""
+    half = tmp_path / f"v{toy_task.BUILDER_VERSION}-seed7"
+    (half / "sft").mkdir(parents=True)
+    calls = []
+
+    def fake_build(root, seed, verbose):  # stands in for the one-minute training; the caching logic is real
+        calls.append(seed)
+        open(os.path.join(root, "report.json"), "w").write("{}")
+
+    monkeypatch.setattr(toy_task, "_build_into", fake_build)
+    paths = toy_task.build(seed=7, cache_dir=str(tmp_path), verbose=False)
+    assert calls == [7] and os.path.exists(os.path.join(paths["root"], "report.json"))
+    assert not (half / "sft").exists()
+    toy_task.build(seed=7, cache_dir=str(tmp_path), verbose=False)
+    assert calls == [7]  # reused
+
+    def dying_build(root, seed, verbose):
+        open(os.path.join(root, "partial"), "w").write("x")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(toy_task, "_build_into", dying_build)
+    with pytest.raises(KeyboardInterrupt):
+        toy_task.build(seed=8, cache_dir=str(tmp_path), verbose=False)
+    assert not [p for p in os.listdir(tmp_path) if "seed8" in p and not p.endswith(".lock")]
+
+
+def test_gold_scorer_lookup(toy):
+    assert toy_task.gold_scorer("toy") is toy_task.gold_score
+    assert toy_task.gold_scorer(toy["prompt_dataset"]) is toy_task.gold_score
+    assert toy_task.gold_scorer("trl-lib/tldr") is None
