@@ -829,9 +829,12 @@ def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: 
             tokenizer.save_pretrained(tmp)
 
 
-def save_checkpoint(accelerator, path: str, extra_state: dict) -> None:
-    """Atomically write a resumable checkpoint: accelerate state (model, optimizer, scheduler, RNG states
-    of every process) plus `extra_state` (step, data position, ...) as trainer_state.json."""
+def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None) -> None:
+    """Atomically write a resumable checkpoint: accelerate state (model weights as safetensors, optimizer, RNG
+    states of every process) plus `extra_state` (step, data position, ...) and the LR scheduler's state as
+    JSON in trainer_state.json (JSON, not pickle: resuming never unpickles objects)."""
+    if scheduler is not None:
+        extra_state = {**extra_state, "_scheduler": _jsonable(scheduler.state_dict())}
     accelerator.wait_for_everyone()
     path = os.path.abspath(path)
     tmp = f"{path}.tmp"
@@ -850,14 +853,31 @@ def save_checkpoint(accelerator, path: str, extra_state: dict) -> None:
     accelerator.wait_for_everyone()
 
 
-def load_checkpoint(accelerator, path: str) -> dict:
-    """Restore what `save_checkpoint` wrote; returns its `extra_state`."""
+def load_checkpoint(accelerator, path: str, scheduler=None) -> dict:
+    """Restore what `save_checkpoint` wrote (into the prepared model/optimizer and `scheduler`); returns its
+    `extra_state`. Tensors load through safetensors / torch.load(weights_only=True) inside accelerate."""
     state_file = os.path.join(path, "trainer_state.json")
     if not os.path.exists(state_file):
         raise UserError(f"--resume_from {path!r} is not a checkpoint (no trainer_state.json)")
     accelerator.load_state(path)
     with open(state_file) as f:
-        return json.load(f)
+        state = json.load(f)
+    scheduler_state = state.pop("_scheduler", None)
+    if scheduler is not None:
+        if scheduler_state is None:
+            raise UserError(f"checkpoint {path!r} holds no LR scheduler state")
+        scheduler.load_state_dict(scheduler_state)
+    return state
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else None
 
 
 class StopSignal:
