@@ -1,0 +1,209 @@
+"""kto.py: the loss and its KL reference point against hand-written formulas, the mismatched pairs, data
+conversion and errors, and short real runs on the toy task (metrics, reload, PEFT, precomputed reference
+log-probs, determinism, resume, learning)."""
+
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import read_metrics, run_script
+from kto import kl_reference_point, kto_losses, make_kl_groups, to_unpaired, weight_advice
+from policy_common import UserError
+
+SHORT = ["--num_eval_prompts", "32", "--num_eval_examples", "128"]
+TRAIN_KEYS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected",
+              "count/desirable", "count/undesirable", "lr", "epoch", "grad_norm"]
+EVAL_KEYS = ["eval/" + k for k in TRAIN_KEYS[:9]] + ["eval/gold_score"]
+
+
+def strip_time(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def assert_rows_close(a, b, rel=1e-5, abs_=1e-6):
+    assert [sorted(r) for r in a] == [sorted(r) for r in b]
+    for ra, rb in zip(a, b):
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=rel, abs=abs_), (ra["step"], k)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Algorithm pieces
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(5))
+def test_kto_losses_match_hand_written_formula(seed):
+    g = torch.Generator().manual_seed(seed)
+    B = 17
+    rewards = torch.randn(B, generator=g, dtype=torch.float64) * 5
+    desirable = torch.rand(B, generator=g) < 0.5
+    desirable[0], desirable[1] = True, False  # both labels present
+    z0 = torch.rand((), generator=g, dtype=torch.float64) * 2
+    beta, wd, wu = 0.05 + seed / 10, 1.0 + seed, 0.5 + seed / 3
+    losses = kto_losses(rewards, z0, desirable, beta, wd, wu)
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))
+    for i in range(B):
+        r = rewards[i].item()
+        expected = wd * (1 - sigmoid(beta * (r - z0.item()))) if desirable[i] else wu * (1 - sigmoid(beta * (z0.item() - r)))
+        assert losses[i].item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_kl_reference_point_is_the_clamped_detached_mean():
+    policy = torch.tensor([-3.0, -1.0, -2.0], requires_grad=True)
+    assert kl_reference_point(policy, torch.tensor([-4.0, -1.5, -2.0])).item() == pytest.approx(0.5)
+    z0 = kl_reference_point(policy, torch.tensor([-1.0, 0.0, -1.0]))  # mean log-ratio -4/3 < 0
+    assert z0.item() == 0.0 and not z0.requires_grad
+    assert not kl_reference_point(policy, torch.tensor([-9.0, -9.0, -9.0])).requires_grad
+    # the reference point moves every loss the expected way: larger z0 -> desirable loss up, undesirable down
+    r, d = torch.zeros(2), torch.tensor([True, False])
+    low, high = kto_losses(r, torch.tensor(0.0), d, 0.1, 1, 1), kto_losses(r, torch.tensor(2.0), d, 0.1, 1, 1)
+    assert high[0] > low[0] and high[1] < low[1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 60), group_size=st.integers(2, 12), seed=st.integers(0, 10_000))
+def test_mismatched_pairs_never_use_the_examples_own_completion(n, group_size, seed):
+    rng = random.Random(seed)
+    examples = [dict(index=i, prompt_ids=[rng.randrange(3, 9) for _ in range(rng.randint(1, 4))],
+                     completion_ids=[100 + i, 1], label=rng.random() < 0.3) for i in range(n)]
+    if n < group_size:
+        assert make_kl_groups(examples, group_size, seed, max_length=32) == []
+        return
+    groups = make_kl_groups(examples, group_size, seed, max_length=32)
+    assert len(groups) == n // group_size and all(len(g) == group_size for g in groups)
+    for group in groups:
+        indices = [e["index"] for e in group]
+        for e in group:
+            assert e["kl_partner"] != e["index"] and e["kl_partner"] in indices  # another example of the same batch
+            assert e["kl_completion_ids"] == examples[e["kl_partner"]]["completion_ids"] != e["completion_ids"]
+        # the mismatched completions are exactly the batch's own completions, each used once
+        assert sorted(e["kl_partner"] for e in group) == sorted(indices)
+    assert make_kl_groups(examples, group_size, seed, 32) == groups  # fixed per seed: precomputable
+
+
+def test_mismatched_pairs_need_two_examples_per_batch():
+    with pytest.raises(UserError, match=">= 2"):
+        make_kl_groups([dict(index=0, prompt_ids=[1], completion_ids=[2])], 1, 0, 8)
+
+
+def test_paired_data_is_unpaired():
+    from datasets import Dataset
+
+    paired = Dataset.from_dict({"prompt": ["p1", "p2"], "chosen": ["good1", "good2"], "rejected": ["bad1", "bad2"]})
+    unpaired = to_unpaired(paired, "x")
+    assert unpaired.to_dict() == {"prompt": ["p1", "p1", "p2", "p2"], "completion": ["good1", "bad1", "good2", "bad2"],
+                                  "label": [True, False, True, False]}
+    conversational = Dataset.from_dict({"prompt": [[{"role": "user", "content": "q"}]],
+                                        "chosen": [[{"role": "assistant", "content": "a"}]],
+                                        "rejected": [[{"role": "assistant", "content": "b"}]]})
+    rows = to_unpaired(conversational, "x").to_list()
+    assert [r["completion"][0]["content"] for r in rows] == ["a", "b"] and [r["label"] for r in rows] == [True, False]
+    with pytest.raises(UserError, match="boolean"):
+        to_unpaired(Dataset.from_dict({"prompt": ["p"], "completion": ["c"], "label": [1]}), "x")
+    with pytest.raises(UserError, match="completion"):
+        to_unpaired(Dataset.from_dict({"prompt": ["p"], "label": [True]}), "x")
+
+
+def test_weight_advice_follows_the_recommended_ratio():
+    assert weight_advice(100, 100, 1.0, 1.0) is None and weight_advice(100, 100, 1.3, 1.0) is None
+    text = weight_advice(26, 74, 1.0, 1.0)  # the toy task's imbalance
+    assert "desirable_weight in [2.85, 3.79]" in text
+    assert weight_advice(26, 74, 3.0, 1.0) is None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real runs on the toy task
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base_run(toy, tmp_path_factory):
+    """4 seeded steps with an eval every 2 steps (reused by several tests)."""
+    out = str(tmp_path_factory.mktemp("kto") / "base")
+    run_script("kto.py", "--output_dir", out, "--max_steps", "4", "--eval_steps", "2", "--seed", "3", *SHORT)
+    return out
+
+
+def test_run_writes_metrics_and_a_reloadable_model(base_run):
+    rows = read_metrics(base_run)
+    train = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in train] == [1, 2, 3, 4] and [r["step"] for r in evals] == [0, 2, 4]
+    for r in train:
+        assert all(k in r for k in TRAIN_KEYS) and "time/step_seconds" in r and math.isfinite(r["loss"])
+    for r in evals:
+        assert all(k in r for k in EVAL_KEYS)
+    assert rows[0]["data/dropped"] == 0
+    assert evals[0]["eval/rewards/chosen"] == 0.0 and evals[0]["eval/kl"] == 0.0  # policy == reference at start
+    assert evals[-1]["eval/rewards/margins"] != 0.0
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(base_run, "model"))
+    assert model.config.vocab_size > 0
+
+
+def test_same_seed_same_metrics(base_run, tmp_path):
+    out = str(tmp_path / "again")
+    run_script("kto.py", "--output_dir", out, "--max_steps", "4", "--eval_steps", "2", "--seed", "3", *SHORT)
+    assert strip_time(read_metrics(out)) == strip_time(read_metrics(base_run))
+
+
+def test_precomputed_reference_logprobs_equal_on_the_fly(base_run, tmp_path):
+    out = str(tmp_path / "pre")
+    run_script("kto.py", "--output_dir", out, "--max_steps", "4", "--eval_steps", "2", "--seed", "3",
+               "--precompute_ref_logprobs", *SHORT)
+    assert_rows_close(strip_time(read_metrics(out)), strip_time(read_metrics(base_run)))
+
+
+def test_resume_equals_uninterrupted_run(base_run, tmp_path):
+    out = str(tmp_path / "resumed")
+    common = ["--output_dir", out, "--eval_steps", "2", "--seed", "3", *SHORT]
+    run_script("kto.py", *common, "--max_steps", "2", "--save_steps", "2")
+    run_script("kto.py", *common, "--max_steps", "4", "--resume_from", os.path.join(out, "checkpoint-2"))
+    assert_rows_close(strip_time(read_metrics(out)), strip_time(read_metrics(base_run)))
+    from safetensors.torch import load_file
+
+    a, b = (load_file(os.path.join(d, "model", "model.safetensors")) for d in (base_run, out))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_peft_run_uses_the_adapter_off_base_as_reference(base_run, tmp_path):
+    out = str(tmp_path / "peft")
+    run_script("kto.py", "--output_dir", out, "--max_steps", "3", "--seed", "3", "--use_peft",
+               "--learning_rate", "1e-3", *SHORT)
+    evals = [r for r in read_metrics(out) if "eval/loss" in r]
+    start = [r for r in read_metrics(base_run) if "eval/loss" in r][0]
+    # at the start the adapter is a no-op: the policy is the base, whose log-probs equal the full run's start
+    assert evals[0]["eval/logps/chosen"] == pytest.approx(start["eval/logps/chosen"], rel=1e-5)
+    assert evals[0]["eval/rewards/margins"] == 0.0 and evals[-1]["eval/rewards/margins"] != 0.0
+    assert os.path.exists(os.path.join(out, "model", "adapter_config.json"))
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"prompt": "a b =", "completion": " a b", "label": 1}, {"prompt": "c a =", "completion": " a c", "label": 0}],
+     "'label' must be boolean"),
+    ([{"prompt": "a b =", "label": True}, {"prompt": "c a =", "label": False}], "missing column(s) ['completion']"),
+])
+def test_bad_input_exits_without_creating_the_output_folder(toy, tmp_path, rows, message):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    proc = run_script("kto.py", "--dataset", str(data), "--eval_split", "train", "--output_dir", str(out), check=False)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]  # above it only the datasets progress bars
+    assert last.startswith("error: ") and message in last and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+def test_kto_raises_the_gold_score(toy, tmp_path):
+    out = str(tmp_path / "learn")
+    run_script("kto.py", "--output_dir", out, "--max_steps", "60", "--eval_steps", "0", "--seed", "1",
+               "--num_eval_prompts", "128", "--num_eval_examples", "64")
+    evals = [r for r in read_metrics(out) if "eval/gold_score" in r]
+    assert evals[-1]["step"] == 60
+    assert evals[-1]["eval/gold_score"] > evals[0]["eval/gold_score"] + 0.1
