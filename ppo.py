@@ -1,0 +1,521 @@
+# PPO with a learned value function for RLHF. References: Ouyang et al. 2022 (InstructGPT); Huang et al. 2024,
+# "The N+ Implementation Details of RLHF with PPO" (code: vwxyzjn/summarize_from_feedback_details ppo.py);
+# Ziegler et al. 2019 (adaptive KL controller).
+#   python ppo.py                                  # the offline toy task on a CPU, a few minutes
+#   accelerate launch ppo.py --model pythia-1b     # TL;DR with the published Pythia SFT and reward models
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+import torch.nn as nn
+from accelerate import Accelerator
+
+import policy_common as pc
+from policy_common import UserError, masked_mean, masked_var, masked_whiten
+
+
+@dataclass
+class Args:
+    # common arguments (same meaning in every script)
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment"""
+    model: str = "toy"
+    """starting policy: alias (toy | pythia-1b | pythia-2.8b | pythia-6.9b), hub id or local folder"""
+    ref_model: Optional[str] = None
+    """frozen reference policy (None = the starting policy; with --use_peft its adapter-off base)"""
+    reward_model: Optional[str] = None
+    """reward model (None = the one paired with --model's alias)"""
+    value_model: Optional[str] = None
+    """initialisation of the value model (None = the reward model, as in Ouyang et al. 2022)"""
+    dataset: Optional[str] = None
+    """prompt dataset with a `prompt` column (None = the model alias's dataset)"""
+    eval_split: str = "test"
+    """held-out split for evaluation"""
+    num_eval_prompts: Optional[int] = 512
+    """evaluate on the first this many held-out prompts (None = all)"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go (None = runs/<run_name>)"""
+    track: bool = False
+    """log to Weights and Biases as well"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project"""
+
+    # optimisation
+    learning_rate: float = 3e-6
+    """AdamW learning rate (eps 1e-5), decayed linearly to 0 over the run"""
+    per_device_train_batch_size: int = 16
+    """micro-batch size per process for the PPO forward/backward passes"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches per mini-batch (one optimizer step per mini-batch)"""
+    total_episodes: int = 1_000_000
+    """number of prompts (episodes) to roll out in total"""
+    max_steps: Optional[int] = None
+    """stop after this many PPO updates (rollout batches) whatever total_episodes says"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm (policy and value together)"""
+    skip_nonfinite: bool = False
+    """skip optimizer steps with a non-finite loss or gradient (counted) instead of stopping"""
+    eval_steps: int = 200
+    """evaluate every this many updates and before the first (0 = only at the end)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many updates (0 = never)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from"""
+
+    # generation
+    response_length: int = 53
+    """maximum number of generated tokens"""
+    temperature: float = 0.7
+    """sampling temperature (log-probs for the ratio and the KL use logits / temperature too)"""
+    missing_eos_penalty: Optional[float] = 1.0
+    """subtracted from the score of a completion without EOS (None = no penalty)"""
+    max_prompt_length: int = 512
+    """longest prompt in tokens; longer prompts are an error"""
+    local_rollout_forward_batch_size: int = 64
+    """rows per generation / no-grad forward chunk"""
+
+    # PPO (defaults from Huang et al. 2024)
+    num_ppo_epochs: int = 4
+    """passes over each rollout batch"""
+    num_mini_batches: int = 1
+    """mini-batches (optimizer steps) per PPO epoch"""
+    kl_coef: float = 0.05
+    """initial coefficient of the per-token KL penalty -kl_coef * (logp - ref_logp)"""
+    kl_target: Optional[float] = None
+    """adaptive KL controller target (sequence KL, nats); None = fixed kl_coef"""
+    kl_horizon: int = 10_000
+    """adaptive KL controller horizon in episodes"""
+    cliprange: float = 0.2
+    """policy ratio clip range"""
+    cliprange_value: float = 0.2
+    """value prediction clip range around the rollout values"""
+    vf_coef: float = 0.1
+    """value loss coefficient"""
+    gamma: float = 1.0
+    """discount factor"""
+    lam: float = 0.95
+    """GAE lambda"""
+    whiten_rewards: bool = False
+    """whiten the per-token rewards (masked, mean kept) before GAE"""
+
+    # models and memory
+    use_peft: bool = False
+    """train a LoRA adapter on the policy (the value model stays fully trainable)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.05
+    """LoRA dropout"""
+    lora_target_modules: Optional[List[str]] = None
+    """LoRA target modules (None = PEFT's default for the architecture)"""
+    merge_peft: bool = False
+    """save merged full weights instead of the adapter"""
+    load_in_4bit: bool = False
+    """load the policy in 4 bit (needs --use_peft and a GPU)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow custom model code from the hub"""
+    save_value_model: bool = False
+    """also save the value model to <output_dir>/value_model"""
+
+
+# toy-task values, applied only to flags not given on the command line
+ALIAS_DEFAULTS = {
+    "toy": dict(learning_rate=1e-4, per_device_train_batch_size=16, gradient_accumulation_steps=1, num_mini_batches=4,
+                total_episodes=64 * 60, response_length=8, temperature=1.0, kl_coef=0.2, missing_eos_penalty=1.0,
+                max_prompt_length=16, local_rollout_forward_batch_size=256, eval_steps=10, num_eval_prompts=None),
+}
+
+
+def validate(args: Args, num_processes: int) -> dict:
+    """Check hyper-parameters and derive every batch size once (local_ = per process)."""
+    positive = dict(learning_rate=args.learning_rate, per_device_train_batch_size=args.per_device_train_batch_size,
+                    gradient_accumulation_steps=args.gradient_accumulation_steps, total_episodes=args.total_episodes,
+                    response_length=args.response_length, temperature=args.temperature,
+                    num_ppo_epochs=args.num_ppo_epochs, num_mini_batches=args.num_mini_batches,
+                    cliprange=args.cliprange, cliprange_value=args.cliprange_value, kl_horizon=args.kl_horizon,
+                    local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
+                    max_prompt_length=args.max_prompt_length, max_grad_norm=args.max_grad_norm)
+    for name, value in positive.items():
+        if not value > 0:
+            raise UserError(f"--{name} must be > 0, got {value}")
+    for name in ("kl_coef", "vf_coef", "eval_steps", "save_steps"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            raise UserError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
+    for name in ("kl_target", "max_steps", "num_eval_prompts"):
+        if getattr(args, name) is not None and not getattr(args, name) > 0:
+            raise UserError(f"--{name} must be > 0 when given, got {getattr(args, name)}")
+    if args.load_in_4bit and not args.use_peft:
+        raise UserError("--load_in_4bit trains nothing without --use_peft")
+    sizes = dict(local_mini_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps)
+    sizes["local_batch_size"] = sizes["local_mini_batch_size"] * args.num_mini_batches
+    sizes["batch_size"] = sizes["local_batch_size"] * num_processes
+    sizes["num_total_batches"] = math.ceil(args.total_episodes / sizes["batch_size"])
+    if args.max_steps is not None:
+        sizes["num_total_batches"] = min(sizes["num_total_batches"], args.max_steps)
+    if args.whiten_rewards and sizes["local_batch_size"] < 2:
+        raise UserError("--whiten_rewards needs at least 2 responses per process")
+    return sizes
+
+
+# ALGO LOGIC: the pieces a researcher changes, each tested in tests/test_ppo.py
+def per_token_rewards(logprobs, ref_logprobs, scores, response_mask, kl_coef: float):
+    """Rewards of Ziegler et al. / Ouyang et al.: a KL penalty on every response token, the reward-model score
+    added at the last real token (the EOS, or the last token when there is no EOS).
+    logprobs, ref_logprobs: (B, R); scores: (B,); response_mask: (B, R) bool, True up to and including EOS.
+    Returns (rewards, non_score_reward, kl), all (B, R) and zero on padding."""
+    kl = (logprobs - ref_logprobs) * response_mask
+    non_score_reward = -kl_coef * kl
+    last_index = pc.last_token_index(response_mask)  # (B,)
+    rewards = non_score_reward.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
+    return rewards, non_score_reward, kl
+
+
+def penalise_missing_eos(scores, responses, eos_token_id: int, penalty: Optional[float]):
+    """(B,) scores, (B, R) responses -> scores minus `penalty` where a response has no EOS (TRL's
+    missing_eos_penalty; the N+ details replace such scores by a constant instead)."""
+    if penalty is None:
+        return scores
+    return scores - penalty * (~(responses == eos_token_id).any(1)).to(scores.dtype)
+
+
+def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
+    """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
+    rewards, values: (B, R); response_mask: (B, R) bool. Padding after a response gets zero reward and value,
+    so nothing leaks across the end of a response. Returns (advantages, returns), (B, R), zero on padding."""
+    rewards, values = rewards * response_mask, values * response_mask
+    last_gae = torch.zeros_like(rewards[:, 0])
+    advantages_reversed = []
+    R = rewards.shape[1]
+    for t in reversed(range(R)):
+        next_values = values[:, t + 1] if t < R - 1 else torch.zeros_like(values[:, t])
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        last_gae = delta + gamma * lam * last_gae
+        advantages_reversed.append(last_gae)
+    advantages = torch.stack(advantages_reversed[::-1], 1) * response_mask
+    return advantages, (advantages + values) * response_mask
+
+
+def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, response_mask,
+               cliprange: float, cliprange_value: float):
+    """Clipped surrogate policy loss and clipped value loss, masked token means. All inputs (b, R).
+    Returns (pg_loss, vf_loss, stats)."""
+    log_ratio = new_logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), response_mask)
+    vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses = torch.square(vpred - returns)
+    vf_losses_clipped = torch.square(vpred_clipped - returns)
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses, vf_losses_clipped), response_mask)
+    with torch.no_grad():
+        stats = {"policy/approxkl": 0.5 * masked_mean(log_ratio ** 2, response_mask),
+                 "policy/clipfrac": masked_mean((pg_losses_clipped > pg_losses).float(), response_mask),
+                 "val/clipfrac": masked_mean((vf_losses_clipped > vf_losses).float(), response_mask),
+                 "val/ratio": masked_mean(ratio, response_mask)}
+    return pg_loss, vf_loss, stats
+
+
+class AdaptiveKLController:
+    """Ziegler et al. 2019: kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon."""
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+        self.value, self.target, self.horizon = init_kl_coef, target, horizon
+
+    def update(self, current_kl: float, n_episodes: int) -> None:
+        proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+        self.value *= 1 + proportional_error * n_episodes / self.horizon
+
+
+class FixedKLController:
+    def __init__(self, kl_coef: float):
+        self.value = kl_coef
+
+    def update(self, current_kl: float, n_episodes: int) -> None:
+        pass
+
+
+class PolicyAndValue(nn.Module):
+    """Policy and value model in one module, so one `accelerator.prepare` and one optimizer cover both (as in
+    the N+ details). forward: (B, T) ids -> logits (B, R, V) of the response tokens / temperature, and values
+    (B, R): the value for predicting response token t is read at position context_length - 1 + t."""
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module):
+        super().__init__()
+        self.policy, self.value_model = policy, value_model
+
+    def forward(self, query_responses, context_length: int, pad_token_id: int, temperature: float):
+        logits = pc.forward_logits(self.policy, query_responses, context_length, pad_token_id, temperature)
+        values = pc.scalar_forward(self.value_model, query_responses, pad_token_id)[:, context_length - 1:-1]
+        return logits, values
+
+
+# TRY NOT TO MODIFY: evaluation plumbing
+@torch.no_grad()
+def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, step):
+    """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+    prompts = eval_prompts[accelerator.process_index::accelerator.num_processes]
+    scores, kls, lengths, has_eos, golds, samples = [], [], [], [], [], []
+    for i in range(0, len(prompts), args.local_rollout_forward_batch_size):
+        prompt_ids = prompts[i:i + args.local_rollout_forward_batch_size]
+        queries = pc.pad_sequences(prompt_ids, pad, "left").to(accelerator.device)
+        context_length = queries.shape[1]
+        query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, config, len(prompt_ids),
+                                                 accelerator)
+        responses = query_responses[:, context_length:]
+        response_mask = responses != pad
+        logits, _ = model(query_responses, context_length, pad, args.temperature)
+        logprobs = pc.selective_logprobs(logits, responses)
+        ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
+        scores.append(pc.get_reward(reward_model, query_responses, pad))
+        kls.append(((logprobs - ref_logprobs) * response_mask).sum(1))
+        lengths.append(response_mask.sum(1).float())
+        has_eos.append((responses == eos).any(1).float())
+        if gold is not None or len(samples) < 4:
+            texts = [(tokenizer.decode(p, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True))
+                     for p, r in zip(prompt_ids, responses.tolist())]
+            golds += [gold(p, c) for p, c in texts] if gold is not None else []
+            samples += [{"prompt": p, "completion": c, "score": round(s, 3)}
+                        for (p, c), s in zip(texts, scores[-1].tolist())][:4 - len(samples)]
+    metrics = {"eval/scores": torch.cat(scores).mean(), "eval/kl": torch.cat(kls).mean(),
+               "eval/response_length": torch.cat(lengths).mean(), "eval/eos_rate": torch.cat(has_eos).mean()}
+    if gold is not None:
+        metrics["eval/gold_score"] = float(np.mean(golds))
+    return metrics, samples
+
+
+def batch_prompt_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> List[int]:
+    """Indices of the prompts of update `update` (1-based): a seeded permutation per pass over the data, read
+    in order, so the data position is a function of the update number (exact resume)."""
+    permutations = {}
+    out = []
+    for position in range((update - 1) * batch_size, update * batch_size):
+        data_epoch, offset = divmod(position, num_prompts)
+        if data_epoch not in permutations:
+            generator = torch.Generator().manual_seed(seed + data_epoch)
+            permutations[data_epoch] = torch.randperm(num_prompts, generator=generator).tolist()
+        out.append(permutations[data_epoch][offset])
+    return out
+
+
+def main():
+    # 1. arguments, batch sizes, accelerator
+    args = pc.parse_args(Args, ALIAS_DEFAULTS)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              step_scheduler_with_optimizer=False)
+    sizes = validate(args, accelerator.num_processes)
+    local_batch_size, local_mini_batch_size = sizes["local_batch_size"], sizes["local_mini_batch_size"]
+    num_total_batches = sizes["num_total_batches"]
+    pc.seed_everything(args.seed, accelerator.process_index)
+    dataset_name = args.dataset or pc.default_dataset(args.model)
+    reward_name = args.reward_model or pc.default_reward_model(args.model)
+
+    # 2. models: policy (+LoRA), value model (from the reward model), frozen reference and reward model
+    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_name, "reward", args.trust_remote_code), "reward model")
+    if args.value_model is not None:
+        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.value_model, "reward", args.trust_remote_code),
+                            "value model")
+    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                               load_in_4bit=args.load_in_4bit)
+    max_positions = getattr(policy.config, "max_position_embeddings", None)
+    if max_positions is not None and args.max_prompt_length + args.response_length > max_positions:
+        raise UserError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
+                        f"exceeds the model's {max_positions} positions")
+    if args.use_peft:
+        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    value_model = pc.load_scalar_model(args.value_model or reward_name, tokenizer, bf16=args.bf16,
+                                       trust_remote_code=args.trust_remote_code)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        value_model.gradient_checkpointing_enable()
+    reference = pc.create_reference(policy, args.ref_model if args.use_peft else (args.ref_model or args.model),
+                                    tokenizer, args.use_peft, reference_free=False, accelerator=accelerator,
+                                    bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_name, tokenizer, bf16=args.bf16,
+                                                          trust_remote_code=args.trust_remote_code), accelerator)
+
+    # 3. data: training prompts and held-out prompts, tokenised and length-checked
+    train_data = pc.load_any_dataset(dataset_name, "prompt", "train")
+    eval_data = pc.load_any_dataset(dataset_name, "prompt", args.eval_split)
+    for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
+        pc.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
+    train_prompts = pc.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+    eval_prompts = pc.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
+    gold = pc.gold_scorer(dataset_name)
+
+    # 4. optimizer over policy + value, linear decay per update; accelerate state covers both
+    model = PolicyAndValue(policy, value_model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0 - u / num_total_batches)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model.train()
+    kl_ctl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target is not None
+              else FixedKLController(args.kl_coef))
+    start_update = 1
+    if args.resume_from:
+        state = pc.load_checkpoint(accelerator, args.resume_from)
+        start_update, kl_ctl.value = state["step"] + 1, state["kl_coef"]
+    output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from else
+                                     os.path.join("runs", pc.run_name(args.exp_name, dataset_name, args.seed)))
+    logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
+    accelerator.print(f"ppo: {num_total_batches} updates of {sizes['batch_size']} episodes, reference: "
+                      f"{reference.mode} -> {output_dir}")
+
+    def checkpoint(update: int, name: str) -> None:
+        pc.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_ctl.value})
+
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+    stop, skipped, start_time = pc.StopSignal(), 0, time.time()
+    if start_update == 1 and args.eval_steps > 0:
+        metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, 0)
+        logger.log(pc.reduce_metrics(accelerator, {**metrics, "episode": 0}), step=0)
+        logger.log_samples("eval/samples", samples, step=0)
+
+    for update in range(start_update, num_total_batches + 1):
+        indices = batch_prompt_indices(len(train_prompts), args.seed, update, sizes["batch_size"])
+        indices = indices[accelerator.process_index * local_batch_size:][:local_batch_size]
+        queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
+        context_length = queries.shape[1]  # queries: (B, Lq)
+        with torch.no_grad():
+            # 1. generate responses (truncated after the first EOS)
+            query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, generation_config,
+                                                     args.local_rollout_forward_batch_size, accelerator)
+            responses = query_responses[:, context_length:]  # (B, R)
+            response_mask = responses != pad  # (B, R), True up to and including EOS
+
+            # 2. log-probs and values before the update, reference log-probs, reward-model scores
+            logprobs, values = [], []
+            for i in range(0, local_batch_size, args.local_rollout_forward_batch_size):
+                logits, value = model(query_responses[i:i + args.local_rollout_forward_batch_size], context_length,
+                                      pad, args.temperature)
+                logprobs.append(pc.selective_logprobs(logits, responses[i:i + args.local_rollout_forward_batch_size]))
+                values.append(value)
+            logprobs, values = torch.cat(logprobs) * response_mask, torch.cat(values) * response_mask
+            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature,
+                                              args.local_rollout_forward_batch_size) * response_mask
+            scores = pc.get_reward(reward_model, query_responses, pad)  # (B,)
+
+            # 3. penalise completions without EOS
+            scores = penalise_missing_eos(scores, responses, eos, args.missing_eos_penalty)
+
+            # 4. per-token rewards: KL penalty on every token, score at the last real token; optional whitening
+            rewards, non_score_reward, kl = per_token_rewards(logprobs, ref_logprobs, scores, response_mask,
+                                                              kl_ctl.value)
+            if args.whiten_rewards:
+                rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
+
+            # 5. advantages (GAE) and returns; advantages whitened over the batch
+            advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
+            raw_advantages = advantages
+            advantages = masked_whiten(advantages, response_mask) * response_mask
+
+        # 6. PPO epochs over shuffled mini-batches, micro-batches accumulated into one optimizer step
+        stats, nonfinite = {}, False
+        for _ in range(args.num_ppo_epochs):
+            permutation = torch.randperm(local_batch_size, device=accelerator.device)
+            for mini_start in range(0, local_batch_size, local_mini_batch_size):
+                for micro_start in range(mini_start, mini_start + local_mini_batch_size,
+                                         args.per_device_train_batch_size):
+                    mb = permutation[micro_start:micro_start + args.per_device_train_batch_size]
+                    with accelerator.accumulate(model):
+                        logits, vpred = model(query_responses[mb], context_length, pad, args.temperature)
+                        new_logprobs = pc.selective_logprobs(logits, responses[mb])
+                        pg_loss, vf_loss, mb_stats = ppo_losses(
+                            new_logprobs, logprobs[mb], advantages[mb], vpred, values[mb], returns[mb],
+                            response_mask[mb], args.cliprange, args.cliprange_value)
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        accelerator.backward(loss)
+                        nonfinite |= not torch.isfinite(loss.detach()).item()
+                        if accelerator.sync_gradients:
+                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            flag = torch.tensor(float(nonfinite or not torch.isfinite(grad_norm).item()),
+                                                device=accelerator.device)
+                            if accelerator.reduce(flag, reduction="sum").item() > 0:
+                                if not args.skip_nonfinite:
+                                    checkpoint(update - 1, "checkpoint-nonfinite")
+                                    raise UserError(f"non-finite loss or gradient norm at update {update} "
+                                                    f"(loss {loss.item()}, grad norm {grad_norm.item()}); weights "
+                                                    f"before this optimizer step saved to checkpoint-nonfinite")
+                                skipped, nonfinite = skipped + 1, False
+                                optimizer.zero_grad()
+                                continue
+                        optimizer.step()
+                        optimizer.zero_grad()
+                    with torch.no_grad():
+                        mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
+                            pc.entropy_from_logits(logits), response_mask[mb])})
+                        for key, value in mb_stats.items():
+                            stats.setdefault(key, []).append(value.item())
+
+        # 7. logging, KL controller, lr schedule
+        with torch.no_grad():
+            mean_kl = kl.sum(1).mean()
+            metrics = {
+                "objective/scores": scores.mean(), "objective/kl": mean_kl,
+                "objective/non_score_reward": non_score_reward.sum(1).mean(),
+                "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
+                "objective/entropy": (-logprobs).sum(1).mean(), "objective/kl_coef": kl_ctl.value,
+                **{key: float(np.mean(values_)) for key, values_ in stats.items()},
+                "val/mean": masked_mean(values, response_mask), "val/var": masked_var(values, response_mask),
+                "val/num_eos_tokens": (responses == eos).sum().float(),
+                "val/response_length": response_mask.sum(1).float().mean(),
+                "adv/mean": masked_mean(raw_advantages, response_mask),
+                "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
+                "returns/mean": masked_mean(returns, response_mask),
+                "lr": scheduler.get_last_lr()[0], "episode": update * sizes["batch_size"],
+            }
+            if args.skip_nonfinite:
+                metrics["nonfinite/skipped"] = skipped
+            metrics = pc.reduce_metrics(accelerator, metrics)
+        kl_ctl.update(metrics["objective/kl"], sizes["batch_size"])
+        scheduler.step()
+        metrics["time/episodes_per_second"] = (update - start_update + 1) * sizes["batch_size"] / (time.time() - start_time)
+
+        # 8. evaluation, checkpoints
+        if (args.eval_steps > 0 and update % args.eval_steps == 0) or update == num_total_batches:
+            eval_metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator,
+                                             gold, update)
+            metrics.update(pc.reduce_metrics(accelerator, eval_metrics))
+            logger.log_samples("eval/samples", samples, step=update)
+        logger.log(metrics, step=update)
+        accelerator.print(f"update {update}/{num_total_batches} score {metrics['objective/scores']:.3f} "
+                          f"kl {metrics['objective/kl']:.3f}" + (f" eval/gold {metrics['eval/gold_score']:.3f}"
+                                                                  if "eval/gold_score" in metrics else ""))
+        if args.save_steps > 0 and update % args.save_steps == 0:
+            checkpoint(update, f"checkpoint-{update}")
+        if stop.received:
+            checkpoint(update, f"checkpoint-{update}")
+            accelerator.print(f"{stop.received} received: checkpoint-{update} written, exiting")
+            logger.close()
+            return
+
+    # 9. final save
+    unwrapped = pc.unwrap(model)
+    pc.save_model(accelerator, unwrapped.policy, tokenizer, os.path.join(output_dir, "model"), args.merge_peft)
+    if args.save_value_model:
+        pc.save_model(accelerator, unwrapped.value_model, tokenizer, os.path.join(output_dir, "value_model"))
+    logger.close()
+
+
+if __name__ == "__main__":
+    pc.main_guard(main)
