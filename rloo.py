@@ -118,8 +118,8 @@ class Args:
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
 ALIAS_DEFAULTS = {
     "toy": dict(
-        total_episodes=24_576, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
-        rloo_k=4, kl_coef=0.05, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16,
+        total_episodes=8192, learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
+        rloo_k=4, kl_coef=0.1, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16,
         num_eval_prompts=256, missing_eos_penalty=1.0, local_rollout_forward_batch_size=256,
     )
 }
@@ -279,13 +279,10 @@ def main():
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
     local_seed = pc.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. models: policy (+LoRA), reference, reward model; same vocabulary everywhere
+    # 1. tokenizer, shared by policy, reference and reward model (checked)
     tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     reward_name = args.reward_model or pc.default_reward_model(args.model)
     pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_name, "reward", args.trust_remote_code))
-    policy, reference = load_policy_and_reference(args, tokenizer, accelerator)
-    reward_model = pc.load_scalar_model(reward_name, tokenizer, "reward", args.bf16, args.trust_remote_code)
-    reward_model = pc.prepare_frozen(reward_model, accelerator)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     # 2. data: prompts tokenised once; train prompts come in a seeded order, position saved for resume
@@ -299,7 +296,12 @@ def main():
     gold = pc.gold_scorer(dataset_name)
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
 
-    # 3. optimizer, linear decay per optimizer step, checkpointable state
+    # 3. models: policy (+LoRA), frozen reference, frozen reward model
+    policy, reference = load_policy_and_reference(args, tokenizer, accelerator)
+    reward_model = pc.load_scalar_model(reward_name, tokenizer, "reward", args.bf16, args.trust_remote_code)
+    reward_model = pc.prepare_frozen(reward_model, accelerator)
+
+    # 4. optimizer, linear decay per optimizer step, checkpointable state
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
@@ -320,7 +322,7 @@ def main():
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step = state["step"] + 1
-        # 4. generate: local_prompts prompts, each repeated rloo_k times in a row (repeat_interleave order)
+        # 5. generate: local_prompts prompts, each repeated rloo_k times in a row (repeat_interleave order)
         indices = prompt_stream(state["prompts_seen"], local_prompts * accelerator.num_processes,
                                 len(train_prompts), args.seed)
         indices = indices[accelerator.process_index * local_prompts:(accelerator.process_index + 1) * local_prompts]
@@ -333,7 +335,7 @@ def main():
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
 
-        # 5. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
+        # 6. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
         with torch.no_grad():
             logprobs, entropy, scores = [], [], []
             for i in range(0, local_batch_size, args.local_rollout_forward_batch_size):
@@ -351,12 +353,12 @@ def main():
             if args.missing_eos_penalty is not None:  # the "EOS trick"
                 scores = torch.where(contain_eos, scores, scores - args.missing_eos_penalty)
 
-            # 6. rewards and leave-one-out advantages
+            # 7. rewards and leave-one-out advantages
             kl = per_token_kl(logprobs, ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
                 scores, kl, response_mask, args.kl_coef, args.rloo_k, args.token_level_kl, args.normalize_advantage)
 
-        # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
+        # 8. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         policy.train()
         losses, clipfracs, approxkls, ratios, nonfinite = [], [], [], [], 0
         for _ in range(args.num_ppo_epochs):
@@ -396,7 +398,7 @@ def main():
         state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + nonfinite,
                      prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
 
-        # 8. log
+        # 9. log
         ratio = torch.cat(ratios)
         metrics = {
             "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
@@ -417,7 +419,7 @@ def main():
                                     logger, step))
         logger.log(metrics, step=step)
 
-        # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C (then exit cleanly)
+        # 10. checkpoints: periodic, and on SIGTERM / Ctrl-C (then exit cleanly)
         if (args.save_steps and step % args.save_steps == 0) or stop.received:
             pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state))
         if stop.received:
@@ -425,7 +427,7 @@ def main():
             logger.close()
             return
 
-    # 10. final save
+    # 11. final save
     pc.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close()
     accelerator.print(f"done: {output_dir}")
