@@ -1,0 +1,570 @@
+"""Speed and memory benchmark: seconds per training step by phase, generation throughput, peak memory; each
+figure next to a baseline measured in the same run, and (optionally) next to TRL on the identical setting.
+
+    python benchmark/speed.py                    # ours (rloo ppo dpo kto) + baselines + TRL if installed
+    python benchmark/speed.py --no_trl --steps 5 # quicker, ours and the baselines only
+    pip install -r benchmark/requirements-bench.txt   # TRL, benchmark-only (never imported by the scripts)
+
+Every measurement runs in its own child process (`speed.py --worker KIND`), one at a time, so that peak
+memory (the child's peak resident set size, `ru_maxrss` via os.wait4) belongs to that measurement alone.
+
+Ours: the real script (`rloo.py` ...) runs in the child on the toy task with its toy defaults, for
+--warmup + --steps optimizer steps; the policy_common helpers it calls are wrapped with timers:
+  generation       time inside pc.batch_generation
+  scoring/ref      time inside no-grad forwards: pc.forward_logits / response_logprobs / selective_logprobs /
+                   entropy_from_logits / scalar_forward / get_reward and Reference.logprobs (old and reference
+                   log-probs, reward and value scores, KTO's KL-term forwards)
+  update           the rest of the step: forwards with gradient, losses, backward, optimizer
+A step's time is the interval between the script's consecutive metrics rows, minus any time spent in its
+evaluation functions (module-level `evaluate*`), averaged over the --steps steps after --warmup.
+
+TRL (RLOOTrainer, DPOTrainer, KTOTrainer; TRL 1.16 has no PPOTrainer): the same toy SFT policy, reward
+model, data and hyper-parameters (batch, k, response length, temperature, lr, beta, clip range), step time =
+interval between on_step_end callbacks; phases from wrapped trainer methods and modules (`_generate`;
+`_generate_and_score_completions` minus generation; the reference model's forward, `compute_ref_log_probs`
+and KTO's no-grad `_compute_kl_logps`).
+
+Baselines (same run): generation tokens/s of pc.batch_generation against a naive per-example
+`model.generate` loop; pc.response_logprobs (forward_logits + row-wise selective_logprobs) against a plain
+forward + full log_softmax + gather, on the toy batch and on Pythia-shaped logits (vocab 50304).
+Results: benchmark/results/speed.md (and speed.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import functools
+import importlib
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+ALGOS = ("rloo", "ppo", "dpo", "kto")
+TRL_ALGOS = ("rloo", "dpo", "kto")
+TARGET = {"rloo": 0.5, "dpo": 0.7, "kto": 0.7}  # our step time / TRL's, at most (issue 8)
+PHASES = ("generation", "scoring", "update")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Phase timers
+# ---------------------------------------------------------------------------------------------------------
+class PhaseTimer:
+    """Accumulates time per phase. A call nested in a call of the same phase counts once (the outermost);
+    calls of different phases may nest (then the caller subtracts). Nothing counts while inside an
+    evaluation (phase "eval", whose own time is accumulated separately)."""
+
+    def __init__(self):
+        self.totals = {"generation": 0.0, "scoring": 0.0, "eval": 0.0}
+        self.depth = {k: 0 for k in self.totals}
+
+    def wrap(self, fn, phase, when=None):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if self.depth[phase] or (phase != "eval" and self.depth["eval"]) or (when is not None and not when()):
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            self.depth[phase] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.depth[phase] -= 1
+                self.totals[phase] += time.perf_counter() - start
+        return wrapper
+
+    def snapshot(self) -> dict:
+        return dict(self.totals, t=time.perf_counter())
+
+
+def step_stats(marks: list, warmup: int) -> dict:
+    """marks: [(step, snapshot)] at the end of each step -> mean seconds per step and per phase over the steps
+    after `warmup` (eval time removed)."""
+    marks = sorted({step: snap for step, snap in marks}.items())  # last mark per step
+    deltas = []
+    for (s0, a), (s1, b) in zip(marks, marks[1:]):
+        if s1 <= warmup:
+            continue
+        n = s1 - s0
+        total = (b["t"] - a["t"] - (b["eval"] - a["eval"])) / n
+        gen, score = (b["generation"] - a["generation"]) / n, (b["scoring"] - a["scoring"]) / n
+        deltas.append(dict(step=total, generation=gen, scoring=score, update=total - gen - score, n=n))
+    if not deltas:
+        raise RuntimeError(f"no steps measured after warmup {warmup} (marks at steps {[s for s, _ in marks]})")
+    weight = sum(d["n"] for d in deltas)
+    out = {k: sum(d[k] * d["n"] for d in deltas) / weight for k in ("step", *PHASES)}
+    out["steps_measured"] = weight
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workers (each runs in its own process)
+# ---------------------------------------------------------------------------------------------------------
+def worker_ours(algo: str, steps: int, warmup: int) -> dict:
+    """Run the real `<algo>.py` in this process with timed policy_common helpers."""
+    import torch
+
+    import policy_common as pc
+
+    timer = PhaseTimer()
+    no_grad = lambda: not torch.is_grad_enabled()  # noqa: E731
+    pc.batch_generation = timer.wrap(pc.batch_generation, "generation")
+    for name in ("forward_logits", "response_logprobs", "selective_logprobs", "entropy_from_logits", "scalar_forward",
+                 "get_reward"):
+        setattr(pc, name, timer.wrap(getattr(pc, name), "scoring", when=no_grad))
+    pc.Reference.logprobs = timer.wrap(pc.Reference.logprobs, "scoring")
+    module = importlib.import_module(algo)
+    for name in dir(module):
+        if name.startswith("evaluate") and callable(getattr(module, name)):
+            setattr(module, name, timer.wrap(getattr(module, name), "eval"))
+    marks, setup = [], {}
+    original_log = pc.MetricsLogger.log
+
+    def log(self, metrics, step):
+        if not setup:
+            setup["rss_mib"] = rss_mib()
+        original_log(self, metrics, step)
+        marks.append((step, timer.snapshot()))
+
+    pc.MetricsLogger.log = log
+    with tempfile.TemporaryDirectory() as tmp:
+        argv = [f"{algo}.py", "--output_dir", os.path.join(tmp, "run"), "--seed", "1", "--max_steps",
+                str(warmup + steps), "--eval_steps", "0", "--num_eval_prompts", "16"]
+        sys.argv = argv
+        torch.manual_seed(0)
+        with contextlib.redirect_stdout(sys.stderr):
+            module.main()
+        with open(os.path.join(tmp, "run", "args.json")) as f:
+            run_args = json.load(f)
+    stats = step_stats(marks, warmup)
+    settings = {k: run_args.get(k) for k in (
+        "per_device_train_batch_size", "gradient_accumulation_steps", "rloo_k", "num_mini_batches", "num_ppo_epochs",
+        "response_length", "temperature", "learning_rate", "kl_coef", "beta", "max_length", "local_rollout_forward_batch_size")
+        if run_args.get(k) is not None}
+    return dict(stats, setup_rss_mib=setup.get("rss_mib"), command=" ".join(argv), settings=settings)
+
+
+def _trl_env():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+def worker_trl(algo: str, steps: int, warmup: int) -> dict:
+    """TRL's trainer on the toy task with our toy defaults translated to its config."""
+    _trl_env()
+    import datasets
+    import torch
+    import transformers
+    import trl
+
+    import policy_common as pc
+    import toy_task
+
+    paths = toy_task.build(verbose=False)
+    tokenizer = pc.load_tokenizer(paths["policy"])
+    model = pc.load_causal_lm(paths["policy"], tokenizer)
+    timer = PhaseTimer()
+    marks, setup = [], {}
+
+    class Marks(transformers.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            setup["rss_mib"] = rss_mib()
+            marks.append((0, timer.snapshot()))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append((state.global_step, timer.snapshot()))
+
+    common = dict(output_dir=None, max_steps=warmup + steps, report_to="none", save_strategy="no", logging_steps=10**6,
+                  bf16=False, gradient_checkpointing=False, use_cpu=True, seed=1, disable_tqdm=True,
+                  dataloader_num_workers=0, lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.0)
+    unmatched = []
+    with tempfile.TemporaryDirectory() as tmp:
+        common["output_dir"] = tmp
+        if algo == "rloo":
+            import rloo
+
+            d = rloo.ALIAS_DEFAULTS["toy"]
+            config = trl.RLOOConfig(
+                **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
+                num_generations=d["rloo_k"], max_completion_length=d["response_length"], temperature=d["temperature"],
+                top_p=1.0, top_k=0, learning_rate=d["learning_rate"], beta=d["kl_coef"], num_iterations=1,
+                epsilon=rloo.Args.cliprange, normalize_advantages=False, adam_epsilon=1e-5, warmup_steps=0,
+                steps_per_generation=1, log_completions=False)
+            dataset = datasets.load_from_disk(paths["prompt_dataset"])["train"]
+            trainer = trl.RLOOTrainer(model=model, reward_funcs=paths["reward"], args=config, train_dataset=dataset,
+                                      processing_class=tokenizer, callbacks=[Marks()])
+            cls = type(trainer)
+            cls._generate = timer.wrap(cls._generate, "generation")
+            cls._generate_and_score_completions = timer.wrap(cls._generate_and_score_completions, "scoring")
+            unmatched = ["missing-EOS penalty (ours: score - 1.0 without EOS; TRL has no such option)",
+                         "TRL skips the separate old-log-prob forward when num_iterations=1 (uses detached current ones)"]
+        elif algo == "dpo":
+            import dpo
+
+            d = dpo.ALIAS_DEFAULTS["toy"]
+            config = trl.DPOConfig(
+                **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
+                learning_rate=d["learning_rate"], beta=d["beta"], loss_type=["sigmoid"], max_length=d["max_length"],
+                warmup_steps=d["warmup_ratio"], precompute_ref_log_probs=False)
+            dataset = datasets.load_from_disk(paths["preference_dataset"])["train"]
+            trainer = trl.DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                     callbacks=[Marks()])
+            # the reference forward is a direct self.ref_model(...) call inside _compute_loss
+            trainer.ref_model.forward = timer.wrap(trainer.ref_model.forward, "scoring")
+        elif algo == "kto":
+            import kto
+
+            d = kto.ALIAS_DEFAULTS["toy"]
+            config = trl.KTOConfig(
+                **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
+                learning_rate=d["learning_rate"], beta=d["beta"], desirable_weight=d["desirable_weight"],
+                undesirable_weight=d["undesirable_weight"], max_length=d["max_length"],
+                warmup_steps=kto.Args.warmup_ratio, precompute_ref_log_probs=False)
+            dataset = datasets.load_from_disk(paths["unpaired_dataset"])["train"]
+            trainer = trl.KTOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                     callbacks=[Marks()])
+            cls = type(trainer)
+            cls.compute_ref_log_probs = timer.wrap(cls.compute_ref_log_probs, "scoring")
+            cls._compute_kl_logps = timer.wrap(cls._compute_kl_logps, "scoring")  # no-grad policy forward, KL pairs
+            trainer.ref_model.forward = timer.wrap(trainer.ref_model.forward, "scoring")
+        else:
+            raise ValueError(algo)
+        torch.manual_seed(0)
+        with contextlib.redirect_stdout(sys.stderr):
+            trainer.train()
+    stats = step_stats(marks, warmup)
+    if algo == "rloo":  # _generate_and_score_completions includes _generate: scoring is the remainder
+        stats["scoring"] -= stats["generation"]
+        stats["update"] = stats["step"] - stats["generation"] - stats["scoring"]
+    return dict(stats, setup_rss_mib=setup.get("rss_mib"), trl_version=trl.__version__, unmatched=unmatched)
+
+
+def worker_generation(repeats: int) -> dict:
+    """Tokens/s of pc.batch_generation (one batched call) against a naive per-example model.generate loop, on
+    the RLOO toy batch (16 prompts x k=4, 8 new tokens, temperature 1)."""
+    import torch
+
+    import policy_common as pc
+    import rloo
+    import toy_task
+    from uniform_eval import ToyEvaluator  # noqa: F401  (same loading path)
+
+    d = rloo.ALIAS_DEFAULTS["toy"]
+    paths = toy_task.build(verbose=False)
+    tok = pc.load_tokenizer(paths["policy"])
+    model = pc.load_causal_lm(paths["policy"], tok).eval()
+    prompts = pc.load_any_dataset(paths["prompt_dataset"], "prompt", "train")["prompt"][:d["per_device_train_batch_size"] // d["rloo_k"]]
+    ids = pc.tokenize_prompts(tok, prompts, 64)
+    queries = pc.pad_sequences(ids, tok.pad_token_id, "left").repeat_interleave(d["rloo_k"], 0)
+    config = pc.make_generation_config(tok, d["response_length"], d["temperature"])
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+
+    def batched():
+        qr, _ = pc.batch_generation(model, queries, pad, eos, config, d["local_rollout_forward_batch_size"])
+        return int((qr[:, queries.shape[1]:] != pad).sum())
+
+    @torch.no_grad()
+    def naive():
+        n = 0
+        for row in queries:
+            q = row[row != pad].unsqueeze(0)
+            out = model.generate(input_ids=q, attention_mask=torch.ones_like(q), generation_config=config)
+            n += int((out[0, q.shape[1]:] != pad).sum())
+        return n
+
+    results = {}
+    for name, fn in (("batch_generation", batched), ("naive_loop", naive)):
+        fn()  # warm-up
+        torch.manual_seed(0)
+        start, tokens = time.perf_counter(), 0
+        for _ in range(repeats):
+            tokens += fn()
+        elapsed = time.perf_counter() - start
+        results[name] = dict(tokens_per_s=tokens / elapsed, seconds_per_batch=elapsed / repeats, tokens=tokens)
+    results["batch"] = f"{queries.shape[0]} sequences ({len(ids)} prompts x k={d['rloo_k']}), {d['response_length']} new tokens"
+    return results
+
+
+def worker_logprobs(variant: str, shape: str, repeats: int) -> dict:
+    """Time and peak extra memory of response log-probs: `selective` = pc.response_logprobs (or
+    pc.selective_logprobs on given logits), `full` = logits.log_softmax(-1).gather(...)."""
+    import torch
+
+    import policy_common as pc
+
+    torch.manual_seed(0)
+    if shape == "toy":  # the RLOO toy batch through the toy policy: forward + log-probs, no grad
+        import toy_task
+
+        paths = toy_task.build(verbose=False)
+        tok = pc.load_tokenizer(paths["policy"])
+        model = pc.load_causal_lm(paths["policy"], tok).eval()
+        prompts = pc.load_any_dataset(paths["prompt_dataset"], "prompt", "train")["prompt"][:64]
+        q = pc.pad_sequences(pc.tokenize_prompts(tok, prompts, 64), tok.pad_token_id, "left")
+        responses = torch.randint(3, len(tok), (q.shape[0], 8))
+        qr, ctx, pad = torch.cat([q, responses], 1), q.shape[1], tok.pad_token_id
+
+        @torch.no_grad()
+        def run():
+            if variant == "selective":
+                return pc.response_logprobs(model, qr, ctx, pad)
+            logits = pc.forward_logits(model, qr, ctx, pad)
+            return logits.log_softmax(-1).gather(-1, qr[:, ctx:].unsqueeze(-1)).squeeze(-1)
+        what = f"toy policy forward + log-probs, {qr.shape[0]} x {qr.shape[1]} tokens, vocab {len(tok)}"
+    else:  # Pythia-shaped logits: B=16 completions of R=53 tokens, vocab 50304 (TL;DR setting), float32
+        B, R, V = 16, 53, 50304
+        logits = torch.randn(B, R, V)
+        tokens = torch.randint(0, V, (B, R))
+
+        @torch.no_grad()
+        def run():
+            if variant == "selective":
+                return pc.selective_logprobs(logits, tokens)
+            return logits.log_softmax(-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        what = f"log-probs from given logits {B} x {R} x {V} (float32, {B * R * V * 4 / 2**20:.0f} MiB)"
+    before = rss_mib()
+    run()  # warm-up; also sets the peak
+    extra = peak_rss_mib() - before
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    return dict(seconds=(time.perf_counter() - start) / repeats, peak_extra_mib=max(extra, 0.0), what=what)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------------------
+def run_worker(kind: str, args, threads: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_out", out, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
+               WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1")
+    start = time.perf_counter()
+    log_path = out[:-5] + ".log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        with open(log_path) as f:
+            tail = f.read()[-3000:]
+        print(f"[speed] worker {kind} failed (exit {code}):\n{tail}", file=sys.stderr, flush=True)
+        return {"error": f"exit {code}: " + (tail.strip().splitlines() or ['?'])[-1][:300]}
+    with open(out) as f:
+        result = json.load(f)
+    os.remove(out)
+    os.remove(log_path)
+    result.update(peak_rss_mib=usage.ru_maxrss / 1024, wall_s=time.perf_counter() - start)
+    print(f"[speed] {kind}: {json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))})}",
+          flush=True)
+    return result
+
+
+def trl_available() -> str | None:
+    try:
+        import importlib.metadata as md
+
+        return md.version("trl")
+    except Exception:
+        return None
+
+
+def machine() -> str:
+    import torch
+
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = ""
+    try:
+        with open("/proc/meminfo") as f:
+            mem = f", {int(f.readline().split()[1]) / 2**20:.0f} GiB RAM"
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} logical CPUs{mem}, {gpu}; Python {platform.python_version()}, torch "
+            f"{torch.__version__}, transformers {_version('transformers')}, accelerate {_version('accelerate')}; "
+            f"{platform.system()} {platform.release()}")
+
+
+def _version(name):
+    try:
+        import importlib.metadata as md
+
+        return md.version(name)
+    except Exception:
+        return "?"
+
+
+def ms(x) -> str:
+    return "n/a" if x is None else f"{1000 * x:.1f}"
+
+
+def ratio(a, b) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
+
+
+def write_report(results: dict, args, path: str, trl_version) -> None:
+    lines = ["# Speed and memory benchmark", "",
+             f"Written by `python benchmark/speed.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}.",
+             f"Machine: {machine()}. Each measurement in its own process, one at a time, {args.threads} threads; "
+             f"step times are means over {args.steps} steps after {args.warmup} warm-up steps.", "",
+             "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
+             "algorithm). Peak memory = peak resident set size of the measuring process (whole process: Python, "
+             "libraries, models, optimizer, activations); 'after setup' = resident size when training starts.", "",
+             "## Seconds per training step, by phase (milliseconds)", "",
+             "| algorithm | implementation | step | generation | scoring / reference | update | peak memory (MiB) | "
+             "memory after setup (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for algo in args.algos:
+        for impl in ("ours", "trl"):
+            r = results.get(f"{impl}:{algo}")
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {algo} | {impl} | failed: {r['error']} | | | | | |")
+                continue
+            name = "ours" if impl == "ours" else f"TRL {r.get('trl_version', '')}"
+            lines.append(f"| {algo} | {name} | {ms(r['step'])} | {ms(r['generation'])} | {ms(r['scoring'])} | "
+                         f"{ms(r['update'])} | {r['peak_rss_mib']:.0f} | {r['setup_rss_mib'] or 0:.0f} |")
+    lines += [""]
+    if trl_version is None or args.no_trl:
+        lines += ["TRL comparison skipped: " + ("`--no_trl` given." if args.no_trl else
+                  "trl is not installed (`pip install -r benchmark/requirements-bench.txt`)."), ""]
+    else:
+        lines += ["## Ours over TRL (same run)", "",
+                  "| algorithm | step time ratio | target | phase ratios (gen / scoring / update) | peak memory ratio | "
+                  "target met | where the time goes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for algo in args.algos:
+            ours, theirs = results.get(f"ours:{algo}"), results.get(f"trl:{algo}")
+            if algo not in TRL_ALGOS:
+                lines.append(f"| {algo} | n/a | | | | | TRL {trl_version} has no {algo.upper()} trainer |")
+                continue
+            if not ours or not theirs or "error" in ours or "error" in theirs:
+                lines.append(f"| {algo} | n/a | | | | | a measurement failed (see above) |")
+                continue
+            step_ratio = ours["step"] / theirs["step"]
+            mem_ratio = ours["peak_rss_mib"] / theirs["peak_rss_mib"]
+            met = step_ratio <= TARGET[algo] and mem_ratio <= 1.0
+            diffs = sorted(((ours[p] - theirs[p], p) for p in PHASES), reverse=True)
+            if step_ratio <= 1.0:
+                where = "faster; biggest saving: " + f"{diffs[-1][1]} ({ms(-diffs[-1][0])} ms/step less)"
+            else:
+                where = "slower; costliest phase: " + ", ".join(f"{p} +{ms(d)} ms" for d, p in diffs if d > 0)
+            if step_ratio > TARGET[algo] and step_ratio <= 1.0:
+                where += f"; short of the {TARGET[algo]}x target, remaining gap mostly in " + \
+                         max(PHASES, key=lambda p: ours[p] - TARGET[algo] * theirs[p])
+            phase = " / ".join(ratio(ours[p], theirs[p]) if theirs[p] > 1e-4 else "-" for p in PHASES)
+            lines.append(f"| {algo} | {step_ratio:.2f}x | <= {TARGET[algo]}x | {phase} | {mem_ratio:.2f}x | "
+                         f"{'yes' if met else 'no'} | {where} |")
+        notes = [f"- {algo}: " + "; ".join(results[f"trl:{algo}"].get("unmatched", []))
+                 for algo in TRL_ALGOS if results.get(f"trl:{algo}", {}).get("unmatched")]
+        lines += ["", "Settings that could not be matched exactly:", *notes,
+                  "- The LR schedule: ours follows the full toy run length (then --max_steps cuts it), TRL's follows "
+                  "max_steps; this changes learning rates, not step cost.",
+                  "- TRL tokenizes text itself (prompt and completion tokenized separately, EOS appended); with the "
+                  "toy word-level tokenizer this gives the same token ids.", ""]
+    lines += ["## Baselines measured in the same run", ""]
+    gen = results.get("generation")
+    if gen and "error" not in gen:
+        b, n = gen["batch_generation"], gen["naive_loop"]
+        lines += [f"Generation ({gen['batch']}):", "",
+                  "| method | tokens / s | s per batch | speed-up |", "| --- | --- | --- | --- |",
+                  f"| `pc.batch_generation` (one batched call) | {b['tokens_per_s']:.0f} | {b['seconds_per_batch']:.3f} | "
+                  f"{b['tokens_per_s'] / n['tokens_per_s']:.1f}x |",
+                  f"| naive per-example `model.generate` loop | {n['tokens_per_s']:.0f} | {n['seconds_per_batch']:.3f} | "
+                  "1.0x |", ""]
+    for shape in ("toy", "pythia"):
+        sel, full = results.get(f"logprobs:selective:{shape}"), results.get(f"logprobs:full:{shape}")
+        if not sel or not full or "error" in sel or "error" in full:
+            continue
+        lines += [f"Response log-probs, {sel['what']}:", "",
+                  "| method | ms | peak extra memory (MiB) | time ratio | memory ratio |", "| --- | --- | --- | --- | --- |",
+                  f"| `pc.{'response_logprobs' if shape == 'toy' else 'selective_logprobs'}` (row-wise logsumexp) | "
+                  f"{1000 * sel['seconds']:.1f} | {sel['peak_extra_mib']:.0f} | {sel['seconds'] / full['seconds']:.2f}x | "
+                  f"{ratio(sel['peak_extra_mib'], full['peak_extra_mib'])} |",
+                  f"| plain full `log_softmax` + gather | {1000 * full['seconds']:.1f} | {full['peak_extra_mib']:.0f} | "
+                  "1.00x | 1.00x |", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    with open(os.path.splitext(path)[0] + ".json", "w") as f:
+        json.dump({"machine": machine(), "argv": sys.argv[1:], "results": results}, f, indent=2)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps per algorithm")
+    parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    parser.add_argument("--repeats", type=int, default=10, help="repeats of each baseline micro-benchmark")
+    parser.add_argument("--threads", type=int, default=2, help="OMP threads of every measuring process")
+    parser.add_argument("--no_trl", action="store_true", help="skip TRL even when it is installed")
+    parser.add_argument("--no_baselines", action="store_true", help="skip the generation / log-prob baselines")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "speed.md"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker_out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:  # child process: one measurement, result as JSON
+        kind = args.worker.split(":")
+        if kind[0] == "ours":
+            result = worker_ours(kind[1], args.steps, args.warmup)
+        elif kind[0] == "trl":
+            result = worker_trl(kind[1], args.steps, args.warmup)
+        elif kind[0] == "generation":
+            result = worker_generation(args.repeats)
+        elif kind[0] == "logprobs":
+            result = worker_logprobs(kind[1], kind[2], args.repeats)
+        else:
+            raise SystemExit(f"unknown worker {args.worker}")
+        with open(args.worker_out, "w") as f:
+            json.dump(result, f)
+        return
+
+    trl_version = None if args.no_trl else trl_available()
+    if not args.no_trl and trl_version is None:
+        print("[speed] trl is not installed: TRL comparison skipped (pip install -r benchmark/requirements-bench.txt)",
+              flush=True)
+    kinds = []
+    for algo in args.algos:
+        kinds.append(f"ours:{algo}")
+        if trl_version and algo in TRL_ALGOS:
+            kinds.append(f"trl:{algo}")
+    if not args.no_baselines:
+        kinds += ["generation", "logprobs:selective:toy", "logprobs:full:toy", "logprobs:selective:pythia",
+                  "logprobs:full:pythia"]
+    results = {}
+    for kind in kinds:
+        results[kind] = run_worker(kind, args, args.threads)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_report(results, args, args.out, trl_version)
+    print(f"[speed] wrote {args.out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
