@@ -267,7 +267,7 @@ class PolicyAndValue(nn.Module):
 
 # TRY NOT TO MODIFY: evaluation plumbing
 @torch.no_grad()
-def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, step):
+def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold):
     """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
@@ -319,7 +319,8 @@ def main():
     # 1. arguments, batch sizes, accelerator
     args = pc.parse_args(Args, ALIAS_DEFAULTS)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False,  # the lr decays once per update, see 4.
+                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
     sizes = validate(args, accelerator.num_processes)
     local_batch_size, local_mini_batch_size = sizes["local_batch_size"], sizes["local_mini_batch_size"]
     num_total_batches = sizes["num_total_batches"]
@@ -387,7 +388,7 @@ def main():
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
     stop, skipped, start_time = pc.StopSignal(), 0, time.time()
     if start_update == 1 and args.eval_steps > 0:
-        metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, 0)
+        metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold)
         logger.log(pc.reduce_metrics(accelerator, {**metrics, "episode": 0}), step=0)
         logger.log_samples("eval/samples", samples, step=0)
 
@@ -489,12 +490,13 @@ def main():
             metrics = pc.reduce_metrics(accelerator, metrics)
         kl_ctl.update(metrics["objective/kl"], sizes["batch_size"])
         scheduler.step()
-        metrics["time/episodes_per_second"] = (update - start_update + 1) * sizes["batch_size"] / (time.time() - start_time)
+        episodes_this_run = (update - start_update + 1) * sizes["batch_size"]
+        metrics["time/episodes_per_second"] = episodes_this_run / (time.time() - start_time)
 
         # 8. evaluation, checkpoints
         if (args.eval_steps > 0 and update % args.eval_steps == 0) or update == num_total_batches:
             eval_metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator,
-                                             gold, update)
+                                             gold)
             metrics.update(pc.reduce_metrics(accelerator, eval_metrics))
             logger.log_samples("eval/samples", samples, step=update)
         logger.log(metrics, step=update)
