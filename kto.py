@@ -216,6 +216,19 @@ def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) 
     return groups
 
 
+@functools.lru_cache(maxsize=2)
+def epoch_order(n_groups: int, seed: int, epoch: int) -> List[int]:
+    return torch.randperm(n_groups, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+
+def step_groups(step: int, n_groups: int, groups_per_step: int, seed: int) -> List[int]:
+    """Indices of the micro-batches of optimizer step `step` (0-based): each epoch visits the fixed
+    micro-batches in a fresh seeded order, `groups_per_step` (= processes x accumulation) at a time, so the
+    data position is a function of the step (nothing else to save for resume)."""
+    epoch, position = divmod(step, n_groups // groups_per_step)
+    return epoch_order(n_groups, seed, epoch)[position * groups_per_step:(position + 1) * groups_per_step]
+
+
 def collate(group: list, pad_token_id: int) -> dict:
     """A micro-batch: query_responses (B, Lq + R), kl_query_responses (B, Lq + R'), context_length Lq,
     desirable (B,) bool, and the precomputed reference log-probs (B,) when present."""
@@ -375,7 +388,8 @@ def main():
     eval_examples, _ = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     eval_groups = make_kl_groups(eval_examples, args.per_device_eval_batch_size, args.seed, args.max_length)
-    steps_per_epoch = len(groups) // (world * args.gradient_accumulation_steps)
+    groups_per_step = world * args.gradient_accumulation_steps
+    steps_per_epoch = len(groups) // groups_per_step
     if steps_per_epoch == 0 or len(eval_groups) < world:
         raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not fill one "
                         f"batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
@@ -418,7 +432,9 @@ def main():
                               num_training_steps=total_steps)
     accelerator.register_for_checkpointing(scheduler)
     if args.precompute_ref_logprobs:
-        precompute_reference(groups, reference, tokenizer.pad_token_id, accelerator)
+        # only the micro-batches that steps 0 .. stop_step - 1 visit (all of them unless --max_steps cuts the run)
+        used = sorted({g for s in range(stop_step) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
+        precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator)
         precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator)
         if reference.mode == "copy":
             reference.free()
@@ -443,12 +459,10 @@ def main():
     # 3. training loop: one optimizer step = gradient_accumulation_steps micro-batches on every process
     while step < stop_step:
         t0 = time.time()
-        epoch, position = divmod(step, steps_per_epoch)
-        group_order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-        first = position * world * args.gradient_accumulation_steps
+        this_step = step_groups(step, len(groups), groups_per_step, args.seed)
         total, lr = None, scheduler.get_last_lr()[0]
         for a in range(args.gradient_accumulation_steps):
-            group = groups[group_order[first + a * world + accelerator.process_index]]
+            group = groups[this_step[a * world + accelerator.process_index]]
             with accelerator.accumulate(policy):
                 loss, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator)
                 accelerator.backward(loss)
