@@ -1,8 +1,18 @@
 # REINFORCE Leave-One-Out (RLOO): Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization
 # for Learning from Human Feedback in LLMs" (https://arxiv.org/abs/2402.14740); defaults follow TRL's RLOO TL;DR run
 # (https://huggingface.co/docs/trl/rloo_trainer, "Benchmark experiments").
-#   python rloo.py                                  # toy task, CPU, a few minutes
+#   python rloo.py                                  # toy task, CPU, about a minute
 #   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
+# Per step: sample rloo_k completions per prompt, score them (reward model, minus missing_eos_penalty without EOS),
+# subtract kl_coef * KL(policy || reference), take advantage = reward - mean reward of the prompt's other k-1
+# completions, and step on the clipped REINFORCE loss (one epoch, one mini-batch by default = plain REINFORCE).
+# Metrics (metrics.jsonl, one row per step): objective/scores (reward after the EOS penalty), objective/kl
+# (sequence KL to the reference, per the chosen estimator), objective/non_score_reward (-kl_coef * kl),
+# objective/rlhf_reward (their sum: what is maximised), objective/entropy (sum over the response of the per-token
+# entropy), objective/advantage_std, loss/policy, policy/clipfrac, policy/approxkl (old vs new policy), val/ratio
+# (+ val/ratio_var), val/num_eos_tokens (EOS tokens in the batch), val/response_length, nonfinite/skipped, lr,
+# episode, time/episodes_per_second; and eval/* (greedy, held-out prompts): scores, kl, response_length, eos_rate,
+# gold_score (when the task has a ground-truth scorer).
 import math
 import os
 import time
@@ -119,7 +129,7 @@ class Args:
 ALIAS_DEFAULTS = {
     "toy": dict(
         total_episodes=8192, learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
-        rloo_k=4, kl_coef=0.1, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16,
+        rloo_k=4, kl_coef=0.2, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16,
         num_eval_prompts=256, missing_eos_penalty=1.0, local_rollout_forward_batch_size=256,
     )
 }
@@ -215,8 +225,9 @@ def prompt_stream(start: int, count: int, num_prompts: int, seed: int) -> List[i
 
 @torch.no_grad()
 def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold, logger, step):
-    """Greedy completions of the held-out prompts (this process's share): reward, KL to the reference, length,
-    EOS rate and the gold score when the task has one. Returns metrics averaged over processes."""
+    """Greedy completions of the held-out prompts (this process's share): reward, KL to the reference (sum over
+    the response of logp - ref_logp, at the training temperature like objective/kl), length, EOS rate and the
+    gold score when the task has one. Returns means over all processes' prompts."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
     chunk = args.local_rollout_forward_batch_size
@@ -246,7 +257,8 @@ def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval
             rows.append(row)
     if gold is None:
         totals.pop("gold_score")
-    metrics = pc.reduce_metrics(accelerator, {f"eval/{k}": v / max(len(mine), 1) for k, v in totals.items()})
+    totals = pc.reduce_metrics(accelerator, {**totals, "count": len(mine)})  # process means of sums and counts
+    metrics = {f"eval/{k}": v / totals["count"] for k, v in totals.items() if k != "count"}
     logger.log_samples("eval/samples", rows[:args.num_samples_printed], step)
     return metrics
 
@@ -265,7 +277,8 @@ def main():
         raise pc.UserError("batch sizes, epochs, --response_length and --total_episodes must be >= 1")
     if args.max_steps is not None and args.max_steps < 1:
         raise pc.UserError(f"--max_steps must be >= 1, got {args.max_steps}")
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
     # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     local_mini_batch_size = pc.exact_div(local_batch_size, args.num_mini_batches, "local_batch_size / num_mini_batches")
@@ -277,7 +290,7 @@ def main():
     if args.max_steps is not None:
         num_total_batches = min(num_total_batches, args.max_steps)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
-    local_seed = pc.seed_everything(args.seed, accelerator.process_index)
+    pc.seed_everything(args.seed, accelerator.process_index)
 
     # 1. tokenizer, shared by policy, reference and reward model (checked)
     tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
@@ -443,9 +456,10 @@ def load_policy_and_reference(args, tokenizer, accelerator):
                                load_in_4bit=args.load_in_4bit)
     if args.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
+        if args.use_peft:
+            policy.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need an input grad
     if args.use_peft:
         policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    policy.generation_config.eos_token_id = tokenizer.eos_token_id
     ref_name = args.ref_model if (args.ref_model or args.use_peft) else args.model
     reference = pc.create_reference(policy, ref_name, tokenizer, args.use_peft, False, accelerator, args.bf16,
                                     args.trust_remote_code)
