@@ -29,7 +29,7 @@ from policy_common import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {
-    "toy": dict(learning_rate=1e-4, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+    "toy": dict(learning_rate=2e-4, beta=0.5, per_device_train_batch_size=32, gradient_accumulation_steps=1,
                 per_device_eval_batch_size=64, num_train_epochs=1.0, warmup_ratio=0.1, eval_steps=40,
                 max_prompt_length=8, max_length=18, response_length=8, num_eval_prompts=256, max_eval_pairs=0),
 }
@@ -340,7 +340,8 @@ def main() -> None:
     args = pc.parse_args(Args, ALIAS_DEFAULTS)
     validate(args)
     args.dataset = args.dataset or pc.default_dataset(args.model)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
     world_size = accelerator.num_processes
     local_micro_batch_size = args.per_device_train_batch_size
     micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes
@@ -389,14 +390,14 @@ def main() -> None:
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 3. optimizer, schedule. The scheduler is not passed to prepare (accelerate would step it once per process);
-    # it is registered so that checkpoints hold it.
+    # checkpoints carry its state as JSON.
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    start_step = pc.load_checkpoint(accelerator, args.resume_from)["step"] if args.resume_from else 0
+    state = pc.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
 
     # 4. the run folder (every input is valid by now) and the logger
     run_name = broadcast_object_list([pc.run_name(args.exp_name, args.dataset, args.seed)])[0]
@@ -428,7 +429,7 @@ def main() -> None:
     # 6. training: every optimizer step takes the next `batch_size` pairs of a seeded per-epoch permutation (the
     # same global order for any number of processes); micro-batch m of process p is slice (m, p) of them.
     stop = pc.StopSignal()
-    skipped, start_time = 0, time.time()
+    start_time = time.time()
     policy.train()
     for step in range(start_step, total_steps):
         epoch, position = divmod(step, steps_per_epoch)
@@ -457,7 +458,8 @@ def main() -> None:
         metrics = pc.reduce_metrics(accelerator, {**sums, "grad_norm": grad_norm})
         if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
             if not args.skip_nonfinite:
-                pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-nonfinite", {"step": step})
+                pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-nonfinite",
+                                   {"step": step, "nonfinite_skipped": skipped}, scheduler)
                 raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step "
                                 f"{step + 1}; last good state saved to {args.output_dir}/checkpoint-nonfinite")
             skipped += 1
@@ -475,7 +477,8 @@ def main() -> None:
             metrics.update(evaluate(global_step))
         logger.log(metrics, step=global_step)
         if (args.save_steps and global_step % args.save_steps == 0) or stop.received:
-            pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-{global_step}", {"step": global_step})
+            pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-{global_step}",
+                               {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
         if stop.received:
             accelerator.print(f"{stop.received} received: checkpoint-{global_step} written, exiting")
             logger.close()

@@ -1,0 +1,289 @@
+"""dpo.py: losses against their formulas, batching and reference log-probs, data rules, and short real runs."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import read_metrics, run_script
+
+import policy_common as pc
+from dpo import (Args, concatenated_inputs, completion_logps, dpo_loss, pair_losses, ref_token_logprobs_for,
+                 sequence_ref_logps, tokenize_preferences, validate)
+
+LN2 = math.log(2)
+REQUIRED = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+            "logps/rejected", "lr", "epoch"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Losses, one pair at a time with plain math
+# ---------------------------------------------------------------------------------------------------------
+def log_sigmoid(x):
+    return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))
+
+
+def reference_loss(pc_, pr_, rc_, rr_, beta, loss_type, eps):
+    h = (pc_ - rc_) - (pr_ - rr_)
+    if loss_type == "sigmoid":
+        return -(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h)
+    if loss_type == "robust":
+        return ((1 - eps) * -log_sigmoid(beta * h) + eps * log_sigmoid(-beta * h)) / (1 - 2 * eps)
+    if loss_type == "hinge":
+        return max(0.0, 1 - beta * h)
+    if loss_type == "ipo":
+        return (h - 1 / (2 * beta)) ** 2
+
+
+@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("robust", 0.0), ("robust", 0.3),
+                                           ("hinge", 0.0), ("ipo", 0.0)])
+@pytest.mark.parametrize("beta", [0.1, 0.5])
+def test_loss_matches_formula(loss_type, eps, beta):
+    g = torch.Generator().manual_seed(0)
+    logps = [-20 * torch.rand(64, generator=g, dtype=torch.float64) for _ in range(4)]
+    losses, chosen_rewards, rejected_rewards = dpo_loss(*logps, beta=beta, loss_type=loss_type, label_smoothing=eps)
+    for i in range(64):
+        a, b, c, d = (float(x[i]) for x in logps)
+        assert losses[i].item() == pytest.approx(reference_loss(a, b, c, d, beta, loss_type, eps), rel=1e-9, abs=1e-12)
+        assert chosen_rewards[i].item() == pytest.approx(beta * (a - c))
+        assert rejected_rewards[i].item() == pytest.approx(beta * (b - d))
+
+
+def test_policy_equal_to_reference_gives_ln2_and_robust_is_unbiased():
+    logps = torch.randn(8, dtype=torch.float64)
+    losses, _, _ = dpo_loss(logps, logps + 1, logps, logps + 1, beta=0.1)
+    assert torch.allclose(losses, torch.full_like(losses, LN2))
+    # rDPO's defining property: its expectation over label flips (rate eps) equals the clean DPO loss
+    h, eps = torch.randn(8, dtype=torch.float64), 0.2
+    zero = torch.zeros_like(h)
+    clean, _, _ = dpo_loss(h, zero, zero, zero, beta=1.0)
+    kept, _, _ = dpo_loss(h, zero, zero, zero, beta=1.0, loss_type="robust", label_smoothing=eps)
+    flipped, _, _ = dpo_loss(zero, h, zero, zero, beta=1.0, loss_type="robust", label_smoothing=eps)
+    assert torch.allclose((1 - eps) * kept + eps * flipped, clean)
+
+
+def test_ipo_uses_length_normalised_logps_and_rpo_adds_chosen_nll():
+    # two pairs; completions of lengths (3, 1) chosen and (2, 2) rejected, written by hand
+    pad = 0
+    query_responses = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0], [5, 6, 6, 0], [5, 6, 7, 0]])
+    policy_tok = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 9.0, 9.0], [-1.0, -1.0, 9.0], [-2.0, -4.0, 9.0]])
+    ref_tok = torch.full_like(policy_tok, -1.0)
+    args = Args(loss_type="ipo", beta=0.5)
+    losses, stats = pair_losses(args, policy_tok, ref_tok, query_responses, 1, pad)
+    pol = [(-1 - 2 - 3) / 3, -4 / 1, (-1 - 1) / 2, (-2 - 4) / 2]  # per-token means over the real tokens
+    ref = [-1.0, -1.0, -1.0, -1.0]
+    for i in range(2):
+        h = (pol[i] - ref[i]) - (pol[2 + i] - ref[2 + i])
+        assert losses[i].item() == pytest.approx((h - 1 / (2 * 0.5)) ** 2)
+    args = Args(loss_type="sigmoid", beta=0.5, rpo_alpha=0.7)
+    losses, stats = pair_losses(args, policy_tok, ref_tok, query_responses, 1, pad)
+    sums = [-6.0, -4.0, -2.0, -6.0]
+    refs = [-3.0, -1.0, -2.0, -2.0]
+    for i, n in enumerate([3, 1]):
+        h = (sums[i] - refs[i]) - (sums[2 + i] - refs[2 + i])
+        expected = -log_sigmoid(0.5 * h) + 0.7 * (-sums[i] / n)
+        assert losses[i].item() == pytest.approx(expected, rel=1e-6)
+        assert stats["nll_loss"][i].item() == pytest.approx(-sums[i] / n)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batching, reference log-probs, data
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def toy_model(toy):
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    return tokenizer, pc.load_causal_lm(toy["policy"], tokenizer)
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def hand_rows(tokenizer):
+    eos = tokenizer.eos_token_id
+    pairs = [("c a b =", " a b c", " c a b"), ("f e d c b a =", " a b c d e f", " a"), ("k j =", " j k j k", " j")]
+    return [{"prompt": encode(tokenizer, p), "chosen": encode(tokenizer, c) + [eos],
+             "rejected": encode(tokenizer, r) + [eos]} for p, c, r in pairs]
+
+
+def test_concatenated_forward_equals_separate_forwards(toy_model):
+    tokenizer, model = toy_model
+    pad, rows = tokenizer.pad_token_id, hand_rows(tokenizer)
+    query_responses, context_length = concatenated_inputs(rows, pad)
+    assert query_responses.shape[0] == 2 * len(rows)
+    with torch.no_grad():
+        token_logprobs = pc.response_logprobs(model, query_responses, context_length, pad)
+    logps, lengths = completion_logps(token_logprobs, query_responses, context_length, pad)
+    for i, row in enumerate(rows):
+        for j, column in enumerate(("chosen", "rejected")):
+            ids = torch.tensor([row["prompt"] + row[column]])
+            with torch.no_grad():
+                alone = F.log_softmax(model(ids).logits[0, len(row["prompt"]) - 1:-1], -1)
+            expected = alone.gather(-1, torch.tensor(row[column]).unsqueeze(-1)).sum().item()
+            assert logps[j * len(rows) + i].item() == pytest.approx(expected, abs=1e-4)
+            assert lengths[j * len(rows) + i].item() == len(row[column])
+
+
+def test_precomputed_reference_equals_on_the_fly(toy_model, toy):
+    from accelerate import Accelerator
+
+    tokenizer, _ = toy_model
+    pad, rows = tokenizer.pad_token_id, hand_rows(tokenizer)
+    reference = pc.Reference("copy", model=pc.load_causal_lm(toy["policy"], tokenizer))
+    precomputed = sequence_ref_logps(reference, rows, 2, pad, Accelerator(cpu=True))  # (N, 2), batches of 2
+    query_responses, context_length = concatenated_inputs(rows, pad)
+    on_the_fly = reference.logprobs(query_responses, context_length, pad)
+    stand_in = ref_token_logprobs_for(reference, precomputed, list(range(len(rows))), query_responses, context_length,
+                                      pad)
+    for loss_type in ("sigmoid", "ipo"):
+        args = Args(loss_type=loss_type)
+        policy_tok = -torch.rand(on_the_fly.shape)
+        a, stats_a = pair_losses(args, policy_tok, on_the_fly, query_responses, context_length, pad)
+        b, stats_b = pair_losses(args, policy_tok, stand_in, query_responses, context_length, pad)
+        assert torch.allclose(a, b, atol=1e-5)
+        assert torch.allclose(stats_a["rewards/margins"], stats_b["rewards/margins"], atol=1e-5)
+
+
+def test_tokenisation_truncation_rule_and_dropped_rows(toy_model):
+    from datasets import Dataset
+
+    tokenizer, _ = toy_model
+    eos = tokenizer.eos_token_id
+    data = Dataset.from_list([
+        {"prompt": "a b c d =", "chosen": " a b c d", "rejected": " d"},  # prompt cut to "c d =", completions to 2
+        {"prompt": "a b c d e f =", "chosen": " a", "rejected": " b"},  # prompt "e f =", a + EOS fit
+        {"prompt": "a =", "chosen": " a", "rejected": " b c"},  # fits
+    ])
+    rows, dropped = tokenize_preferences(tokenizer, data, max_prompt_length=3, max_length=5, name="hand")
+    assert dropped == 0 and len(rows) == 3
+    assert rows[0] == {"prompt": encode(tokenizer, "c d ="), "chosen": encode(tokenizer, " a b"),
+                       "rejected": encode(tokenizer, " d") + [eos]}
+    assert rows[1]["prompt"] == encode(tokenizer, "e f =") and rows[1]["chosen"] == encode(tokenizer, " a") + [eos]
+    assert rows[2]["rejected"] == encode(tokenizer, " b c") + [eos]
+    rows, dropped = tokenize_preferences(tokenizer, data, max_prompt_length=4, max_length=4, name="hand")
+    assert dropped == 2 and len(rows) == 1  # rows 0 and 1 have 4-token prompts: nothing is left of a completion
+    with pytest.raises(pc.UserError, match="no pair is left"):
+        tokenize_preferences(tokenizer, data.select([0, 1]), max_prompt_length=4, max_length=4, name="hand")
+    with pytest.raises(pc.UserError, match="'rejected'"):
+        tokenize_preferences(tokenizer, Dataset.from_list([{"prompt": "a =", "chosen": " a", "rejected": 3}]), 4, 8,
+                             name="hand")
+
+
+def test_conversational_pairs_render_with_the_chat_template(toy_model):
+    from datasets import Dataset
+
+    tokenizer, _ = toy_model
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %} ={% endif %}"
+                               "{% endfor %}")
+    text = Dataset.from_list([{"prompt": "c a b =", "chosen": " a b c", "rejected": " c a b"}])
+    chat = Dataset.from_list([{"prompt": [{"role": "user", "content": "c a b"}],
+                               "chosen": [{"role": "assistant", "content": " a b c"}],
+                               "rejected": [{"role": "assistant", "content": " c a b"}]}])
+    assert tokenize_preferences(tokenizer, chat, 8, 16, "chat") == tokenize_preferences(tokenizer, text, 8, 16, "text")
+    tokenizer.chat_template = None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real runs on the toy task
+# ---------------------------------------------------------------------------------------------------------
+SHORT = ["--max_steps", "6", "--per_device_train_batch_size", "8", "--eval_steps", "3", "--save_steps", "3",
+         "--max_eval_pairs", "32", "--num_eval_prompts", "16", "--seed", "5", "--precompute_ref_logprobs"]
+
+
+@pytest.fixture(scope="module")
+def short_run(toy, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dpo") / "a")
+    run_script("dpo.py", "--output_dir", out, *SHORT)
+    return out
+
+
+def load_weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_short_run_metrics_and_model(short_run):
+    from transformers import AutoModelForCausalLM
+
+    rows = read_metrics(short_run)
+    assert rows[0]["step"] == 0 and rows[0]["data/dropped"] == 0 and rows[0]["data/train_pairs"] > 0
+    train = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in train] == list(range(1, 7))
+    for key in REQUIRED:
+        assert all(math.isfinite(r[key]) for r in train), key
+    for row in (train[2], train[5]):
+        for key in ["eval/loss", "eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen",
+                    "eval/gold_score"]:
+            assert key in row
+    assert train[0]["loss"] == pytest.approx(LN2, abs=1e-4)  # policy == reference at step 0
+    assert train[-1]["epoch"] == pytest.approx(6 * 8 / (rows[0]["data/train_pairs"] // 8 * 8))
+    assert AutoModelForCausalLM.from_pretrained(os.path.join(short_run, "model")) is not None
+
+
+def test_determinism_and_resume(short_run, tmp_path):
+    again, resumed = str(tmp_path / "b"), str(tmp_path / "c")
+    run_script("dpo.py", "--output_dir", again, *SHORT)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    assert strip(read_metrics(again)) == strip(read_metrics(short_run))
+
+    run_script("dpo.py", "--output_dir", resumed, *SHORT, "--resume_from", os.path.join(short_run, "checkpoint-3"))
+    later = [r for r in strip(read_metrics(short_run)) if r["step"] > 3]
+    got = strip(read_metrics(resumed))
+    assert [r["step"] for r in got] == [4, 5, 6]
+    for a, b in zip(got, later):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    wa, wb = load_weights(os.path.join(resumed, "model")), load_weights(os.path.join(short_run, "model"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wb)
+
+
+def test_peft_run_uses_the_adapter_off_base_as_reference(toy, tmp_path):
+    out = str(tmp_path / "peft")
+    run_script("dpo.py", "--output_dir", out, "--use_peft", "--max_steps", "3", "--per_device_train_batch_size", "8",
+               "--learning_rate", "1e-2", "--max_eval_pairs", "16", "--num_eval_prompts", "8")
+    train = [r for r in read_metrics(out) if r["step"] > 0]
+    assert train[0]["loss"] == pytest.approx(LN2, abs=1e-4)  # fresh LoRA (B = 0): policy == adapter-off base
+    assert abs(train[-1]["rewards/margins"]) > 0  # the reference did not move with the adapter
+    assert os.path.exists(os.path.join(out, "model", "adapter_config.json"))
+
+
+def test_learns_on_the_toy_task(toy, tmp_path):
+    out = str(tmp_path / "learn")
+    run_script("dpo.py", "--output_dir", out, "--max_steps", "20", "--eval_steps", "0", "--num_eval_prompts", "64")
+    with open(os.path.join(toy["root"], "report.json")) as f:
+        sft_greedy_gold = json.load(f)["sft_gold_greedy"]
+    train = [r for r in read_metrics(out) if r["step"] > 0]
+    first, last = train[:5], train[-5:]
+    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)
+    # seeds 1-3 measured: loss -0.19, accuracy +0.30..0.39, held-out accuracy 0.81..0.86, gold +0.46..0.49
+    assert mean(last, "loss") < mean(first, "loss") - 0.1
+    assert mean(last, "rewards/accuracies") > mean(first, "rewards/accuracies") + 0.15
+    assert train[-1]["eval/rewards/accuracies"] > 0.7
+    assert train[-1]["eval/gold_score"] > sft_greedy_gold + 0.25
+
+
+@pytest.mark.parametrize("case", ["missing_column", "empty"])
+def test_bad_input_fails_fast_without_output_folder(case, toy, tmp_path):
+    data = str(tmp_path / "data.jsonl")
+    with open(data, "w") as f:
+        if case == "missing_column":
+            f.write(json.dumps({"prompt": "a b =", "chosen": " a b"}) + "\n")
+    out = str(tmp_path / "out")
+    proc = run_script("dpo.py", "--dataset", data, "--output_dir", out, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and lines[-1].startswith("error: ") and "Traceback" not in proc.stderr
+    assert {"missing_column": "['rejected']", "empty": "empty"}[case] in lines[-1]
+    assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("flags,match", [(dict(beta=-1.0), "--beta"), (dict(label_smoothing=0.5), "label_smoothing"),
+                                         (dict(loss_type="ipo", label_smoothing=0.1), "sigmoid and robust"),
+                                         (dict(reference_free=True, precompute_ref_logprobs=True), "reference_free"),
+                                         (dict(max_prompt_length=8, max_length=8), "max_length")])
+def test_invalid_hyper_parameters(flags, match):
+    with pytest.raises(pc.UserError, match=match):
+        validate(Args(**flags))
