@@ -257,12 +257,20 @@ def test_resume_equals_uninterrupted_run(run_a, tmp_path):
         torch.testing.assert_close(w_resumed[k], w_full[k], rtol=1e-5, atol=1e-6)
 
 
-def test_peft_run_saves_adapter(toy, tmp_path):
+def test_peft_run_with_every_variant_option(toy, tmp_path):
+    # also exercises token-level k3 KL, normalisation, 2 epochs x 2 mini-batches x 2 accumulated micro-batches
     out = str(tmp_path / "peft")
-    run_script("rloo.py", "--use_peft", "--max_steps", "1", "--per_device_train_batch_size", "8",
+    run_script("rloo.py", "--use_peft", "--token_level_kl", "--kl_estimator", "k3", "--normalize_advantage",
+               "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--gradient_accumulation_steps", "2",
+               "--per_device_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-4",
                "--num_eval_prompts", "8", "--output_dir", out)
     rows = read_metrics(out)
     assert rows[0]["eval/kl"] == 0.0 and rows[1]["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # fresh adapter
+    assert rows[1]["episode"] == 16 and rows[2]["episode"] == 32  # 4 x 2 x 2 sequences per step
+    # 2 epochs x 2 mini-batches = 4 optimizer steps per step, 8 in all: lr halfway after step 1, 0 at the end
+    assert rows[1]["lr"] == pytest.approx(5e-5) and rows[2]["lr"] == pytest.approx(0.0, abs=1e-12)
+    assert rows[1]["val/ratio"] != 1.0  # later mini-batches see an updated policy
+    assert all(math.isfinite(v) for r in rows for v in r.values())
     assert os.path.exists(os.path.join(out, "model", "adapter_config.json"))
 
 
