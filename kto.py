@@ -230,16 +230,16 @@ def step_groups(step: int, n_groups: int, groups_per_step: int, seed: int) -> Li
 
 
 def collate(group: list, pad_token_id: int) -> dict:
-    """A micro-batch: query_responses (B, Lq + R), kl_query_responses (B, Lq + R'), context_length Lq,
-    desirable (B,) bool, and the precomputed reference log-probs (B,) when present."""
+    """A micro-batch of B examples: query_responses (2B, Lq + R), rows 0..B-1 each prompt with its own
+    completion and rows B..2B-1 each prompt with its mismatched completion; context_length Lq; desirable (B,)
+    bool; ref_logps (2B,) when precomputed."""
     queries = pc.pad_sequences([e["prompt_ids"] for e in group], pad_token_id, "left")
-    responses = pc.pad_sequences([e["completion_ids"] for e in group], pad_token_id, "right")
-    kl_responses = pc.pad_sequences([e["kl_completion_ids"] for e in group], pad_token_id, "right")
-    batch = dict(query_responses=torch.cat([queries, responses], 1), kl_query_responses=torch.cat([queries, kl_responses], 1),
-                 context_length=queries.shape[1], desirable=torch.tensor([e["label"] for e in group]))
+    responses = pc.pad_sequences([e["completion_ids"] for e in group] + [e["kl_completion_ids"] for e in group],
+                                 pad_token_id, "right")
+    batch = dict(query_responses=torch.cat([queries.repeat(2, 1), responses], 1), context_length=queries.shape[1],
+                 desirable=torch.tensor([e["label"] for e in group]))
     if "ref_logps" in group[0]:
-        batch["ref_logps"] = torch.tensor([e["ref_logps"] for e in group])
-        batch["kl_ref_logps"] = torch.tensor([e["kl_ref_logps"] for e in group])
+        batch["ref_logps"] = torch.tensor([e["ref_logps"] for e in group] + [e["kl_ref_logps"] for e in group])
     return batch
 
 
@@ -254,44 +254,42 @@ def precompute_reference(groups: list, reference, pad_token_id: int, accelerator
     """Store ref_logps and kl_ref_logps in every example. Groups are split across processes and gathered."""
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     per_process = math.ceil(len(groups) / world)
-    local = []  # (per_process, 2, B): own and mismatched reference log-probs of this process's groups
+    local = []  # per_process x (2B,): reference log-probs of own and mismatched completions of this process's groups
     for g in range(rank, per_process * world, world):
         batch = collate(groups[min(g, len(groups) - 1)], pad_token_id)  # past the end: a repeat, discarded
-        qr, kl_qr, ctx = (batch["query_responses"].to(device), batch["kl_query_responses"].to(device), batch["context_length"])
-        local.append(torch.stack([completion_logps(reference.logprobs, qr, ctx, pad_token_id),
-                                  completion_logps(reference.logprobs, kl_qr, ctx, pad_token_id)]))
-    gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * per_process, 2, B), process-major
+        local.append(completion_logps(reference.logprobs, batch["query_responses"].to(device), batch["context_length"], pad_token_id))
+    gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * per_process, 2B), process-major
     for p in range(world):
         for k in range(per_process):
             g = k * world + p
             if g < len(groups):
-                for example, ref, kl_ref in zip(groups[g], *gathered[p * per_process + k].tolist()):
-                    example["ref_logps"], example["kl_ref_logps"] = ref, kl_ref
+                ref, kl_ref = gathered[p * per_process + k].chunk(2)
+                for example, r, kl_r in zip(groups[g], ref.tolist(), kl_ref.tolist()):
+                    example["ref_logps"], example["kl_ref_logps"] = r, kl_r
 
 
 def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, accelerator):
     """Forward one micro-batch. Returns the mean KTO loss and the sums behind the logged metrics."""
     device = accelerator.device
-    qr, kl_qr, ctx = batch["query_responses"].to(device), batch["kl_query_responses"].to(device), batch["context_length"]
+    query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]  # (2B, T)
     desirable = batch["desirable"].to(device)
+    B = desirable.shape[0]
     policy_logprobs = functools.partial(pc.response_logprobs, policy)
-    # 1. log pi(y|x) (with gradient) and log pi_ref(y|x) of each example's own completion
-    policy_logps = completion_logps(policy_logprobs, qr, ctx, pad_token_id)
-    if "ref_logps" in batch:
-        ref_logps = batch["ref_logps"].to(device)
-    else:
-        ref_logps = completion_logps(reference.logprobs, qr, ctx, pad_token_id)
-    # 2. KL reference point z0 from the mismatched pairs (x_k, y_{k-1}), no gradient
+    # 1. log pi(y|x) of each example's own completion, with gradient
+    policy_logps = completion_logps(policy_logprobs, query_responses[:B], ctx, pad_token_id)
+    # 2. log pi(y'|x) of the mismatched pairs (x_k, y_{k-1}), no gradient; the reference on all 2B rows
     with torch.no_grad():
-        kl_policy_logps = completion_logps(policy_logprobs, kl_qr, ctx, pad_token_id)
-        kl_ref_logps = (batch["kl_ref_logps"].to(device) if "kl_ref_logps" in batch
-                        else completion_logps(reference.logprobs, kl_qr, ctx, pad_token_id))
+        kl_policy_logps = completion_logps(policy_logprobs, query_responses[B:], ctx, pad_token_id)
+    all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
+                     else completion_logps(reference.logprobs, query_responses, ctx, pad_token_id))
+    ref_logps, kl_ref_logps = all_ref_logps[:B], all_ref_logps[B:]
+    # 3. KL reference point z0 = max(0, mean log-ratio of the mismatched pairs), detached, over all processes
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
-    # 3. implicit rewards r = log pi(y|x) - log pi_ref(y|x) and the KTO loss, averaged over the batch
+    # 4. r = log pi(y|x) - log pi_ref(y|x) and the KTO loss, averaged over the batch
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()
     undesirable = ~desirable
-    r, logps = rewards.detach(), policy_logps.detach()
+    r, logps = args.beta * rewards.detach(), policy_logps.detach()  # logged rewards are beta * r, as TRL and dpo.py
     sums = {"loss": loss.detach(), "kl": z0, "count/desirable": desirable.sum().float(), "count/undesirable": undesirable.sum().float(),
             "rewards/chosen": (r * desirable).sum(), "rewards/rejected": (r * undesirable).sum(),
             "logps/chosen": (logps * desirable).sum(), "logps/rejected": (logps * undesirable).sum()}
@@ -427,10 +425,9 @@ def main():
                                     trust_remote_code=args.trust_remote_code)
     from transformers import get_scheduler
 
-    # not prepared: accelerate would step it once per process; registered so that checkpoints include it
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=int(args.warmup_ratio * total_steps),
+    # not prepared (accelerate would step it once per process); checkpoints carry its state as JSON
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
-    accelerator.register_for_checkpointing(scheduler)
     if args.precompute_ref_logprobs:
         # only the micro-batches that steps 0 .. stop_step - 1 visit (all of them unless --max_steps cuts the run)
         used = sorted({g for s in range(stop_step) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
@@ -445,7 +442,7 @@ def main():
                                      else os.path.join("runs", name))
     step, skipped = 0, 0
     if args.resume_from:
-        state = pc.load_checkpoint(accelerator, args.resume_from)
+        state = pc.load_checkpoint(accelerator, args.resume_from, scheduler)
         step, skipped = state["step"], state.get("nonfinite_skipped", 0)
     logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project, name,
                               resume_step=step if args.resume_from else None)
@@ -473,7 +470,7 @@ def main():
                     bad = [k for k, v in (("loss", metrics["loss"]), ("grad_norm", float(grad_norm))) if not math.isfinite(v)]
                     if bad and not args.skip_nonfinite:
                         pc.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                                           {"step": step, "nonfinite_skipped": skipped})
+                                           {"step": step, "nonfinite_skipped": skipped}, scheduler)
                         raise UserError(f"non-finite {', '.join(bad)} at step {step + 1}; last good state saved to "
                                         f"{output_dir}/checkpoint-nonfinite (or pass --skip_nonfinite)")
                     if bad:
@@ -491,7 +488,7 @@ def main():
         if (args.eval_steps and step % args.eval_steps == 0) or step == stop_step:
             logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, logger, step), step=step)
         if (args.save_steps and step % args.save_steps == 0) or stop.received:
-            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), {"step": step, "nonfinite_skipped": skipped})
+            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), {"step": step, "nonfinite_skipped": skipped}, scheduler)
         if stop.received:
             accelerator.print(f"{stop.received} received: checkpoint-{step} written; resume with --resume_from")
             logger.close()
