@@ -320,13 +320,15 @@ class Reference:
 
 def create_reference(policy: nn.Module, ref_model: Optional[str], tokenizer, use_peft: bool, reference_free: bool,
                      accelerator=None, bf16: bool = False, trust_remote_code: bool = False) -> Reference:
-    """Build the Reference for a run. `ref_model=None` means "the starting policy": with `use_peft` that is the
-    adapter-off base (no copy), otherwise a frozen copy loaded from the policy's own source. A frozen copy is
+    """Build the Reference for a run: `reference_free` -> none; `use_peft` with `ref_model=None` -> the policy's
+    adapter-off base (no copy); otherwise a frozen copy of `ref_model` (scripts pass `--ref_model or --model`),
     prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine)."""
     if reference_free:
         return Reference("none")
     if use_peft and ref_model is None:
         return Reference("adapter_off", policy=policy)
+    if ref_model is None:
+        raise ValueError("create_reference needs ref_model (the starting policy's name) unless use_peft is set")
     model = load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
     if accelerator is not None:
