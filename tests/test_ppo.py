@@ -213,6 +213,7 @@ def test_peft_run_uses_adapter_off_reference(toy, tmp_path):
     (["--kl_coef", "-0.1"], "--kl_coef must be >= 0"),
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--lam", "1.5"], "--lam must be in [0, 1]"),
+    (["--num_mini_batches", "0"], "--num_mini_batches must be > 0"),
     (["--max_prompt_length", "60"], "exceeds the model's 64 positions"),
 ])
 def test_bad_input_fails_early_without_output(toy, tmp_path, flags, message):
