@@ -47,7 +47,7 @@ class Args:
     ref_model: Optional[str] = None
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     dataset: Optional[str] = None
-    """preference data (prompt, chosen, rejected): alias, hub id, save_to_disk folder or json/jsonl/parquet files; None = the model alias's"""
+    """preference pairs (prompt, chosen, rejected): alias, hub id, save_to_disk folder or json/jsonl/parquet files"""
     eval_split: str = "test"
     """held-out split for evaluation"""
     output_dir: Optional[str] = None
@@ -146,7 +146,8 @@ def validate(args: Args) -> None:
     if args.reference_free and (args.precompute_ref_logprobs or args.ref_model):
         raise UserError("--reference_free excludes --precompute_ref_logprobs and --ref_model")
     if args.max_prompt_length < 1 or args.max_length <= args.max_prompt_length:
-        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and {args.max_length}")
+        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and "
+                        f"{args.max_length}")
     if args.learning_rate <= 0 or args.max_grad_norm <= 0 or args.num_train_epochs <= 0:
         raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0")
     if not 0 <= args.warmup_ratio < 1:
@@ -240,18 +241,11 @@ def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_r
     return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
 
 
-def pair_losses(args: Args, policy_token_logprobs, ref_token_logprobs, query_responses, context_length, pad_token_id):
-    """Everything DPO needs from one concatenated batch: per-pair losses (b,) (with the RPO term when on) and the
-    per-pair values logged as metrics."""
-    policy_logps, lengths = completion_logps(policy_token_logprobs, query_responses, context_length, pad_token_id)
-    ref_logps, _ = completion_logps(ref_token_logprobs, query_responses, context_length, pad_token_id)
+def pair_losses(args: Args, policy_logps, ref_logps, lengths):
+    """(2b,) completion log-probs (summed over tokens) of policy and reference and (2b,) completion lengths,
+    chosen rows then rejected rows -> per-pair losses (b,) (with the RPO term when on) and per-pair metrics."""
     if args.loss_type == "ipo":  # length-normalised log-probs (see dpo_loss)
         policy_logps, ref_logps = policy_logps / lengths, ref_logps / lengths
-    return pair_losses_from_logps(args, policy_logps, ref_logps, lengths)
-
-
-def pair_losses_from_logps(args: Args, policy_logps, ref_logps, lengths):
-    """(2b,) sequence log-probs of policy and reference (chosen rows, then rejected) -> losses and metrics."""
     policy_chosen, policy_rejected = policy_logps.chunk(2)
     ref_chosen, ref_rejected = ref_logps.chunk(2)
     losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
@@ -279,9 +273,8 @@ def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, acce
         for i in range(0, len(my_rows), batch_size):
             query_responses, context_length = concatenated_inputs([rows[j] for j in my_rows[i:i + batch_size]],
                                                                   pad_token_id)
-            query_responses = query_responses.to(accelerator.device)
-            token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id)
-            logps, _ = completion_logps(token_logprobs, query_responses, context_length, pad_token_id)
+            logps = reference_logps(reference, None, None, query_responses.to(accelerator.device), context_length,
+                                    pad_token_id)
             out += torch.stack(logps.chunk(2), 1).tolist()
     return torch.tensor(gather_object(out))
 
@@ -295,25 +288,24 @@ def evaluate_pairs(args, policy, reference, rows, ref_logps, pad_token_id, accel
             index = my_rows[i:i + args.per_device_eval_batch_size]
             query_responses, context_length = concatenated_inputs([rows[j] for j in index], pad_token_id)
             query_responses = query_responses.to(accelerator.device)
-            policy_token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id)
-            ref_token_logprobs = ref_token_logprobs_for(reference, ref_logps, index, query_responses, context_length,
-                                                        pad_token_id)
-            _, stats = pair_losses(args, policy_token_logprobs, ref_token_logprobs, query_responses, context_length,
-                                   pad_token_id)
+            policy_logps, lengths = completion_logps(
+                pc.response_logprobs(policy, query_responses, context_length, pad_token_id), query_responses,
+                context_length, pad_token_id)
+            _, stats = pair_losses(args, policy_logps, reference_logps(reference, ref_logps, index, query_responses,
+                                                                       context_length, pad_token_id), lengths)
             values += [dict(zip(stats, row)) for row in torch.stack(list(stats.values()), 1).tolist()]
     values = gather_object(values)  # one dict per held-out pair, in dataset order
     return {f"eval/{k}": sum(v[k] for v in values) / len(values) for k in values[0]}
 
 
-def ref_token_logprobs_for(reference, ref_logps, index, query_responses, context_length, pad_token_id):
-    """Reference per-token log-probs of a batch, or (when precomputed) a stand-in whose completion sums equal
-    the stored sequence log-probs: the whole sum sits on the first completion token."""
-    if ref_logps is None:
-        return reference.logprobs(query_responses, context_length, pad_token_id)
-    token_logprobs = torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
-                                 device=query_responses.device)
-    token_logprobs[:, 0] = torch.cat([ref_logps[index, 0], ref_logps[index, 1]]).to(query_responses.device)
-    return token_logprobs
+@torch.no_grad()
+def reference_logps(reference, precomputed, index, query_responses, context_length, pad_token_id):
+    """(2b,) reference log-probs summed over each completion of a concatenated batch: looked up for rows `index`
+    in the (N, 2) `precomputed` table when there is one, else computed with the reference model."""
+    if precomputed is not None:
+        return torch.cat([precomputed[index, 0], precomputed[index, 1]]).to(query_responses.device)
+    token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id)
+    return completion_logps(token_logprobs, query_responses, context_length, pad_token_id)[0]
 
 
 @torch.no_grad()
@@ -348,23 +340,10 @@ def main() -> None:
     batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
     pc.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. models: policy, reference (frozen copy / adapter-off base / none)
+    # 1. data: tokenised pairs (train, held-out), held-out prompts for the gold score (bad data fails before the
+    # models load)
     tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                               load_in_4bit=args.load_in_4bit)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        policy.enable_input_require_grads()
-    if args.use_peft:
-        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    if args.ref_model:
-        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.ref_model, trust_remote_code=args.trust_remote_code),
-                            "reference model")
-    reference = pc.create_reference(policy, args.ref_model or (None if args.use_peft else args.model), tokenizer,
-                                    args.use_peft, args.reference_free, accelerator, args.bf16, args.trust_remote_code)
-
-    # 2. data: tokenised pairs (train, held-out), held-out prompts for the gold score
     train_rows, dropped = tokenize_preferences(tokenizer, pc.load_any_dataset(args.dataset, "preference", "train"),
                                                args.max_prompt_length, args.max_length, args.dataset)
     eval_dataset = pc.load_any_dataset(args.dataset, "preference", args.eval_split)
@@ -388,6 +367,21 @@ def main() -> None:
                         f"gradient_accumulation_steps {args.gradient_accumulation_steps})")
     total_steps = max(1, int(steps_per_epoch * args.num_train_epochs))
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
+
+    # 2. models: policy, reference (frozen copy / adapter-off base / none)
+    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                               load_in_4bit=args.load_in_4bit)
+    if args.gradient_checkpointing:
+        policy.gradient_checkpointing_enable()
+        if args.use_peft:
+            policy.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need an input grad
+    if args.use_peft:
+        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    if args.ref_model:
+        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.ref_model, trust_remote_code=args.trust_remote_code),
+                            "reference model")
+    reference = pc.create_reference(policy, args.ref_model or (None if args.use_peft else args.model), tokenizer,
+                                    args.use_peft, args.reference_free, accelerator, args.bf16, args.trust_remote_code)
 
     # 3. optimizer, schedule. The scheduler is not passed to prepare (accelerate would step it once per process);
     # checkpoints carry its state as JSON.
@@ -433,7 +427,9 @@ def main() -> None:
     policy.train()
     for step in range(start_step, total_steps):
         epoch, position = divmod(step, steps_per_epoch)
-        order = torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed * 1000003 + epoch))
+        if step == start_step or position == 0:
+            epoch_generator = torch.Generator().manual_seed(args.seed * 1000003 + epoch)
+            order = torch.randperm(len(train_rows), generator=epoch_generator)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size].tolist()
         sums = {}
         for micro in range(args.gradient_accumulation_steps):
@@ -443,25 +439,24 @@ def main() -> None:
             query_responses = query_responses.to(accelerator.device)  # (2b, Lq + R): chosen rows, rejected rows
             with accelerator.accumulate(policy):
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair losses, backward
-                policy_token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad)
-                with torch.no_grad():
-                    ref_token_logprobs = ref_token_logprobs_for(reference, ref_logps, index, query_responses,
-                                                                context_length, pad)
-                losses, stats = pair_losses(args, policy_token_logprobs, ref_token_logprobs, query_responses,
-                                            context_length, pad)
+                policy_logps, lengths = completion_logps(  # (2b,) summed over completion tokens, (2b,)
+                    pc.response_logprobs(policy, query_responses, context_length, pad), query_responses,
+                    context_length, pad)
+                ref_logps_batch = reference_logps(reference, ref_logps, index, query_responses, context_length, pad)
+                losses, stats = pair_losses(args, policy_logps, ref_logps_batch, lengths)  # (b,)
                 accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
 
         # 7. clip, check, step
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-        metrics = pc.reduce_metrics(accelerator, {**sums, "grad_norm": grad_norm})
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])):
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        metrics = pc.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
+        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics.get("grad_norm", 0.0))):
             if not args.skip_nonfinite:
                 pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-nonfinite",
                                    {"step": step, "nonfinite_skipped": skipped}, scheduler)
-                raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics['grad_norm']}) at step "
-                                f"{step + 1}; last good state saved to {args.output_dir}/checkpoint-nonfinite")
+                raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics.get('grad_norm')}) at "
+                                f"step {step + 1}; last good state saved to {args.output_dir}/checkpoint-nonfinite")
             skipped += 1
         else:
             optimizer.step()
