@@ -1,7 +1,31 @@
-# KTO: Kahneman-Tversky Optimization from unpaired feedback (Ethayarajh et al. 2024, arXiv:2402.01306).
-# Reference implementation: TRL's KTOTrainer (trl/trainer/kto_trainer.py). Docs: docs/kto.md.
-#   python kto.py                                   # toy task on a CPU, a couple of minutes
-#   accelerate launch kto.py --model pythia-1b      # TL;DR preference data, unpaired automatically
+"""Kahneman-Tversky Optimization (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306) from unpaired feedback.
+
+Trains a policy on (prompt, completion, label) examples, label True = desirable, with no pairs, no reward model and
+no sampling. With r = log pi(y|x) - log pi_ref(y|x) summed over completion tokens and a KL reference point z0:
+    desirable:    lambda_D * (1 - sigmoid(beta * (r - z0)))
+    undesirable:  lambda_U * (1 - sigmoid(beta * (z0 - r)))
+    z0 = max(0, mean over mismatched pairs (x, y') of log pi(y'|x) - log pi_ref(y'|x)), detached, all processes.
+Paired data (prompt, chosen, rejected) is unpaired automatically: chosen -> desirable, rejected -> undesirable.
+
+    python kto.py                                   # the offline toy task, about a CPU minute
+    accelerate launch kto.py --model pythia-1b      # TL;DR preference data, unpaired
+
+Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py):
+- Mismatched pairs: the examples are shuffled once (seeded) into fixed micro-batches; inside one, example k is
+  also scored on example k-1's completion (TRL's _get_kl_dataset rotates by one the same way). So the y' are the
+  batch's own completions, never an example's own, and each example's pair is fixed: reference log-probs of
+  both can be precomputed (--precompute_ref_logprobs). Each epoch visits the micro-batches in a new order.
+- z0 is recomputed every micro-batch, averaged over processes, clamped at 0 and carries no gradient (paper sec.
+  4.2; TRL). The policy's log-probs of the mismatched pairs are computed under no_grad.
+- There is no reference-free mode: r and z0 are log-ratios against pi_ref; without one the "KL" term would be
+  the policy's own log-likelihood of mismatched completions, which KTO's derivation does not support.
+- The learning-rate schedule (linear warmup over warmup_ratio, linear decay) spans num_train_epochs;
+  --max_steps stops the run early without changing it, so N steps + a resume to 2N == a 2N-step run.
+- Logged rewards are beta * r (as TRL's KTOTrainer and dpo.py log them); kl is z0 itself.
+- The desirable:undesirable balance: the paper advises lambda_D n_D / (lambda_U n_U) in [1, 4/3]; a warning
+  with the matching weight ranges is printed when the data and weights fall outside (toy: 26% desirable, so
+  desirable_weight 3).
+"""
 import functools
 import math
 import os
@@ -367,11 +391,14 @@ def main():
         raise UserError("--per_device_train_batch_size and --per_device_eval_batch_size must be >= 2 (KL pairs are built in the batch)")
     if args.gradient_accumulation_steps < 1 or (args.max_steps is not None and args.max_steps < 1):
         raise UserError("--gradient_accumulation_steps and --max_steps must be >= 1")
+    if args.resume_from and not os.path.exists(os.path.join(args.resume_from, "trainer_state.json")):
+        raise UserError(f"--resume_from {args.resume_from!r} is not a checkpoint (no trainer_state.json)")
     dataset_name = args.dataset or pc.default_dataset(args.model)
 
     from accelerate import Accelerator
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
     world = accelerator.num_processes
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world  # examples per optimizer step
     pc.seed_everything(args.seed, accelerator.process_index)
@@ -383,7 +410,7 @@ def main():
     if args.num_eval_examples:
         eval_data = eval_data.select(range(min(args.num_eval_examples, len(eval_data))))
     examples, dropped = tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
-    eval_examples, _ = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
+    eval_examples, eval_dropped = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     eval_groups = make_kl_groups(eval_examples, args.per_device_eval_batch_size, args.seed, args.max_length)
     groups_per_step = world * args.gradient_accumulation_steps
@@ -410,7 +437,7 @@ def main():
     policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
                                load_in_4bit=args.load_in_4bit)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
+        policy.activation_checkpointing_enable({"use_reentrant": False})
     if args.use_peft:
         policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
     elif args.load_in_4bit:
@@ -437,7 +464,9 @@ def main():
             reference.free()
 
     # TRY NOT TO MODIFY: run folder, logger, resume
-    name = pc.run_name(args.exp_name, dataset_name, args.seed)
+    from accelerate.utils import broadcast_object_list
+
+    name = broadcast_object_list([pc.run_name(args.exp_name, dataset_name, args.seed)])[0]  # one clock for all
     output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from
                                      else os.path.join("runs", name))
     step, skipped = 0, 0
@@ -447,7 +476,8 @@ def main():
     logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project, name,
                               resume_step=step if args.resume_from else None)
     if not args.resume_from:
-        logger.log({"data/dropped": dropped, "data/train_examples": len(examples), "data/desirable": n_desirable}, step=0)
+        logger.log({"data/train_examples": len(examples), "data/desirable": n_desirable, "data/dropped": dropped,
+                    "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped}, step=0)
         logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, logger, 0), step=0)
     stop = pc.StopSignal()
     pad = tokenizer.pad_token_id
