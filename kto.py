@@ -495,9 +495,11 @@ def main():
                 accelerator.backward(loss)
                 total = add_sums(total, sums)
                 if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
                     metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
-                    bad = [k for k, v in (("loss", metrics["loss"]), ("grad_norm", float(grad_norm))) if not math.isfinite(v)]
+                    if grad_norm is not None:
+                        metrics["grad_norm"] = float(grad_norm)
+                    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))]
                     if bad and not args.skip_nonfinite:
                         pc.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
                                            {"step": step, "nonfinite_skipped": skipped}, scheduler)
@@ -512,7 +514,7 @@ def main():
         step += 1
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints
         elapsed = time.time() - t0
-        logger.log({**metrics, "grad_norm": float(grad_norm), "lr": lr, "epoch": step / steps_per_epoch,
+        logger.log({**metrics, "lr": lr, "epoch": step / steps_per_epoch,
                     "nonfinite/skipped": skipped, "time/step_seconds": elapsed,
                     "time/samples_per_second": batch_size / elapsed}, step=step)
         if (args.eval_steps and step % args.eval_steps == 0) or step == stop_step:
