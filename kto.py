@@ -395,10 +395,7 @@ def main():
         raise UserError(f"--resume_from {args.resume_from!r} is not a checkpoint (no trainer_state.json)")
     dataset_name = args.dataset or pc.default_dataset(args.model)
 
-    from accelerate import Accelerator
-
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
+    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
     world = accelerator.num_processes
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world  # examples per optimizer step
     pc.seed_everything(args.seed, accelerator.process_index)

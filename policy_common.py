@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import random
 import shutil
@@ -356,6 +357,19 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     return model.to(accelerator.device)
 
 
+def make_accelerator(gradient_accumulation_steps: int, **kwargs):
+    """The run's Accelerator. On a machine without a GPU, a multi-process launch (torchrun or accelerate launch)
+    runs real ranks over gloo; a DeepSpeed launch keeps its engine (ZeRO code paths run on a CPU too)."""
+    from accelerate import Accelerator
+
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available() and not use_deepspeed, **kwargs)
+    accelerator.print(f"[accelerate] {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
+                      f"device {accelerator.device}")
+    return accelerator
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`)."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
@@ -546,6 +560,16 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
+
+
+def is_finite(value) -> bool:
+    """True for a finite number or tensor (all elements), and for None: the gradient norm that accelerate returns
+    under DeepSpeed may be None (DeepSpeed clips, and steps, inside `accelerator.backward`)."""
+    if value is None:
+        return True
+    if isinstance(value, torch.Tensor):
+        return bool(torch.isfinite(value).all())
+    return math.isfinite(float(value))
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -809,9 +833,12 @@ def atomic_dir(path: str):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: bool = False) -> None:
+def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: bool = False,
+               submodule: Optional[str] = None) -> None:
     """Save `model` (+ tokenizer) to `path` atomically, safetensors, loadable by `from_pretrained`.
-    A PEFT model saves its adapter; with `merge_peft` the merged full weights are saved instead."""
+    `model` is the object given to `accelerator.prepare` (under ZeRO-3 its shards are gathered); `submodule`
+    names a child to save on its own (e.g. "policy" of a policy+value wrapper). A PEFT model saves its adapter;
+    with `merge_peft` the merged full weights are saved instead."""
     if accelerator is not None:
         accelerator.wait_for_everyone()
         state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards on the main process
@@ -821,6 +848,10 @@ def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: 
     if not is_main:
         return
     base = unwrap(model)
+    if submodule is not None:
+        base = getattr(base, submodule)
+        if state_dict is not None:
+            state_dict = {k[len(submodule) + 1:]: v for k, v in state_dict.items() if k.startswith(submodule + ".")}
     with atomic_dir(path) as tmp:
         if merge_peft and hasattr(base, "merge_and_unload"):
             merged = copy.deepcopy(base).merge_and_unload()

@@ -12,7 +12,6 @@ from typing import List, Optional
 import numpy as np
 import torch
 import torch.nn as nn
-from accelerate import Accelerator
 
 import policy_common as pc
 from policy_common import UserError, masked_mean, masked_var, masked_whiten
@@ -318,9 +317,8 @@ def batch_prompt_indices(num_prompts: int, seed: int, update: int, batch_size: i
 def main():
     # 1. arguments, batch sizes, accelerator
     args = pc.parse_args(Args, ALIAS_DEFAULTS)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              step_scheduler_with_optimizer=False,  # the lr decays once per update, see 4.
-                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
+    # the lr decays once per update (see 4.), not once per optimizer step
+    accelerator = pc.make_accelerator(args.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
     sizes = validate(args, accelerator.num_processes)
     local_batch_size, local_mini_batch_size = sizes["local_batch_size"], sizes["local_mini_batch_size"]
     num_total_batches = sizes["num_total_batches"]
@@ -452,7 +450,7 @@ def main():
                         nonfinite |= not torch.isfinite(loss.detach()).item()
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            flag = torch.tensor(float(nonfinite or not torch.isfinite(grad_norm).item()),
+                            flag = torch.tensor(float(nonfinite or not pc.is_finite(grad_norm)),
                                                 device=accelerator.device)
                             if accelerator.reduce(flag, reduction="sum").item() > 0:
                                 if not args.skip_nonfinite:
@@ -515,10 +513,9 @@ def main():
             return
 
     # 9. final save
-    unwrapped = pc.unwrap(model)
-    pc.save_model(accelerator, unwrapped.policy, tokenizer, os.path.join(output_dir, "model"), args.merge_peft)
+    pc.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), args.merge_peft, "policy")
     if args.save_value_model:
-        pc.save_model(accelerator, unwrapped.value_model, tokenizer, os.path.join(output_dir, "value_model"))
+        pc.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "value_model"), submodule="value_model")
     logger.close()
 
 

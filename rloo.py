@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import List, Literal, Optional
 
 import torch
-from accelerate import Accelerator
 
 import policy_common as pc
 
@@ -277,8 +276,7 @@ def main():
         raise pc.UserError("batch sizes, epochs, --response_length and --total_episodes must be >= 1")
     if args.max_steps is not None and args.max_steps < 1:
         raise pc.UserError(f"--max_steps must be >= 1, got {args.max_steps}")
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
+    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
     # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     local_mini_batch_size = pc.exact_div(local_batch_size, args.num_mini_batches, "local_batch_size / num_mini_batches")
@@ -394,7 +392,7 @@ def main():
                         ratios.append(stats["ratio"])
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                            ok = torch.tensor([finite and bool(torch.isfinite(grad_norm))], device=accelerator.device)
+                            ok = torch.tensor([finite and pc.is_finite(grad_norm)], device=accelerator.device)
                             if not accelerator.gather(ok).all():
                                 if not args.skip_nonfinite:
                                     optimizer.zero_grad()
