@@ -471,10 +471,11 @@ def main() -> None:
         if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
             metrics.update(evaluate(global_step))
         logger.log(metrics, step=global_step)
-        if (args.save_steps and global_step % args.save_steps == 0) or stop.received:
+        stopping = stop.received and global_step < total_steps  # at the last step: finish normally instead
+        if (args.save_steps and global_step % args.save_steps == 0) or stopping:
             pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-{global_step}",
                                {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
-        if stop.received:
+        if stopping:
             accelerator.print(f"{stop.received} received: checkpoint-{global_step} written, exiting")
             logger.close()
             return
