@@ -9,6 +9,14 @@ completion (Pang et al. 2024); --reference_free drops the reference.
     python dpo.py                                        # the offline toy task, a few CPU minutes
     accelerate launch dpo.py --model pythia-1b           # TL;DR preference data (trl-lib/tldr-preference)
 
+Logged each step (means over the step's pairs, every process): loss; rewards/chosen and rewards/rejected, the
+implicit rewards beta * (log pi - log ref) of the completions; rewards/accuracies, the fraction of pairs whose chosen
+reward is higher; rewards/margins, chosen minus rejected reward; logps/chosen and logps/rejected, the policy's
+completion log-probs (per-token means for ipo); nll_loss (with --rpo_alpha); grad_norm; lr; epoch;
+nonfinite/skipped; time/*. At evaluation the same on held-out pairs as eval/..., and eval/gold_score (mean gold
+score of greedy completions of held-out prompts) where the dataset has a gold scorer. Step 0 holds data/* counts
+(data/dropped: pairs dropped because truncation left a completion empty).
+
 Style after vwxyzjn/summarize_from_feedback_details dpo.py; loss variants as in TRL's DPOTrainer.
 """
 
@@ -280,7 +288,7 @@ def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, acce
 
 
 @torch.no_grad()
-def evaluate_pairs(args, policy, reference, rows, ref_logps, pad_token_id, accelerator) -> dict:
+def evaluate_pairs(args, policy, reference, rows, ref_table, pad_token_id, accelerator) -> dict:
     """Mean preference metrics over the held-out pairs, named eval/..."""
     values = []
     with accelerator.split_between_processes(list(range(len(rows)))) as my_rows:
@@ -291,7 +299,7 @@ def evaluate_pairs(args, policy, reference, rows, ref_logps, pad_token_id, accel
             policy_logps, lengths = completion_logps(
                 pc.response_logprobs(policy, query_responses, context_length, pad_token_id), query_responses,
                 context_length, pad_token_id)
-            _, stats = pair_losses(args, policy_logps, reference_logps(reference, ref_logps, index, query_responses,
+            _, stats = pair_losses(args, policy_logps, reference_logps(reference, ref_table, index, query_responses,
                                                                        context_length, pad_token_id), lengths)
             values += [dict(zip(stats, row)) for row in torch.stack(list(stats.values()), 1).tolist()]
     values = gather_object(values)  # one dict per held-out pair, in dataset order
@@ -403,15 +411,15 @@ def main() -> None:
                     "data/eval_dropped": eval_dropped}, step=0)
 
     # 5. reference log-probs once, then the reference model is freed
-    ref_logps = eval_ref_logps = None
+    ref_table = eval_ref_table = None  # (N, 2) reference log-probs of (chosen, rejected) per pair
     if args.precompute_ref_logprobs:
-        ref_logps = sequence_ref_logps(reference, train_rows, args.per_device_eval_batch_size, pad, accelerator)
-        eval_ref_logps = sequence_ref_logps(reference, eval_rows, args.per_device_eval_batch_size, pad, accelerator)
+        ref_table = sequence_ref_logps(reference, train_rows, args.per_device_eval_batch_size, pad, accelerator)
+        eval_ref_table = sequence_ref_logps(reference, eval_rows, args.per_device_eval_batch_size, pad, accelerator)
         reference.free()
 
     def evaluate(step: int) -> dict:
         policy.eval()
-        metrics = evaluate_pairs(args, policy, reference, eval_rows, eval_ref_logps, pad, accelerator)
+        metrics = evaluate_pairs(args, policy, reference, eval_rows, eval_ref_table, pad, accelerator)
         if scorer is not None and args.num_eval_prompts > 0:
             metrics["eval/gold_score"], samples = evaluate_gold(policy, tokenizer, eval_queries, scorer, greedy_config,
                                                                 args.per_device_eval_batch_size, accelerator)
@@ -442,8 +450,8 @@ def main() -> None:
                 policy_logps, lengths = completion_logps(  # (2b,) summed over completion tokens, (2b,)
                     pc.response_logprobs(policy, query_responses, context_length, pad), query_responses,
                     context_length, pad)
-                ref_logps_batch = reference_logps(reference, ref_logps, index, query_responses, context_length, pad)
-                losses, stats = pair_losses(args, policy_logps, ref_logps_batch, lengths)  # (b,)
+                ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad)
+                losses, stats = pair_losses(args, policy_logps, ref_logps, lengths)  # (b,)
                 accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
@@ -471,12 +479,16 @@ def main() -> None:
         if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
             metrics.update(evaluate(global_step))
         logger.log(metrics, step=global_step)
-        stopping = stop.received and global_step < total_steps  # at the last step: finish normally instead
+        stopping = stop.received is not None
+        if accelerator.num_processes > 1:  # all ranks must agree, or the collective checkpoint below would hang
+            flag = torch.tensor([float(stopping)], device=accelerator.device)
+            stopping = accelerator.reduce(flag, reduction="sum").item() > 0
+        stopping = stopping and global_step < total_steps  # at the last step: finish normally instead
         if (args.save_steps and global_step % args.save_steps == 0) or stopping:
             pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-{global_step}",
                                {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
         if stopping:
-            accelerator.print(f"{stop.received} received: checkpoint-{global_step} written, exiting")
+            accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
             logger.close()
             return
 
