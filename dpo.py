@@ -28,7 +28,6 @@ from typing import List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 from transformers import get_scheduler
 
@@ -100,8 +99,8 @@ class Args:
     """LoRA rank"""
     lora_alpha: int = 32
     """LoRA alpha"""
-    lora_dropout: float = 0.05
-    """LoRA dropout"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
     """LoRA target modules; None = PEFT's default for the architecture"""
     merge_peft: bool = False
@@ -340,8 +339,7 @@ def main() -> None:
     args = pc.parse_args(Args, ALIAS_DEFAULTS)
     validate(args)
     args.dataset = args.dataset or pc.default_dataset(args.model)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              cpu=not torch.cuda.is_available())  # so that torchrun gives real ranks on a CPU
+    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
     world_size = accelerator.num_processes
     local_micro_batch_size = args.per_device_train_batch_size
     micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes

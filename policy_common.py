@@ -611,7 +611,7 @@ def load_any_dataset(name: str, form: str, split: str):
     try:
         if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_dict.json"))
                                     or os.path.exists(os.path.join(name, "state.json"))):
-            ds = datasets.load_from_disk(name)
+            ds = datasets.load_from_disk(name, keep_in_memory=True)  # later .map() writes no cache files here
         elif files and all(f.endswith((".json", ".jsonl", ".parquet")) for f in files):
             missing = [f for f in files if not os.path.exists(f)]
             if missing:
@@ -875,6 +875,7 @@ def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None) -
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp, safe_serialization=True)
+    accelerator.wait_for_everyone()  # every rank's RNG file is in tmp before the rename
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(extra_state, f)

@@ -54,8 +54,8 @@ class Args:
     """LoRA rank"""
     lora_alpha: int = 32
     """LoRA alpha"""
-    lora_dropout: float = 0.05
-    """LoRA dropout"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
     """modules LoRA adapts; None = PEFT's default for the architecture"""
     merge_peft: bool = False
