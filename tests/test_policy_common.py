@@ -267,6 +267,17 @@ def test_tokenizer_without_pad_gets_a_distinct_one_and_model_is_resized(tmp_path
     assert model.config.pad_token_id == tokenizer.pad_token_id
 
 
+def test_tokenizer_without_eos_is_refused(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", unk_token="t2").save_pretrained(tmp_path)
+    with pytest.raises(pc.UserError, match="no EOS token"):
+        pc.load_tokenizer(str(tmp_path))
+
+
 def test_dropout_disabled_and_dtype(tmp_path):
     torch.manual_seed(12)
     GPTNeoXForCausalLM(tiny_config(hidden_dropout=0.3, attention_dropout=0.3)).save_pretrained(tmp_path)

@@ -84,3 +84,34 @@ def test_deepspeed_zero3_on_cpu(tmp_path, toy):
     sft = AutoModelForCausalLM.from_pretrained(toy["policy"])
     assert all(p.shape == q.shape for p, q in zip(reloaded.parameters(), sft.parameters()))
     assert any(not torch.equal(p, q) for p, q in zip(reloaded.parameters(), sft.parameters()))
+
+
+@pytest.mark.parametrize("script,args", [
+    ("rloo.py", ["--total_episodes", "100000", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8"]),
+    ("dpo.py", ["--num_train_epochs", "50", "--per_device_train_batch_size", "8", "--num_eval_prompts", "8",
+                "--eval_steps", "0"]),
+])
+def test_sigterm_writes_a_checkpoint_then_resume_finishes(script, args, tmp_path, toy):
+    """A run stopped by SIGTERM between steps checkpoints, exits cleanly, and resumes from there."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), *args, "--output_dir", str(out)], cwd=ROOT,
+                            env=script_env(threads=1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(out / "metrics.jsonl") and any(r["step"] >= 2 for r in read_metrics(str(out))):
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    checkpoints = [d for d in os.listdir(out) if d.startswith("checkpoint-") and ".tmp" not in d]
+    assert len(checkpoints) == 1, os.listdir(out)
+    step = int(checkpoints[0].split("-")[1])
+    assert step == max(r["step"] for r in read_metrics(str(out)))
+    run_script(script, *args, "--output_dir", str(out), "--resume_from", str(out / checkpoints[0]),
+               "--max_steps", str(step + 2), threads=1)
+    assert max(r["step"] for r in read_metrics(str(out))) == step + 2
+    assert os.path.exists(out / "model" / "config.json")
