@@ -317,10 +317,10 @@ def main():
                                   eps=1e-5, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    accelerator.register_for_checkpointing(scheduler)  # not prepared: accelerate would step it once per process
+    # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, skipped=0)
     if args.resume_from:
-        state.update(pc.load_checkpoint(accelerator, args.resume_from))
+        state.update(pc.load_checkpoint(accelerator, args.resume_from, scheduler))
     output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from else
                                      os.path.join("runs", pc.run_name(args.exp_name, dataset_name, args.seed)))
     logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
@@ -397,7 +397,7 @@ def main():
                                 if not args.skip_nonfinite:
                                     optimizer.zero_grad()
                                     pc.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                                                       dict(state))
+                                                       dict(state), scheduler)
                                     raise pc.UserError(f"non-finite loss or gradient norm at step {step} (loss/policy "
                                                        f"{loss.item()}, grad norm {grad_norm}); last good state saved "
                                                        "to checkpoint-nonfinite (use --skip_nonfinite to skip)")
@@ -432,7 +432,7 @@ def main():
 
         # 10. checkpoints: periodic, and on SIGTERM / Ctrl-C (then exit cleanly)
         if (args.save_steps and step % args.save_steps == 0) or stop.received:
-            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state))
+            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
         if stop.received:
             accelerator.print(f"{stop.received} received: checkpoint-{step} written, stopping")
             logger.close()
