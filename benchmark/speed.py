@@ -6,7 +6,7 @@ figure next to a baseline measured in the same run, and (optionally) next to TRL
     pip install -r benchmark/requirements-bench.txt   # TRL, benchmark-only (never imported by the scripts)
 
 Every measurement runs in its own child process (`speed.py --worker KIND`), one at a time, so that peak
-memory (the child's peak resident set size, `ru_maxrss` via os.wait4) belongs to that measurement alone.
+memory (the child's peak resident set size, its VmHWM polled from /proc) belongs to that measurement alone.
 
 Ours: the real script (`rloo.py` ...) runs in the child on the toy task with its toy defaults, for
 --warmup + --steps optimizer steps; the policy_common helpers it calls are wrapped with timers:
@@ -56,6 +56,10 @@ ALGOS = ("rloo", "ppo", "dpo", "kto")
 TRL_ALGOS = ("rloo", "dpo", "kto")
 TARGET = {"rloo": 0.5, "dpo": 0.7, "kto": 0.7}  # our step time / TRL's, at most (issue 8)
 PHASES = ("generation", "scoring", "update")
+LOAD0 = os.getloadavg()[0]
+
+
+from toy import wait_measuring  # noqa: E402  (child peak memory, shared with the toy harness)
 
 
 def rss_mib() -> float:
@@ -366,8 +370,7 @@ def run_worker(kind: str, args, threads: int) -> dict:
     log_path = out[:-5] + ".log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
+        code, peak, _ = wait_measuring(proc)
     if code != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
@@ -377,7 +380,7 @@ def run_worker(kind: str, args, threads: int) -> dict:
         result = json.load(f)
     os.remove(out)
     os.remove(log_path)
-    result.update(peak_rss_mib=usage.ru_maxrss / 1024, wall_s=time.perf_counter() - start)
+    result.update(peak_rss_mib=peak, wall_s=time.perf_counter() - start)
     print(f"[speed] {kind}: {json.dumps({k: v for k, v in result.items() if not isinstance(v, (dict, list))})}",
           flush=True)
     return result
@@ -434,7 +437,9 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
     lines = ["# Speed and memory benchmark", "",
              f"Written by `python benchmark/speed.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}.",
              f"Machine: {machine()}. Each measurement in its own process, one at a time, {args.threads} threads; "
-             f"step times are means over {args.steps} steps after {args.warmup} warm-up steps.", "",
+             f"step times are means over {args.steps} steps after {args.warmup} warm-up steps; 1-min load average "
+             f"{LOAD0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (other work on the machine inflates "
+             "times).", "",
              "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
              "algorithm). Peak memory = peak resident set size of the measuring process (whole process: Python, "
              "libraries, models, optimizer, activations); 'after setup' = resident size when training starts.", "",

@@ -5,7 +5,7 @@
 
 For each (algorithm, seed) it runs `python <algo>.py --output_dir RUNS/<algo>/seed<S> --seed S --save_steps N
 [budget flags]` as a child process, alone (one at a time), and records the child's wall time and peak
-resident memory (os.wait4 rusage, so only that child is counted). Each script uses its toy-tuned defaults;
+resident memory (its own VmHWM, so only that child is counted). Each script uses its toy-tuned defaults;
 the budget is those defaults (one pass over the toy data for DPO/KTO, the toy total_episodes for RL) unless
 --max_steps caps it. Then every saved checkpoint and the final model are evaluated the same way
 (benchmark/uniform_eval.py: greedy held-out gold score and reward-model score, sampled KL to the SFT
@@ -50,15 +50,40 @@ def child_env(threads: int) -> dict:
     return env
 
 
+def vm_hwm_mib(pid: int):
+    """Peak resident set size (VmHWM) of a running process, MiB; None when /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def wait_measuring(proc) -> tuple:
+    """Wait for a child; returns (exit code, peak RSS MiB, cpu seconds). The peak is the child's own VmHWM,
+    polled until it exits: rusage ru_maxrss is not used because a forked child inherits the parent's
+    resident size as its starting maximum (the harness holds models of its own)."""
+    peak = 0.0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        peak = max(peak, vm_hwm_mib(proc.pid) or 0.0)
+        time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, peak or usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
+
+
 def run_child(cmd: list, log_path: str, threads: int) -> dict:
     """Run cmd to completion; returns wall time (s), peak RSS of that child (MiB) and the exit code."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(threads), stdout=log, stderr=subprocess.STDOUT)
-        _, status, rusage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    return dict(wall_time_s=time.perf_counter() - start, peak_rss_mib=rusage.ru_maxrss / 1024,
-                returncode=proc.returncode, cpu_time_s=rusage.ru_utime + rusage.ru_stime)
+        code, peak, cpu = wait_measuring(proc)
+    return dict(wall_time_s=time.perf_counter() - start, peak_rss_mib=peak, returncode=code, cpu_time_s=cpu)
 
 
 def final_step(run_dir: str) -> int:
@@ -106,12 +131,13 @@ def machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
-def write_table(results: dict, sft: dict, out_path: str, budget_note: str, threads: int, argv: list) -> None:
+def write_table(results: dict, sft: dict, out_path: str, budget_note: str, threads: int, argv: list,
+                load: str = "") -> None:
     lines = [
         "# Toy-task benchmark",
         "",
         f"Written by `python benchmark/{' '.join(['toy.py', *argv])}` on {datetime.date.today().isoformat()}.",
-        f"Machine: {machine()}; each run alone, {threads} threads.",
+        f"Machine: {machine()}; each run alone, {threads} threads{load}.",
         "",
         f"Held-out evaluation, the same for every algorithm (`benchmark/uniform_eval.py`): {sft['num_prompts']} "
         "held-out toy prompts, "
@@ -119,7 +145,7 @@ def write_table(results: dict, sft: dict, out_path: str, budget_note: str, threa
         "estimated from 4 completions per prompt sampled at temperature 1 (k1 estimator, fixed seed). "
         f"Before = the SFT policy (the same model for every seed, so its std is 0): gold {sft['gold_score']:.3f}, "
         f"RM score {sft['rm_score']:.3f}. Wall time and peak memory (peak resident set size of the training "
-        "process, `ru_maxrss`) cover the whole script: loading, training, its own evaluations and saving.",
+        "process, its VmHWM) cover the whole script: loading, training, its own evaluations and saving.",
         "",
         f"Budget: {budget_note}",
         "",
@@ -183,7 +209,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     evaluator = ToyEvaluator(num_prompts=args.num_eval_prompts)
     sft = evaluator.evaluate_sft()
-    results, t0 = {}, time.time()
+    results, t0, load0 = {}, time.time(), os.getloadavg()[0]
     for algo in args.algos:
         results[algo] = []
         for seed in args.seeds:
@@ -238,7 +264,9 @@ def main(argv=None):
                    ", ".join(f"{a} {args.save_steps or SAVE_STEPS[a]}" for a in args.algos) + " steps."
                    + (f" Extra flags: {extra}." if extra else ""))
     table = os.path.join(args.out, "toy.md")
-    write_table(results, sft, table, budget_note, args.threads, argv)
+    load = (f"; 1-min load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (other work on the "
+            f"machine slows runs); whole benchmark {time.time() - t0:.0f} s")
+    write_table(results, sft, table, budget_note, args.threads, argv, load)
     figures = plot.make_plots(args.runs_dir, args.out, "toy")
     print(f"[toy] done in {time.time() - t0:.0f}s: {table}, {', '.join(figures)}", flush=True)
     return table, figures
