@@ -469,16 +469,18 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
     return logits / temperature if temperature != 1.0 else logits
 
 
-def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """(B, R, V) logits, (B, R) tokens -> (B, R) log softmax(logits)[token], one row at a time so that a full
-    (B, R, V) log-softmax is never materialised (peak extra memory R x V instead of B x R x V)."""
+def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:
+    """(B, R, V) logits, (B, R) tokens -> (B, R) log softmax(logits)[token]. Rows are processed in chunks of at
+    most `chunk_bytes` of float32 log-softmax work (32 MiB by default), so a full-batch (B, R, V) log-softmax is
+    never materialised at real vocabulary sizes, while small batches go in one vectorised call."""
+    rows = max(1, chunk_bytes // (4 * logits[0].numel()))
     token_logits = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
-        logsumexp = torch.stack([torch.logsumexp(row, dim=-1) for row in logits])
+        logsumexp = torch.cat([torch.logsumexp(logits[i:i + rows], dim=-1) for i in range(0, len(logits), rows)])
         return token_logits - logsumexp
-    # low precision: logsumexp in bf16 is inaccurate, so compute the row's log-softmax in float32
-    return torch.stack([torch.gather(row.float().log_softmax(-1), -1, tok.unsqueeze(-1)).squeeze(-1)
-                        for row, tok in zip(logits, tokens)])
+    # low precision: logsumexp in bf16 is inaccurate, so compute the log-softmax in float32
+    return torch.cat([torch.gather(logits[i:i + rows].float().log_softmax(-1), -1, tokens[i:i + rows].unsqueeze(-1)).squeeze(-1)
+                      for i in range(0, len(logits), rows)])
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

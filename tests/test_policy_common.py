@@ -116,6 +116,7 @@ def test_selective_logprobs_equals_full_log_softmax():
     tokens = torch.randint(0, VOCAB, (3, 5), generator=gen)
     expected = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(pc.selective_logprobs(logits, tokens), expected)
+    torch.testing.assert_close(pc.selective_logprobs(logits, tokens, chunk_bytes=1), expected)  # row by row
     torch.testing.assert_close(pc.selective_logprobs(logits.bfloat16(), tokens),
                                torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
