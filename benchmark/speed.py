@@ -215,7 +215,7 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
                 top_p=1.0, top_k=0, learning_rate=d["learning_rate"], beta=d["kl_coef"], num_iterations=1,
                 epsilon=rloo.Args.cliprange, normalize_advantages=False, adam_epsilon=1e-5, warmup_steps=0,
                 steps_per_generation=1, log_completions=False)
-            dataset = datasets.load_from_disk(paths["prompt_dataset"])["train"]
+            dataset = datasets.load_from_disk(paths["prompt_dataset"], keep_in_memory=True)["train"]
             trainer = trl.RLOOTrainer(model=model, reward_funcs=paths["reward"], args=config, train_dataset=dataset,
                                       processing_class=tokenizer, callbacks=[Marks()])
             cls = type(trainer)
@@ -231,7 +231,7 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
                 **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
                 learning_rate=d["learning_rate"], beta=d["beta"], loss_type=["sigmoid"], max_length=d["max_length"],
                 warmup_steps=d["warmup_ratio"], precompute_ref_log_probs=False)
-            dataset = datasets.load_from_disk(paths["preference_dataset"])["train"]
+            dataset = datasets.load_from_disk(paths["preference_dataset"], keep_in_memory=True)["train"]
             trainer = trl.DPOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                      callbacks=[Marks()])
             # the reference forward is a direct self.ref_model(...) call inside _compute_loss
@@ -245,7 +245,7 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
                 learning_rate=d["learning_rate"], beta=d["beta"], desirable_weight=d["desirable_weight"],
                 undesirable_weight=d["undesirable_weight"], max_length=d["max_length"],
                 warmup_steps=kto.Args.warmup_ratio, precompute_ref_log_probs=False)
-            dataset = datasets.load_from_disk(paths["unpaired_dataset"])["train"]
+            dataset = datasets.load_from_disk(paths["unpaired_dataset"], keep_in_memory=True)["train"]
             trainer = trl.KTOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                                      callbacks=[Marks()])
             cls = type(trainer)

@@ -34,7 +34,9 @@ def test_reward_model_beats_chance_and_sft_has_room(toy):
 
 
 def _all_files(root):
-    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files)
+    """Every file of a build; `datasets` map caches (cache-*.arrow) that tools may add later are not build output."""
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files
+                  if not (f.startswith("cache-") and f.endswith(".arrow")))
 
 
 def test_build_is_deterministic_and_cached(toy, tmp_path):
