@@ -510,7 +510,7 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
             continue
         lines += [f"Response log-probs, {sel['what']}:", "",
                   "| method | ms | peak extra memory (MiB) | time ratio | memory ratio |", "| --- | --- | --- | --- | --- |",
-                  f"| `pc.{'response_logprobs' if shape == 'toy' else 'selective_logprobs'}` (row-wise logsumexp) | "
+                  f"| `pc.{'response_logprobs' if shape == 'toy' else 'selective_logprobs'}` (logsumexp in row chunks) | "
                   f"{1000 * sel['seconds']:.1f} | {sel['peak_extra_mib']:.0f} | {sel['seconds'] / full['seconds']:.2f}x | "
                   f"{ratio(sel['peak_extra_mib'], full['peak_extra_mib'])} |",
                   f"| plain full `log_softmax` + gather | {1000 * full['seconds']:.1f} | {full['peak_extra_mib']:.0f} | "
