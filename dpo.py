@@ -161,8 +161,6 @@ def validate(args: Args) -> None:
         raise UserError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
     if args.max_steps is not None and args.max_steps < 1:
         raise UserError(f"--max_steps must be >= 1, got {args.max_steps}")
-    if args.load_in_4bit and not args.use_peft:
-        raise UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
     if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
         raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
 
@@ -375,19 +373,9 @@ def main() -> None:
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 2. models: policy, reference (frozen copy / adapter-off base / none)
-    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                               load_in_4bit=args.load_in_4bit)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        if args.use_peft:
-            policy.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need an input grad
-    if args.use_peft:
-        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    if args.ref_model:
-        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.ref_model, trust_remote_code=args.trust_remote_code),
-                            "reference model")
-    reference = pc.create_reference(policy, args.ref_model or (None if args.use_peft else args.model), tokenizer,
-                                    args.use_peft, args.reference_free, accelerator, args.bf16, args.trust_remote_code)
+    policy = pc.load_policy(args, tokenizer)  # (+ LoRA with --use_peft)
+    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, args.reference_free, accelerator,
+                                    args.bf16, args.trust_remote_code, policy_name=args.model)
 
     # 3. optimizer, schedule. The scheduler is not passed to prepare (accelerate would step it once per process);
     # checkpoints carry its state as JSON.

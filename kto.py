@@ -431,22 +431,13 @@ def main():
     stop_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
-    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                               load_in_4bit=args.load_in_4bit)
-    if args.gradient_checkpointing:
-        policy.activation_checkpointing_enable({"use_reentrant": False})
-    if args.use_peft:
-        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    elif args.load_in_4bit:
-        raise UserError("--load_in_4bit trains only with --use_peft")
-    if args.ref_model is not None:
-        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.ref_model, trust_remote_code=args.trust_remote_code), "reference model")
+    policy = pc.load_policy(args, tokenizer)  # (+ LoRA with --use_peft)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # KTO has no reference-free mode: z0 and r are log-ratios against pi_ref, without it the KL term is meaningless
-    reference = pc.create_reference(policy, args.ref_model or (None if args.use_peft else args.model), tokenizer,
-                                    args.use_peft, reference_free=False, accelerator=accelerator, bf16=args.bf16,
-                                    trust_remote_code=args.trust_remote_code)
+    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, reference_free=False,
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                                    policy_name=args.model)
     from transformers import get_scheduler
 
     # not prepared (accelerate would step it once per process); checkpoints carry its state as JSON

@@ -235,6 +235,27 @@ def load_causal_lm(name: str, tokenizer, kind: str = "policy", bf16: bool = Fals
     return model
 
 
+def enable_activation_checkpointing(model) -> None:
+    """Recompute activations in the backward pass (non-reentrant, so frozen LoRA bases need no input grads)."""
+    model.activation_checkpointing_enable({"use_reentrant": False})
+
+
+def load_policy(args, tokenizer):
+    """The trainable policy from the shared flags of every script (`args.model`, `bf16`, `trust_remote_code`,
+    `load_in_4bit`, `gradient_checkpointing`, `use_peft`, `lora_*`): loaded, optionally activation-checkpointed,
+    optionally wrapped with a fresh LoRA adapter. 4-bit weights without `--use_peft` are a UserError (nothing
+    would train)."""
+    if args.load_in_4bit and not args.use_peft:
+        raise UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
+    policy = load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                            load_in_4bit=args.load_in_4bit)
+    if args.gradient_checkpointing:
+        enable_activation_checkpointing(policy)
+    if args.use_peft:
+        policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+    return policy
+
+
 def load_scalar_model(name: str, tokenizer, kind: str = "reward", bf16: bool = False, trust_remote_code: bool = False):
     """AutoModelForSequenceClassification with one output (a reward or value model), dropout off."""
     from transformers import AutoModelForSequenceClassification
@@ -320,16 +341,22 @@ class Reference:
 
 
 def create_reference(policy: nn.Module, ref_model: Optional[str], tokenizer, use_peft: bool, reference_free: bool,
-                     accelerator=None, bf16: bool = False, trust_remote_code: bool = False) -> Reference:
-    """Build the Reference for a run: `reference_free` -> none; `use_peft` with `ref_model=None` -> the policy's
-    adapter-off base (no copy); otherwise a frozen copy of `ref_model` (scripts pass `--ref_model or --model`),
-    prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine)."""
+                     accelerator=None, bf16: bool = False, trust_remote_code: bool = False,
+                     policy_name: Optional[str] = None) -> Reference:
+    """Build the Reference for a run from `--ref_model`: `reference_free` -> none; `ref_model=None` means "the
+    starting policy": with `use_peft` its adapter-off base (no copy), otherwise a frozen copy of `policy_name`
+    (the run's `--model`). A given `ref_model` must share the policy's vocabulary. A frozen copy is prepared for
+    the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine)."""
     if reference_free:
         return Reference("none")
-    if use_peft and ref_model is None:
-        return Reference("adapter_off", policy=policy)
     if ref_model is None:
-        raise ValueError("create_reference needs ref_model (the starting policy's name) unless use_peft is set")
+        if use_peft:
+            return Reference("adapter_off", policy=policy)
+        if policy_name is None:
+            raise ValueError("create_reference needs policy_name (--model) for a frozen copy of the starting policy")
+        ref_model = policy_name
+    else:
+        check_same_vocab(tokenizer, load_tokenizer(ref_model, trust_remote_code=trust_remote_code), "reference model")
     model = load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
     if accelerator is not None:

@@ -157,8 +157,6 @@ def validate(args: Args, num_processes: int) -> dict:
     for name in ("kl_target", "max_steps", "num_eval_prompts"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise UserError(f"--{name} must be > 0 when given, got {getattr(args, name)}")
-    if args.load_in_4bit and not args.use_peft:
-        raise UserError("--load_in_4bit trains nothing without --use_peft")
     sizes = dict(local_mini_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps)
     sizes["local_batch_size"] = sizes["local_mini_batch_size"] * args.num_mini_batches
     sizes["batch_size"] = sizes["local_batch_size"] * num_processes
@@ -332,25 +330,21 @@ def main():
     if args.value_model is not None:
         pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.value_model, "reward", args.trust_remote_code),
                             "value model")
-    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                               load_in_4bit=args.load_in_4bit)
+    policy = pc.load_policy(args, tokenizer)  # (+ LoRA with --use_peft)
     max_positions = getattr(policy.config, "max_position_embeddings", None)
     if max_positions is not None and args.max_prompt_length + args.response_length > max_positions:
         raise UserError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
                         f"exceeds the model's {max_positions} positions")
-    if args.use_peft:
-        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
     # the value model starts as the reward model, which was trained to read the last token only: its values at
     # earlier positions start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by
     # update 15); the clipped value loss absorbs this without a separate warm-up phase
     value_model = pc.load_scalar_model(args.value_model or reward_name, tokenizer, bf16=args.bf16,
                                        trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        value_model.gradient_checkpointing_enable()
-    reference = pc.create_reference(policy, args.ref_model if args.use_peft else (args.ref_model or args.model),
-                                    tokenizer, args.use_peft, reference_free=False, accelerator=accelerator,
-                                    bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+        pc.enable_activation_checkpointing(value_model)
+    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, reference_free=False,
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                                    policy_name=args.model)
     reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_name, tokenizer, bf16=args.bf16,
                                                           trust_remote_code=args.trust_remote_code), accelerator)
 

@@ -308,7 +308,9 @@ def main():
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
 
     # 3. models: policy (+LoRA), frozen reference, frozen reward model
-    policy, reference = load_policy_and_reference(args, tokenizer, accelerator)
+    policy = pc.load_policy(args, tokenizer)
+    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, False, accelerator, args.bf16,
+                                    args.trust_remote_code, policy_name=args.model)
     reward_model = pc.load_scalar_model(reward_name, tokenizer, "reward", args.bf16, args.trust_remote_code)
     reward_model = pc.prepare_frozen(reward_model, accelerator)
 
@@ -442,26 +444,6 @@ def main():
     pc.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close()
     accelerator.print(f"done: {output_dir}")
-
-
-def load_policy_and_reference(args, tokenizer, accelerator):
-    """The trainable policy (optionally LoRA-wrapped) and its frozen reference: with --use_peft and no
-    --ref_model the reference is the policy's own adapter-off base; otherwise a frozen copy of --ref_model
-    (default: the starting policy)."""
-    if args.load_in_4bit and not args.use_peft:
-        raise pc.UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
-    policy = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                               load_in_4bit=args.load_in_4bit)
-    if args.gradient_checkpointing:
-        policy.gradient_checkpointing_enable()
-        if args.use_peft:
-            policy.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need an input grad
-    if args.use_peft:
-        policy = pc.add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    ref_name = args.ref_model if (args.ref_model or args.use_peft) else args.model
-    reference = pc.create_reference(policy, ref_name, tokenizer, args.use_peft, False, accelerator, args.bf16,
-                                    args.trust_remote_code)
-    return policy, reference
 
 
 if __name__ == "__main__":

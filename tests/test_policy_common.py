@@ -448,3 +448,46 @@ def test_seed_everything_per_process():
     assert torch.equal(a, torch.rand(3))
     pc.seed_everything(5, 1)
     assert not torch.equal(a, torch.rand(3))
+
+
+def _shared_flags(**overrides):
+    from types import SimpleNamespace
+
+    flags = dict(model="toy", bf16=False, trust_remote_code=False, load_in_4bit=False, gradient_checkpointing=False,
+                 use_peft=False, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=None)
+    return SimpleNamespace(**{**flags, **overrides})
+
+
+def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
+    """Activation checkpointing on a LoRA policy (frozen base) still gives the adapter its gradients, equal to
+    those of the same policy without checkpointing."""
+    tokenizer = pc.load_tokenizer("toy")
+    ids = torch.tensor([[5, 6, 7, 3, 5, 6, 7, 1]])
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        policy = pc.load_policy(_shared_flags(use_peft=True, gradient_checkpointing=checkpointing), tokenizer).train()
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+        pc.response_logprobs(policy, ids, 4, tokenizer.pad_token_id).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
+    assert grads[0] and all(g.abs().sum() > 0 for g in grads[1].values())
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
+    with pytest.raises(pc.UserError, match="--load_in_4bit needs --use_peft"):
+        pc.load_policy(_shared_flags(load_in_4bit=True), tokenizer)
+
+
+def test_create_reference_defaults_to_the_starting_policy_and_checks_vocab(toy, tmp_path):
+    tokenizer = pc.load_tokenizer("toy")
+    policy = pc.load_policy(_shared_flags(), tokenizer)
+    reference = pc.create_reference(policy, None, tokenizer, use_peft=False, reference_free=False, policy_name="toy")
+    assert reference.mode == "copy" and reference.model is not policy
+    for a, b in zip(reference.model.parameters(), policy.parameters()):
+        assert torch.equal(a, b)
+    GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "other")
+    _save_tiny_tokenizer(tmp_path / "other", with_pad=True)
+    with pytest.raises(pc.UserError, match="reference model's tokenizer differs"):
+        pc.create_reference(policy, str(tmp_path / "other"), tokenizer, use_peft=False, reference_free=False)

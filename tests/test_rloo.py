@@ -169,11 +169,12 @@ def test_prompt_stream_is_a_seeded_permutation_per_pass():
 # ---------------------------------------------------------------------------------------------------------
 def test_peft_reference_is_adapter_off_base(toy):
     import policy_common as pc
-    from rloo import ALIAS_DEFAULTS, Args, load_policy_and_reference
+    from rloo import ALIAS_DEFAULTS, Args
 
     args = pc.parse_args(Args, ALIAS_DEFAULTS, argv=["--use_peft"])
     tokenizer = pc.load_tokenizer("toy")
-    policy, reference = load_policy_and_reference(args, tokenizer, None)
+    policy = pc.load_policy(args, tokenizer)  # the same two calls rloo.py makes
+    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, False, policy_name=args.model)
     assert reference.mode == "adapter_off"
     torch.manual_seed(0)
     with torch.no_grad():
