@@ -273,6 +273,13 @@ def completion_logps(logprobs_fn, query_responses: torch.Tensor, context_length:
     return (logprobs * (query_responses[:, context_length:] != pad_token_id)).sum(1)
 
 
+def reference_logps(reference, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
+    """(2B, T) collated rows -> (2B,) reference log-probs, own and mismatched halves in separate calls exactly as
+    the policy sees them, so that a policy equal to the reference gives log-ratios of exactly 0."""
+    return torch.cat([completion_logps(reference.logprobs, half, context_length, pad_token_id)
+                      for half in query_responses.chunk(2)])
+
+
 @torch.no_grad()
 def precompute_reference(groups: list, reference, pad_token_id: int, accelerator) -> None:
     """Store ref_logps and kl_ref_logps in every example. Groups are split across processes and gathered."""
@@ -281,7 +288,7 @@ def precompute_reference(groups: list, reference, pad_token_id: int, accelerator
     local = []  # per_process x (2B,): reference log-probs of own and mismatched completions of this process's groups
     for g in range(rank, per_process * world, world):
         batch = collate(groups[min(g, len(groups) - 1)], pad_token_id)  # past the end: a repeat, discarded
-        local.append(completion_logps(reference.logprobs, batch["query_responses"].to(device), batch["context_length"], pad_token_id))
+        local.append(reference_logps(reference, batch["query_responses"].to(device), batch["context_length"], pad_token_id))
     gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * per_process, 2B), process-major
     for p in range(world):
         for k in range(per_process):
@@ -305,7 +312,7 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
     with torch.no_grad():
         kl_policy_logps = completion_logps(policy_logprobs, query_responses[B:], ctx, pad_token_id)
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
-                     else completion_logps(reference.logprobs, query_responses, ctx, pad_token_id))
+                     else reference_logps(reference, query_responses, ctx, pad_token_id))
     ref_logps, kl_ref_logps = all_ref_logps[:B], all_ref_logps[B:]
     # 3. KL reference point z0 = max(0, mean log-ratio of the mismatched pairs), detached, over all processes
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)

@@ -442,6 +442,24 @@ def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 
     return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **kwargs)
 
 
+def _prefill_shared(model: nn.Module, queries: torch.Tensor, pad_token_id: int) -> dict:
+    """Repeated queries (RLOO's k samples of a prompt): encode each distinct query, all but its last token, once
+    and hand `generate` the key/value cache with one row per query (`generate` then runs the last token).
+    Returns generate's extra keyword arguments: {} when sharing saves too little (see `shared_queries`)."""
+    plan = shared_queries(queries, queries.shape[1] - 1)
+    if plan is None:
+        return {}
+    prefixes, inverse = plan
+    mask, positions = padding_inputs(prefixes, pad_token_id)
+    out = model(input_ids=prefixes.masked_fill(mask == 0, 0), attention_mask=mask, position_ids=positions,
+                use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        return {}
+    cache.batch_select_indices(inverse)
+    return {"cache": cache}
+
+
 @torch.no_grad()
 def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
                      generation_config, chunk_size: int, accelerator=None):
@@ -454,6 +472,7 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
       logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (the
         processed scores: logits / temperature, suppressed tokens such as pad removed), INVALID_LOGPROB
         after EOS. A forward pass gives the same values up to the (tiny) probability mass of suppressed tokens.
+    Rows with the same query share the encoding of that query (see `_prefill_shared`).
     """
     R = generation_config.max_new_tokens
     generation_config = copy.deepcopy(generation_config)
@@ -463,7 +482,8 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
         for i in range(0, queries.shape[0], chunk_size):
             query = queries[i:i + chunk_size]
             out = gen_model.generate(input_ids=query, attention_mask=(query != pad_token_id).long(),
-                                     generation_config=generation_config)
+                                     generation_config=generation_config,
+                                     **_prefill_shared(gen_model, query, pad_token_id))
             response = out.sequences[:, query.shape[1]:]
             scores = torch.stack(out.scores, 1).float()  # (b, r, V), r <= R, processed as sampled
             logprob = torch.gather(scores.log_softmax(-1), 2, response.unsqueeze(-1)).squeeze(-1)
@@ -485,14 +505,70 @@ def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
     return attention_mask, position_ids
 
 
-def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
-    query_responses[:, context_length:]. Temperature is applied here and only here."""
+# Rows that share a prompt (RLOO's k samples of one prompt, DPO's chosen and rejected, KTO's matched and
+# mismatched pairs) need that prompt encoded only once: each distinct query runs once with a key/value cache, the
+# cache rows are selected for every sequence, and only the response tokens run on top. The numbers are those of
+# one full forward (to float rounding); the saving is the duplicated prompt tokens, in the forward and backward.
+# Sharing costs one more model call, so it is used only when it saves at least SHARE_MIN_FRACTION of the input
+# positions and at least SHARE_MIN_POSITIONS of them (below that, on a tiny model, the extra call costs more).
+SHARE_MIN_FRACTION, SHARE_MIN_POSITIONS = 0.2, 128
+
+
+def shared_queries(query_responses: torch.Tensor, context_length: int):
+    """(B, T) -> (queries (U, Lq), inverse (B,)) with query_responses[:, :Lq] == queries[inverse], or None when
+    encoding only the U distinct queries saves too little (see SHARE_MIN_*; then one plain forward is used)."""
+    if context_length == 0 or query_responses.shape[1] == context_length:
+        return None
+    queries, inverse = torch.unique(query_responses[:, :context_length], dim=0, return_inverse=True)
+    saved = (query_responses.shape[0] - queries.shape[0]) * context_length
+    if saved < max(SHARE_MIN_FRACTION * query_responses.numel(), SHARE_MIN_POSITIONS):
+        return None
+    return queries, inverse
+
+
+def _can_share(model: nn.Module) -> bool:
+    """A key/value cache is returned unless the model is training with activation checkpointing."""
+    return not (torch.is_grad_enabled() and model.training and
+                any(getattr(m, "gradient_checkpointing", False) for m in unwrap(model).modules()))
+
+
+def _run_shared(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                plan, **prompt_kwargs):
+    """Run the distinct queries once (returning a cache), then the responses of all rows on the selected cache
+    rows. Returns (prompt_out, response_out), or None when the model returned no cache."""
+    queries, inverse = plan
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
-    input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    logits = out.logits[:, context_length - 1:-1]
+    query_mask, query_positions = padding_inputs(queries, pad_token_id)
+    prompt_out = model(input_ids=queries.masked_fill(query_mask == 0, 0), attention_mask=query_mask,
+                       position_ids=query_positions, use_cache=True, **prompt_kwargs)
+    cache = getattr(prompt_out, "cache", None) or getattr(prompt_out, "past_key_values", None)
+    if cache is None:
+        return None
+    cache.batch_select_indices(inverse)
+    responses = query_responses[:, context_length:]
+    response_out = model(input_ids=responses.masked_fill(attention_mask[:, context_length:] == 0, 0),
+                         attention_mask=attention_mask, position_ids=position_ids[:, context_length:], cache=cache,
+                         use_cache=True)
+    return prompt_out, response_out
+
+
+def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                   temperature: float = 1.0, share_prompts: bool = True) -> torch.Tensor:
+    """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
+    query_responses[:, context_length:]. Temperature is applied here and only here. Only the response positions
+    go through the output layer. With `share_prompts`, rows with identical queries encode the query once
+    (see `shared_queries`); the result is the same."""
+    plan = shared_queries(query_responses, context_length) if share_prompts and _can_share(model) else None
+    outs = _run_shared(model, query_responses, context_length, pad_token_id, plan, logits_to_keep=1) if plan else None
+    if outs is not None:
+        prompt_out, response_out = outs
+        logits = torch.cat([prompt_out.logits[plan[1]], response_out.logits[:, :-1]], 1)
+    else:
+        attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+        input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                    logits_to_keep=query_responses.shape[1] - context_length + 1)
+        logits = out.logits[:, :-1]
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -510,33 +586,49 @@ def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: 
                       for i in range(0, len(logits), rows)])
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """(B, R, V) -> (B, R) entropy of softmax(logits), row by row."""
-    return torch.stack([torch.logsumexp(row, -1) - (row.softmax(-1) * row).sum(-1) for row in logits])
+def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:
+    """(B, R, V) -> (B, R) entropy of softmax(logits), in row chunks of at most `chunk_bytes` of float32 work
+    (as `selective_logprobs`)."""
+    rows = max(1, chunk_bytes // (4 * logits[0].numel()))
+    out = []
+    for i in range(0, len(logits), rows):
+        chunk = logits[i:i + rows].float()
+        out.append(torch.logsumexp(chunk, -1) - (chunk.softmax(-1) * chunk).sum(-1))
+    return torch.cat(out)
 
 
 def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                      temperature: float = 1.0) -> torch.Tensor:
+                      temperature: float = 1.0, share_prompts: bool = True) -> torch.Tensor:
     """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature.
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
-    logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature)
+    logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature, share_prompts)
     return selective_logprobs(logits, query_responses[:, context_length:])
 
 
-def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int,
+                   context_length: Optional[int] = None) -> torch.Tensor:
     """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
-    Runs the backbone and the `score` head directly so that every position is read, padding-safe."""
-    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+    Runs the backbone and the `score` head directly so that every position is read, padding-safe. Given
+    `context_length`, rows with identical queries encode the query once (see `shared_queries`)."""
     base = unwrap(model)
     backbone = getattr(base, base.base_model_prefix)
-    hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
-                      position_ids=position_ids, use_cache=False).last_hidden_state
+    plan = shared_queries(query_responses, context_length) if context_length and _can_share(model) else None
+    outs = _run_shared(backbone, query_responses, context_length, pad_token_id, plan) if plan else None
+    if outs is not None:
+        prompt_out, response_out = outs
+        hidden = torch.cat([prompt_out.last_hidden_state[plan[1]], response_out.last_hidden_state], 1)
+    else:
+        attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+        hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False).last_hidden_state
     return base.score(hidden).squeeze(-1)
 
 
-def get_reward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """(B, T) -> (B,) reward-model score read at the last non-pad token of each row."""
-    values = scalar_forward(model, query_responses, pad_token_id)
+def get_reward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int,
+               context_length: Optional[int] = None) -> torch.Tensor:
+    """(B, T) -> (B,) reward-model score read at the last non-pad token of each row (`context_length`: as in
+    `scalar_forward`)."""
+    values = scalar_forward(model, query_responses, pad_token_id, context_length)
     last = last_token_index(query_responses != pad_token_id)
     return values[torch.arange(values.shape[0], device=values.device), last]
 

@@ -356,7 +356,7 @@ def main():
                 logits = pc.forward_logits(policy, query_response, context_length, pad, args.temperature)
                 logprobs.append(pc.selective_logprobs(logits, query_response[:, context_length:]))
                 entropy.append(pc.entropy_from_logits(logits))
-                scores.append(pc.get_reward(reward_model, query_response, pad))
+                scores.append(pc.get_reward(reward_model, query_response, pad, context_length))
             logprobs, entropy, scores = torch.cat(logprobs), torch.cat(entropy), torch.cat(scores)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature,
                                               args.local_rollout_forward_batch_size)
@@ -375,7 +375,9 @@ def main():
         policy.train()
         losses, clipfracs, approxkls, ratios, nonfinite = [], [], [], [], 0
         for _ in range(args.num_ppo_epochs):
-            order = torch.randperm(local_batch_size, device=accelerator.device)
+            # shuffled prompt by prompt, so a micro-batch holds whole groups and encodes each prompt once
+            order = (torch.randperm(local_prompts, device=accelerator.device)[:, None] * args.rloo_k +
+                     torch.arange(args.rloo_k, device=accelerator.device)).flatten()
             for mini_start in range(0, local_batch_size, local_mini_batch_size):
                 finite = True
                 for micro_start in range(mini_start, mini_start + local_mini_batch_size,

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -80,7 +81,7 @@ class PhaseTimer:
     evaluation (phase "eval", whose own time is accumulated separately)."""
 
     def __init__(self):
-        self.totals = {"generation": 0.0, "scoring": 0.0, "eval": 0.0}
+        self.totals = {"generation": 0.0, "scoring": 0.0, "model": 0.0, "eval": 0.0}
         self.depth = {k: 0 for k in self.totals}
 
     def wrap(self, fn, phase, when=None):
@@ -112,13 +113,27 @@ def step_stats(marks: list, warmup: int) -> dict:
         n = s1 - s0
         total = (b["t"] - a["t"] - (b["eval"] - a["eval"])) / n
         gen, score = (b["generation"] - a["generation"]) / n, (b["scoring"] - a["scoring"]) / n
-        deltas.append(dict(step=total, generation=gen, scoring=score, update=total - gen - score, n=n))
+        model = (b.get("model", 0.0) - a.get("model", 0.0)) / n
+        deltas.append(dict(step=total, generation=gen, scoring=score, update=total - gen - score, model=model, n=n))
     if not deltas:
         raise RuntimeError(f"no steps measured after warmup {warmup} (marks at steps {[s for s, _ in marks]})")
     weight = sum(d["n"] for d in deltas)
-    out = {k: sum(d[k] * d["n"] for d in deltas) / weight for k in ("step", *PHASES)}
+    out = {k: sum(d[k] * d["n"] for d in deltas) / weight for k in ("step", *PHASES, "model")}
     out["steps_measured"] = weight
     return out
+
+
+def time_model_work(timer: PhaseTimer) -> None:
+    """Phase "model": time inside the outermost call of any transformers model (forward passes, generation's
+    forwards included), in Tensor.backward and in torch optimizer steps: the work both implementations must do.
+    The rest of a step (sampling loop, losses, bookkeeping, framework overhead) is what code can trim."""
+    import torch
+    import transformers
+
+    transformers.PreTrainedModel.__call__ = timer.wrap(torch.nn.Module.__call__, "model")
+    torch.Tensor.backward = timer.wrap(torch.Tensor.backward, "model")
+    for opt in (torch.optim.AdamW, torch.optim.Adam):
+        opt.step = timer.wrap(opt.step, "model")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -131,6 +146,7 @@ def worker_ours(algo: str, steps: int, warmup: int) -> dict:
     import policy_common as pc
 
     timer = PhaseTimer()
+    time_model_work(timer)
     no_grad = lambda: not torch.is_grad_enabled()  # noqa: E731
     pc.batch_generation = timer.wrap(pc.batch_generation, "generation")
     for name in ("forward_logits", "response_logprobs", "selective_logprobs", "entropy_from_logits", "scalar_forward",
@@ -189,6 +205,7 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
     tokenizer = pc.load_tokenizer(paths["policy"])
     model = pc.load_causal_lm(paths["policy"], tokenizer)
     timer = PhaseTimer()
+    time_model_work(timer)
     marks, setup = [], {}
 
     class Marks(transformers.TrainerCallback):
@@ -222,7 +239,8 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
             cls._generate = timer.wrap(cls._generate, "generation")
             cls._generate_and_score_completions = timer.wrap(cls._generate_and_score_completions, "scoring")
             unmatched = ["missing-EOS penalty (ours: score - 1.0 without EOS; TRL has no such option)",
-                         "TRL skips the separate old-log-prob forward when num_iterations=1 (uses detached current ones)"]
+                         "TRL scores completions by decoding them to text and re-tokenizing for the reward model "
+                         "(same ids with the toy word-level tokenizer)"]
         elif algo == "dpo":
             import dpo
 
@@ -308,6 +326,75 @@ def worker_generation(repeats: int) -> dict:
         results[name] = dict(tokens_per_s=tokens / elapsed, seconds_per_batch=elapsed / repeats, tokens=tokens)
     results["batch"] = f"{queries.shape[0]} sequences ({len(ids)} prompts x k={d['rloo_k']}), {d['response_length']} new tokens"
     return results
+
+
+def worker_sharing(shape: str, repeats: int) -> dict:
+    """Shared-prompt encoding (each distinct query once, its key/value cache reused by the rows that repeat it)
+    against plain full-row passes, same model and batch, in one process: no-grad log-probs, forward + backward,
+    and batch_generation's prefill. `toy`: the RLOO toy batch (16 prompts x k=4) on the toy policy. `tldr`: TL;DR
+    shapes (4 prompts x k=2, 400-token prompts, 53-token responses) on a randomly initialised GPT-NeoX (4 layers,
+    width 256, vocabulary 50304): the sharing is shape-bound, the weights do not matter."""
+    import torch
+
+    import policy_common as pc
+
+    torch.manual_seed(0)
+    if shape == "toy":
+        import rloo
+        import toy_task
+
+        d = rloo.ALIAS_DEFAULTS["toy"]
+        paths = toy_task.build(verbose=False)
+        tok = pc.load_tokenizer(paths["policy"])
+        model = pc.load_causal_lm(paths["policy"], tok)
+        prompts = pc.load_any_dataset(paths["prompt_dataset"], "prompt", "train")["prompt"][:d["per_device_train_batch_size"] // d["rloo_k"]]
+        queries = pc.pad_sequences(pc.tokenize_prompts(tok, prompts, 64), tok.pad_token_id, "left")
+        k, R, pad, eos = d["rloo_k"], d["response_length"], tok.pad_token_id, tok.eos_token_id
+    else:
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        pad, eos, k, R = 0, 1, 2, 53
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50304, hidden_size=256, num_hidden_layers=4,
+                                                 num_attention_heads=4, intermediate_size=1024,
+                                                 max_position_embeddings=512, hidden_dropout=0.0,
+                                                 attention_dropout=0.0, eos_token_id=eos, pad_token_id=pad))
+        queries = torch.randint(2, 50304, (4, 400))
+    queries = queries.repeat_interleave(k, 0)
+    responses = torch.randint(2, model.config.vocab_size, (queries.shape[0], R))
+    query_responses, ctx = torch.cat([queries, responses], 1), queries.shape[1]
+    config = pc.make_generation_config(types.SimpleNamespace(pad_token_id=pad, eos_token_id=eos, bos_token_id=eos),
+                                       R if shape == "toy" else 8, 1.0)
+
+    def timed(fn):
+        fn()  # warm-up
+        start = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        return (time.perf_counter() - start) / repeats
+
+    def logprobs(share):
+        with torch.no_grad():
+            pc.response_logprobs(model, query_responses, ctx, pad, share_prompts=share)
+
+    def train(share):
+        pc.response_logprobs(model, query_responses, ctx, pad, share_prompts=share).sum().backward()
+
+    def generate(share):
+        saved = pc.SHARE_MIN_POSITIONS
+        pc.SHARE_MIN_POSITIONS = saved if share else float("inf")
+        try:
+            pc.batch_generation(model, queries, pad, eos, config, queries.shape[0])
+        finally:
+            pc.SHARE_MIN_POSITIONS = saved
+
+    out = {"what": f"{queries.shape[0]} rows = {queries.shape[0] // k} prompts x k={k}, query {ctx} + response {R} "
+                   f"tokens, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters",
+           "shares": pc.shared_queries(query_responses, ctx) is not None}
+    for name, fn, mode in (("no-grad log-probs", logprobs, "eval"), ("forward + backward", train, "train"),
+                           (f"generation ({config.max_new_tokens} new tokens)", generate, "eval")):
+        getattr(model, mode)()
+        out[name] = {"shared": timed(lambda: fn(True)), "plain": timed(lambda: fn(False))}
+    return out
 
 
 def worker_logprobs(variant: str, shape: str, repeats: int) -> dict:
@@ -425,6 +512,21 @@ def _version(name):
         return "?"
 
 
+def median_run(runs: list) -> dict:
+    """The run with the median step time (failed runs dropped), with every run's step time and, as
+    `round_steps`, the step times in round order (None for a failed run) for paired ratios."""
+    ok = sorted((r for r in runs if "error" not in r), key=lambda r: r["step"])
+    if not ok:
+        return runs[-1]
+    return dict(ok[(len(ok) - 1) // 2], round_steps=[r.get("step") for r in runs])
+
+
+def paired_ratios(ours: dict, theirs: dict) -> list:
+    """ours / TRL step time per round (the two ran back to back)."""
+    pairs = zip(ours.get("round_steps", [ours["step"]]), theirs.get("round_steps", [theirs["step"]]))
+    return [a / b for a, b in pairs if a and b]
+
+
 def ms(x) -> str:
     return "n/a" if x is None else f"{1000 * x:.1f}"
 
@@ -433,13 +535,37 @@ def ratio(a, b) -> str:
     return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}x"
 
 
+def model_work_section(results: dict, algos) -> list:
+    """How much of each step is model work (forward passes, backward, optimizer step) and how much is everything
+    else; ours' model work over TRL's step is the ratio left if all the rest cost nothing."""
+    lines = ["## Model work and the rest of the step (milliseconds)", "",
+             "Model work = time inside the outermost call of any transformers model (generation's forwards "
+             "included), in backward and in the optimizer step. It is the same computation in both "
+             "implementations except where ours encodes a shared prompt once; the rest is the sampling loop, "
+             "losses, bookkeeping and framework overhead.", "",
+             "| algorithm | implementation | step | model work | the rest | ours' model work / TRL's step |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for algo in algos:
+        ours, theirs = results.get(f"ours:{algo}"), results.get(f"trl:{algo}")
+        for impl, r in (("ours", ours), ("TRL", theirs)):
+            if not r or "error" in r or "model" not in r:
+                continue
+            floor = ""
+            if impl == "ours" and theirs and "error" not in theirs:
+                floor = f"{r['model'] / theirs['step']:.2f}x (target <= {TARGET.get(algo, '-')}x)"
+            lines.append(f"| {algo} | {impl} | {ms(r['step'])} | {ms(r['model'])} | {ms(r['step'] - r['model'])} | "
+                         f"{floor} |")
+    return lines + [""]
+
+
 def write_report(results: dict, args, path: str, trl_version) -> None:
     lines = ["# Speed and memory benchmark", "",
              f"Written by `python benchmark/speed.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}.",
              f"Machine: {machine()}. Each measurement in its own process, one at a time, {args.threads} threads; "
-             f"step times are means over {args.steps} steps after {args.warmup} warm-up steps; 1-min load average "
-             f"{LOAD0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (other work on the machine inflates "
-             "times).", "",
+             f"a run's step time is the mean over {args.steps} steps after {args.warmup} warm-up steps; every "
+             f"training measurement ran {getattr(args, 'rounds', 1)} times, ours and TRL alternating, and the run "
+             f"with the median step time is shown; 1-min load average {LOAD0:.2f} at the start, "
+             f"{os.getloadavg()[0]:.2f} at the end (other work on the machine inflates times).", "",
              "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
              "algorithm). Peak memory = peak resident set size of the measuring process (whole process: Python, "
              "libraries, models, optimizer, activations); 'after setup' = resident size when training starts.", "",
@@ -463,16 +589,19 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
                   "trl is not installed (`pip install -r benchmark/requirements-bench.txt`)."), ""]
     else:
         lines += ["## Ours over TRL (same run)", "",
-                  "| algorithm | step time ratio | target | phase ratios (gen / scoring / update) | peak memory ratio | "
-                  "target met | where the time goes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| algorithm | step time ratio | range over rounds | target | phase ratios (gen / scoring / update) | "
+                  "peak memory ratio | target met | where the time goes |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for algo in args.algos:
             ours, theirs = results.get(f"ours:{algo}"), results.get(f"trl:{algo}")
             if algo not in TRL_ALGOS:
-                lines.append(f"| {algo} | n/a | | | | | TRL {trl_version} has no {algo.upper()} trainer |")
+                lines.append(f"| {algo} | n/a | | | | | | TRL {trl_version} has no {algo.upper()} trainer |")
                 continue
             if not ours or not theirs or "error" in ours or "error" in theirs:
-                lines.append(f"| {algo} | n/a | | | | | a measurement failed (see above) |")
+                lines.append(f"| {algo} | n/a | | | | | | a measurement failed (see above) |")
                 continue
+            rounds = paired_ratios(ours, theirs)
+            spread = f"{min(rounds):.2f}-{max(rounds):.2f}x" if len(rounds) > 1 else "-"
             step_ratio = ours["step"] / theirs["step"]
             mem_ratio = ours["peak_rss_mib"] / theirs["peak_rss_mib"]
             met = step_ratio <= TARGET[algo] and mem_ratio <= 1.0
@@ -485,7 +614,7 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
                 where += f"; short of the {TARGET[algo]}x target, remaining gap mostly in " + \
                          max(PHASES, key=lambda p: ours[p] - TARGET[algo] * theirs[p])
             phase = " / ".join(ratio(ours[p], theirs[p]) if theirs[p] > 1e-4 else "-" for p in PHASES)
-            lines.append(f"| {algo} | {step_ratio:.2f}x | <= {TARGET[algo]}x | {phase} | {mem_ratio:.2f}x | "
+            lines.append(f"| {algo} | {step_ratio:.2f}x | {spread} | <= {TARGET[algo]}x | {phase} | {mem_ratio:.2f}x | "
                          f"{'yes' if met else 'no'} | {where} |")
         notes = [f"- {algo}: " + "; ".join(results[f"trl:{algo}"].get("unmatched", []))
                  for algo in TRL_ALGOS if results.get(f"trl:{algo}", {}).get("unmatched")]
@@ -494,6 +623,7 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
                   "max_steps; this changes learning rates, not step cost.",
                   "- TRL tokenizes text itself (prompt and completion tokenized separately, EOS appended); with the "
                   "toy word-level tokenizer this gives the same token ids.", ""]
+        lines += model_work_section(results, args.algos)
     lines += ["## Baselines measured in the same run", ""]
     gen = results.get("generation")
     if gen and "error" not in gen:
@@ -504,6 +634,17 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
                   f"{b['tokens_per_s'] / n['tokens_per_s']:.1f}x |",
                   f"| naive per-example `model.generate` loop | {n['tokens_per_s']:.0f} | {n['seconds_per_batch']:.3f} | "
                   "1.0x |", ""]
+    for shape in ("toy", "tldr"):
+        share = results.get(f"sharing:{shape}")
+        if not share or "error" in share:
+            continue
+        lines += [f"Shared prompts ({share['what']}; each distinct query encoded once, its cache reused):", "",
+                  "| pass | shared (ms) | plain (ms) | time ratio |", "| --- | --- | --- | --- |"]
+        for name, t in share.items():
+            if isinstance(t, dict):
+                lines.append(f"| {name} | {1000 * t['shared']:.1f} | {1000 * t['plain']:.1f} | "
+                             f"{t['shared'] / t['plain']:.2f}x |")
+        lines += [""]
     for shape in ("toy", "pythia"):
         sel, full = results.get(f"logprobs:selective:{shape}"), results.get(f"logprobs:full:{shape}")
         if not sel or not full or "error" in sel or "error" in full:
@@ -527,6 +668,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps per algorithm")
     parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     parser.add_argument("--repeats", type=int, default=10, help="repeats of each baseline micro-benchmark")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating runs of every step measurement (ours, TRL, ours, ...); the median is reported")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of every measuring process")
     parser.add_argument("--no_trl", action="store_true", help="skip TRL even when it is installed")
     parser.add_argument("--no_baselines", action="store_true", help="skip the generation / log-prob baselines")
@@ -543,6 +686,8 @@ def main():
             result = worker_trl(kind[1], args.steps, args.warmup)
         elif kind[0] == "generation":
             result = worker_generation(args.repeats)
+        elif kind[0] == "sharing":
+            result = worker_sharing(kind[1], max(3, args.repeats // 3) if kind[1] == "tldr" else args.repeats)
         elif kind[0] == "logprobs":
             result = worker_logprobs(kind[1], kind[2], args.repeats)
         else:
@@ -561,11 +706,18 @@ def main():
         if trl_version and algo in TRL_ALGOS:
             kinds.append(f"trl:{algo}")
     if not args.no_baselines:
-        kinds += ["generation", "logprobs:selective:toy", "logprobs:full:toy", "logprobs:selective:pythia",
+        kinds += ["generation", "sharing:toy", "sharing:tldr", "logprobs:selective:toy", "logprobs:full:toy", "logprobs:selective:pythia",
                   "logprobs:full:pythia"]
-    results = {}
+    results, runs = {}, {}
+    step_kinds = [k for k in kinds if k.startswith(("ours:", "trl:"))]
+    for _ in range(args.rounds):  # ours and TRL alternate, so slow spells of the machine hit both
+        for kind in step_kinds:
+            runs.setdefault(kind, []).append(run_worker(kind, args, args.threads))
+    for kind in step_kinds:
+        results[kind] = median_run(runs[kind])
     for kind in kinds:
-        results[kind] = run_worker(kind, args, args.threads)
+        if kind not in step_kinds:
+            results[kind] = run_worker(kind, args, args.threads)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_report(results, args, args.out, trl_version)
     print(f"[speed] wrote {args.out}", flush=True)

@@ -108,14 +108,19 @@ def test_speed_report_plumbing(tmp_path):
     ev()  # scoring inside an evaluation does not count as training scoring
     assert timer.totals["scoring"] > 0 and timer.totals["eval"] > 0
 
-    phase = dict(step=0.3, generation=0.1, scoring=0.1, update=0.1, peak_rss_mib=500.0, setup_rss_mib=450.0)
-    results = {"ours:rloo": dict(phase), "trl:rloo": dict(phase, step=0.6, update=0.4, peak_rss_mib=600.0,
-                                                          trl_version="1.16.0", unmatched=["x"])}
-    args = argparse.Namespace(algos=["rloo"], steps=2, warmup=1, threads=1, no_trl=False)
+    phase = dict(step=0.3, generation=0.1, scoring=0.1, update=0.1, model=0.2, peak_rss_mib=500.0, setup_rss_mib=450.0)
+    ours_runs = [dict(phase, step=s) for s in (0.35, 0.3, 0.2)] + [{"error": "exit 1"}]
+    trl_runs = [dict(phase, step=s, update=0.4, model=0.25, peak_rss_mib=600.0, trl_version="1.16.0", unmatched=["x"])
+                for s in (0.7, 0.6, 0.5, 0.6)]
+    results = {"ours:rloo": speed.median_run(ours_runs), "trl:rloo": speed.median_run(trl_runs)}
+    assert results["ours:rloo"]["step"] == 0.3 and results["trl:rloo"]["step"] == 0.6  # median run; failures dropped
+    assert speed.paired_ratios(results["ours:rloo"], results["trl:rloo"]) == pytest.approx([0.5, 0.5, 0.4])
+    args = argparse.Namespace(algos=["rloo"], steps=2, warmup=1, threads=1, no_trl=False, rounds=4)
     out = tmp_path / "speed.md"
     speed.write_report(results, args, str(out), "1.16.0")
     text = out.read_text()
-    assert "| rloo | 0.50x | <= 0.5x |" in text and "0.83x" in text  # step ratio and memory ratio
+    assert "| rloo | 0.50x | 0.40-0.50x | <= 0.5x |" in text and "0.83x" in text  # step ratio, rounds, memory ratio
+    assert "| rloo | ours | 300.0 | 200.0 | 100.0 | 0.33x (target <= 0.5x) |" in text  # model work over TRL's step
     speed.write_report({"ours:rloo": dict(phase)}, args, str(out), None)
     assert "TRL comparison skipped" in out.read_text()
 

@@ -262,6 +262,8 @@ def test_two_processes_match_one_for_the_same_global_batch(short_run, tmp_path):
     assert [r["step"] for r in one] == [r["step"] for r in two]
     for a, b in zip(one, two):
         for k in a:
+            if k.endswith("rewards/accuracies") and abs(a[k.replace("accuracies", "margins")]) < 1e-5:
+                continue  # policy still equal to the reference (warm-up): every margin is float noise, its sign arbitrary
             if not k.startswith("time/"):
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
 

@@ -102,6 +102,112 @@ def test_forward_logits_padding_invariant(lm, shapes, temperature):
             torch.testing.assert_close(batch[i, :len(response)], expected, atol=1e-5, rtol=0)
 
 
+# --------------------------------------------------------------------------------------------- shared prompts
+def grouped_batch(gen, group_sizes, max_query=6, max_response=5):
+    """Rows in a shuffled order; the rows of group g share one query. Returns (query_responses, Lq, rows) with
+    rows = [(query, response)] per row, unpadded."""
+    rows = []
+    for size in group_sizes:
+        query = random_queries(gen, [int(torch.randint(1, max_query + 1, (1,), generator=gen))])[0]
+        rows += [(query, r) for r in random_queries(gen, torch.randint(1, max_response + 1, (size,), generator=gen).tolist())]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+    q = pc.pad_sequences([a for a, _ in rows], PAD, "left")
+    r = pc.pad_sequences([b for _, b in rows], PAD, "right")
+    return torch.cat([q, r], 1), q.shape[1], rows
+
+
+class CountCalls:
+    def __init__(self, model):
+        self.n = 0
+        model.register_forward_hook(lambda *a: setattr(self, "n", self.n + 1))
+
+
+@pytest.fixture
+def always_share(monkeypatch):
+    monkeypatch.setattr(pc, "SHARE_MIN_FRACTION", 0.0)
+    monkeypatch.setattr(pc, "SHARE_MIN_POSITIONS", 1)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.sampled_from([1.0, 0.7]))
+def test_shared_prompt_logprobs_equal_unpadded_rows(lm, group_sizes, temperature):
+    """Each distinct query encoded once (cache rows selected per sequence) gives every row's log-probs of the
+    obvious one-row computation, whatever the group sizes and the row order."""
+    gen = torch.Generator().manual_seed(sum(s * 13 ** i for i, s in enumerate(group_sizes)))
+    query_responses, lq, rows = grouped_batch(gen, group_sizes)
+    calls = CountCalls(lm)
+    saved = pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS
+    pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS = 0.0, 1
+    try:
+        with torch.no_grad():
+            batch = pc.response_logprobs(lm, query_responses, lq, PAD, temperature)
+    finally:
+        pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS = saved
+    distinct = len({tuple(q) for q, _ in rows})
+    assert calls.n == (2 if distinct < len(rows) else 1)
+    with torch.no_grad():
+        for i, (query, response) in enumerate(rows):
+            torch.testing.assert_close(batch[i, :len(response)], unpadded_logprobs(lm, query, response, temperature),
+                                       atol=1e-5, rtol=0)
+
+
+def test_shared_prompt_gradients_equal_the_plain_forward(always_share):
+    torch.manual_seed(3)
+    model = GPTNeoXForCausalLM(tiny_config()).train()
+    query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(4), [3, 1, 2])
+    mask = query_responses[:, lq:] != PAD
+    grads = []
+    for share in (False, True):
+        model.zero_grad()
+        logprobs = pc.response_logprobs(model, query_responses, lq, PAD, 0.8, share_prompts=share)
+        ((logprobs * mask).sum(1) * torch.arange(1.0, 7.0)).sum().backward()  # rows weighted differently
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert g.abs().sum() > 0 or "embed" in name
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4)
+
+
+def test_shared_prompts_other_architecture_and_lora(always_share):
+    """A Llama-style model (rotary, RMSNorm, grouped KV heads) and a LoRA-wrapped policy share prompts too."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)).eval()
+    lora = pc.add_lora(GPTNeoXForCausalLM(tiny_config()), r=4, alpha=8, dropout=0.0).eval()
+    query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(6), [2, 3])
+    for model in (llama, lora):
+        with torch.no_grad():
+            shared = pc.response_logprobs(model, query_responses, lq, PAD)
+            for i, (query, response) in enumerate(rows):
+                torch.testing.assert_close(shared[i, :len(response)], unpadded_logprobs(model, query, response),
+                                           atol=1e-5, rtol=0)
+
+
+def test_shared_prompts_fall_back_under_activation_checkpointing(always_share):
+    torch.manual_seed(7)
+    model = GPTNeoXForCausalLM(tiny_config()).train()
+    query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(8), [3, 2])
+    expected = pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=False)
+    pc.enable_activation_checkpointing(model)
+    calls = CountCalls(model)
+    torch.testing.assert_close(pc.response_logprobs(model, query_responses, lq, PAD), expected)
+    assert calls.n == 1
+
+
+def test_shared_queries_threshold_and_inverse():
+    gen = torch.Generator().manual_seed(9)
+    small, lq, _ = grouped_batch(gen, [4, 4])
+    assert pc.shared_queries(small, lq) is None  # at most 36 positions saved: not worth a second call
+    big, lq, _ = grouped_batch(gen, [60, 60])
+    queries, inverse = pc.shared_queries(big, lq)
+    assert queries.shape[0] <= 2 and torch.equal(queries[inverse], big[:, :lq])
+    singles, lq_singles, _ = grouped_batch(gen, [1] * 60)  # (almost) all queries distinct
+    assert pc.shared_queries(singles, lq_singles) is None
+    assert pc.shared_queries(big, 0) is None and pc.shared_queries(big[:, :lq], lq) is None  # no query / response
+
+
 def test_forward_logits_applies_temperature_once(lm):
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
@@ -145,9 +251,33 @@ def test_batch_generation_greedy_equals_one_at_a_time(lm):
             assert (query_responses[i, q.shape[1] + len(alone):] == PAD).all()
 
 
-def test_batch_generation_stops_at_eos_and_logprobs_match_forward():
+def test_batch_generation_shares_repeated_queries(lm, always_share):
+    """k samples per prompt (repeat_interleave order, 1-token queries included): each distinct query is encoded
+    once, and greedy outputs equal generating every row alone."""
+    gen = torch.Generator().manual_seed(12)
+    queries = [q for q in random_queries(gen, [3, 1, 5]) for _ in range(3)]
+    config = GenerationConfig(do_sample=False, max_new_tokens=5, pad_token_id=PAD, eos_token_id=EOS,
+                              suppress_tokens=[PAD])
+    q = pc.pad_sequences(queries, PAD, "left")
+    seen = []
+    hook = lm.register_forward_hook(lambda m, a, kw, out: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        query_responses, _ = pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9)
+    finally:
+        hook.remove()
+    assert seen[0] == (3, q.shape[1] - 1) and seen[1] == (9, 1)  # 3 distinct prefixes, then the last query token
+    for i, query in enumerate(queries):
+        alone = pc.truncate_after_eos(lm.generate(torch.tensor([query]), generation_config=config)[:, len(query):], EOS, PAD)[0]
+        assert query_responses[i, q.shape[1]:q.shape[1] + len(alone)].tolist() == alone.tolist(), i
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_batch_generation_stops_at_eos_and_logprobs_match_forward(share, monkeypatch):
     """A model biased towards EOS so that rows end at different lengths; the returned sampling log-probs equal
-    a fresh padded forward pass at the sampling temperature."""
+    a fresh padded forward pass at the sampling temperature (also when repeated queries are encoded once)."""
+    if share:
+        monkeypatch.setattr(pc, "SHARE_MIN_FRACTION", 0.0)
+        monkeypatch.setattr(pc, "SHARE_MIN_POSITIONS", 1)
     torch.manual_seed(4)
     model = GPTNeoXForCausalLM(tiny_config()).eval()
     with torch.no_grad():
@@ -198,6 +328,24 @@ def test_get_reward_reads_last_real_token():
             ids = torch.tensor([queries[i] + responses[i]])
             hidden = rm.gpt_neox(input_ids=ids).last_hidden_state
             assert scores[i].item() == pytest.approx(rm.score(hidden)[0, -1, 0].item(), abs=1e-5)
+
+
+def test_get_reward_with_shared_prompts_reads_the_same_scores(always_share):
+    torch.manual_seed(10)
+    rm = GPTNeoXForSequenceClassification(tiny_config(num_labels=1)).eval()
+    query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(11), [3, 2, 1])
+    calls = CountCalls(rm.gpt_neox)
+    with torch.no_grad():
+        scores = pc.get_reward(rm, query_responses, PAD, context_length=lq)
+        values = pc.scalar_forward(rm, query_responses, PAD, context_length=lq)
+        assert calls.n == 4  # two calls each: the distinct queries, then the responses
+        for i, (query, response) in enumerate(rows):
+            hidden = rm.gpt_neox(input_ids=torch.tensor([query + response])).last_hidden_state
+            expected = rm.score(hidden)[0, :, 0]
+            assert scores[i].item() == pytest.approx(expected[-1].item(), abs=1e-5)
+            # per-token values at the real positions: query right-aligned in [0, Lq), response from Lq on
+            real = torch.cat([values[i, lq - len(query):lq], values[i, lq:lq + len(response)]])
+            torch.testing.assert_close(real, expected, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------- reference modes
