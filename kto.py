@@ -273,22 +273,36 @@ def completion_logps(logprobs_fn, query_responses: torch.Tensor, context_length:
     return (logprobs * (query_responses[:, context_length:] != pad_token_id)).sum(1)
 
 
-def reference_logps(reference, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """(2B, T) collated rows -> (2B,) reference log-probs, own and mismatched halves in separate calls exactly as
-    the policy sees them, so that a policy equal to the reference gives log-ratios of exactly 0."""
-    return torch.cat([completion_logps(reference.logprobs, half, context_length, pad_token_id)
-                      for half in query_responses.chunk(2)])
+def joint_forward(query_responses: torch.Tensor, context_length: int, gradient_checkpointing: bool) -> bool:
+    """Score both halves of a collated batch (own and mismatched completions of the same prompts) in ONE policy
+    forward, each prompt encoded once and the mismatched half's gradient discarded? Per example that costs
+    3 (Lq + 2R) token passes (forward + backward) against 4 (Lq + R) for two forwards: cheaper when the prompt is
+    longer than twice the completions (TL;DR), and only when the prompts are really shared (pc.shared_queries;
+    not under activation checkpointing, where no key/value cache is kept)."""
+    R = query_responses.shape[1] - context_length
+    return (not gradient_checkpointing and context_length > 2 * R
+            and pc.shared_queries(query_responses, context_length) is not None)
+
+
+def reference_logps(reference, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                    joint: bool) -> torch.Tensor:
+    """(2B, T) collated rows -> (2B,) reference log-probs, in one call or the two halves separately exactly as
+    the policy is run (`joint`), so that a policy equal to the reference gives log-ratios of exactly 0."""
+    halves = [query_responses] if joint else query_responses.chunk(2)
+    return torch.cat([completion_logps(reference.logprobs, h, context_length, pad_token_id) for h in halves])
 
 
 @torch.no_grad()
-def precompute_reference(groups: list, reference, pad_token_id: int, accelerator) -> None:
+def precompute_reference(groups: list, reference, pad_token_id: int, accelerator, gradient_checkpointing: bool) -> None:
     """Store ref_logps and kl_ref_logps in every example. Groups are split across processes and gathered."""
     world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
     per_process = math.ceil(len(groups) / world)
     local = []  # per_process x (2B,): reference log-probs of own and mismatched completions of this process's groups
     for g in range(rank, per_process * world, world):
         batch = collate(groups[min(g, len(groups) - 1)], pad_token_id)  # past the end: a repeat, discarded
-        local.append(reference_logps(reference, batch["query_responses"].to(device), batch["context_length"], pad_token_id))
+        query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]
+        joint = joint_forward(query_responses, ctx, gradient_checkpointing)
+        local.append(reference_logps(reference, query_responses, ctx, pad_token_id, joint))
     gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * per_process, 2B), process-major
     for p in range(world):
         for k in range(per_process):
@@ -306,13 +320,19 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
     desirable = batch["desirable"].to(device)
     B = desirable.shape[0]
     policy_logprobs = functools.partial(pc.response_logprobs, policy)
-    # 1. log pi(y|x) of each example's own completion, with gradient
-    policy_logps = completion_logps(policy_logprobs, query_responses[:B], ctx, pad_token_id)
-    # 2. log pi(y'|x) of the mismatched pairs (x_k, y_{k-1}), no gradient; the reference on all 2B rows
-    with torch.no_grad():
-        kl_policy_logps = completion_logps(policy_logprobs, query_responses[B:], ctx, pad_token_id)
+    # 1-2. log pi(y|x) of each example's own completion, with gradient, and log pi(y'|x) of the mismatched pairs
+    # (x_k, y_{k-1}), without: in one forward when the prompts are long (see joint_forward), else in two
+    joint = joint_forward(query_responses, ctx, args.gradient_checkpointing)
+    if joint:
+        all_policy_logps = completion_logps(policy_logprobs, query_responses, ctx, pad_token_id)  # (2B,)
+        policy_logps, kl_policy_logps = all_policy_logps[:B], all_policy_logps[B:].detach()
+    else:
+        policy_logps = completion_logps(policy_logprobs, query_responses[:B], ctx, pad_token_id)
+        with torch.no_grad():
+            kl_policy_logps = completion_logps(policy_logprobs, query_responses[B:], ctx, pad_token_id)
+    # the reference on all 2B rows, computed the way the policy was
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
-                     else reference_logps(reference, query_responses, ctx, pad_token_id))
+                     else reference_logps(reference, query_responses, ctx, pad_token_id, joint))
     ref_logps, kl_ref_logps = all_ref_logps[:B], all_ref_logps[B:]
     # 3. KL reference point z0 = max(0, mean log-ratio of the mismatched pairs), detached, over all processes
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
@@ -453,8 +473,9 @@ def main():
     if args.precompute_ref_logprobs:
         # only the micro-batches that steps 0 .. stop_step - 1 visit (all of them unless --max_steps cuts the run)
         used = sorted({g for s in range(stop_step) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
-        precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator)
-        precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator)
+        precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator,
+                             args.gradient_checkpointing)
+        precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator, args.gradient_checkpointing)
         if reference.mode == "copy":
             reference.free()
 

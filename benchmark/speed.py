@@ -3,31 +3,39 @@ figure next to a baseline measured in the same run, and (optionally) next to TRL
 
     python benchmark/speed.py                    # ours (rloo ppo dpo kto) + baselines + TRL if installed
     python benchmark/speed.py --no_trl --steps 5 # quicker, ours and the baselines only
+    python benchmark/speed.py --setting tldr --algos rloo dpo kto --no_baselines --steps 4 --warmup 1 \
+        --out benchmark/results/speed_tldr.md    # TL;DR shapes (400-token prompts) on random-weight stand-ins
     pip install -r benchmark/requirements-bench.txt   # TRL, benchmark-only (never imported by the scripts)
 
 Every measurement runs in its own child process (`speed.py --worker KIND`), one at a time, so that peak
 memory (the child's peak resident set size, its VmHWM polled from /proc) belongs to that measurement alone.
+Step times on a shared machine move by 20-30% from run to run, so every training measurement runs --rounds
+times, ours and TRL alternating; the run with the median step time is reported, with the range of the paired
+(back-to-back) ratios.
 
-Ours: the real script (`rloo.py` ...) runs in the child on the toy task with its toy defaults, for
---warmup + --steps optimizer steps; the policy_common helpers it calls are wrapped with timers:
+Ours: the real script (`rloo.py` ...) runs in the child, on the toy task with its toy defaults (--setting toy)
+or on TL;DR-shaped stand-ins (--setting tldr, see build_tldr_shaped), for --warmup + --steps optimizer steps;
+the policy_common helpers it calls are wrapped with timers:
   generation       time inside pc.batch_generation
   scoring/ref      time inside no-grad forwards: pc.forward_logits / response_logprobs / selective_logprobs /
                    entropy_from_logits / scalar_forward / get_reward and Reference.logprobs (old and reference
                    log-probs, reward and value scores, KTO's KL-term forwards)
   update           the rest of the step: forwards with gradient, losses, backward, optimizer
+  model work       (across phases) time inside any transformers model call, backward and the optimizer step
 A step's time is the interval between the script's consecutive metrics rows, minus any time spent in its
 evaluation functions (module-level `evaluate*`), averaged over the --steps steps after --warmup.
 
-TRL (RLOOTrainer, DPOTrainer, KTOTrainer; TRL 1.16 has no PPOTrainer): the same toy SFT policy, reward
+TRL (RLOOTrainer, DPOTrainer, KTOTrainer; TRL 1.16 has no PPOTrainer): the same SFT policy, reward
 model, data and hyper-parameters (batch, k, response length, temperature, lr, beta, clip range), step time =
 interval between on_step_end callbacks; phases from wrapped trainer methods and modules (`_generate`;
 `_generate_and_score_completions` minus generation; the reference model's forward, `compute_ref_log_probs`
 and KTO's no-grad `_compute_kl_logps`).
 
 Baselines (same run): generation tokens/s of pc.batch_generation against a naive per-example
-`model.generate` loop; pc.response_logprobs (forward_logits + row-wise selective_logprobs) against a plain
-forward + full log_softmax + gather, on the toy batch and on Pythia-shaped logits (vocab 50304).
-Results: benchmark/results/speed.md (and speed.json).
+`model.generate` loop; shared-prompt encoding against plain full-row passes (toy batch and TL;DR shapes);
+pc.response_logprobs (forward_logits + row-chunked selective_logprobs) against a plain forward + full
+log_softmax + gather, on the toy batch and on Pythia-shaped logits (vocab 50304).
+Results: benchmark/results/speed.md (and speed.json); speed_tldr.md for --setting tldr.
 """
 
 from __future__ import annotations
@@ -123,6 +131,102 @@ def step_stats(marks: list, warmup: int) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Settings: the toy task (each script's toy defaults), or TL;DR shapes on CPU-sized random-weight stand-ins
+# ---------------------------------------------------------------------------------------------------------
+# TL;DR shapes (Huang et al. 2024; TRL's TL;DR runs): ~400-token prompts, 53-token responses, RLOO k=4, DPO pairs.
+TLDR = dict(prompt_tokens=400, response_length=53, vocab=3072, layers=8, width=256, rloo_k=4, rloo_batch=16,
+            dpo_batch=4, kto_batch=8, temperature=0.7)
+
+
+def build_tldr_shaped(root: str) -> dict:
+    """Random-weight GPT-NeoX policy and reward model (8 layers, width 256, vocabulary 3072: transformer layers do
+    about 8x the work of the output layer, as in Pythia-1B), a word-level tokenizer, prompts of TLDR['prompt_tokens']
+    words and preference pairs with TLDR['response_length']-token completions. Timing only: nothing here learns.
+    Built once into `root` (seeded, so identical for ours and TRL)."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
+                              PreTrainedTokenizerFast)
+
+    import torch
+    from toy_task import _save_dataset
+
+    out = {k: os.path.join(root, k) for k in ("policy", "reward", "prompt_dataset", "preference_dataset",
+                                              "unpaired_dataset")}
+    if os.path.exists(os.path.join(root, "done")):
+        return out
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    words = [f"w{i}" for i in range(TLDR["vocab"] - 3)]
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[EOS]", "[UNK]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    config = GPTNeoXConfig(vocab_size=len(vocab), hidden_size=TLDR["width"], num_hidden_layers=TLDR["layers"],
+                           num_attention_heads=4, intermediate_size=4 * TLDR["width"], max_position_embeddings=512,
+                           hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                           bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    for cls, name in ((GPTNeoXForCausalLM, "policy"), (GPTNeoXForSequenceClassification, "reward")):
+        model = cls(config) if name == "policy" else cls(GPTNeoXConfig(**config.to_dict(), num_labels=1))
+        model.save_pretrained(out[name])
+        tokenizer.save_pretrained(out[name])
+    text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    R = TLDR["response_length"] - 1  # + EOS
+    prompts = {split: [text(TLDR["prompt_tokens"]) for _ in range(n)] for split, n in (("train", 256), ("test", 8))}
+    _save_dataset({s: [{"prompt": p} for p in ps] for s, ps in prompts.items()}, out["prompt_dataset"])
+    _save_dataset({s: [{"prompt": p, "chosen": " " + text(R), "rejected": " " + text(R)} for p in ps]
+                   for s, ps in prompts.items()}, out["preference_dataset"])
+    _save_dataset({s: [{"prompt": p, "completion": " " + text(R), "label": i % 2 == 0} for i, p in enumerate(ps)]
+                   for s, ps in prompts.items()}, out["unpaired_dataset"])
+    open(os.path.join(root, "done"), "w").close()
+    return out
+
+
+def setting_paths(setting: str) -> dict:
+    if setting == "toy":
+        import toy_task
+
+        return toy_task.build(verbose=False)
+    return build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))
+
+
+def hyper(setting: str, algo: str) -> dict:
+    """The hyper-parameters both implementations get (ours as flags, TRL as config fields)."""
+    if setting == "toy":
+        d = dict(importlib.import_module(algo).ALIAS_DEFAULTS["toy"])
+        return d
+    common = dict(gradient_accumulation_steps=1, response_length=TLDR["response_length"], max_prompt_length=512)
+    if algo == "rloo":
+        return dict(common, per_device_train_batch_size=TLDR["rloo_batch"], rloo_k=TLDR["rloo_k"], learning_rate=3e-6,
+                    kl_coef=0.05, temperature=TLDR["temperature"], local_rollout_forward_batch_size=TLDR["rloo_batch"])
+    if algo == "dpo":
+        return dict(common, per_device_train_batch_size=TLDR["dpo_batch"], learning_rate=5e-7, beta=0.1,
+                    max_length=512, max_prompt_length=448, warmup_ratio=0.1)
+    if algo == "kto":
+        return dict(common, per_device_train_batch_size=TLDR["kto_batch"], learning_rate=5e-7, beta=0.1,
+                    desirable_weight=1.0, undesirable_weight=1.0, max_length=512, max_prompt_length=448)
+    raise SystemExit(f"--setting tldr measures rloo, dpo and kto, not {algo}")
+
+
+def ours_flags(setting: str, algo: str, paths: dict) -> list:
+    if setting == "toy":
+        return []
+    h = hyper(setting, algo)
+    data = paths[{"rloo": "prompt_dataset", "dpo": "preference_dataset", "kto": "unpaired_dataset"}[algo]]
+    flags = ["--model", paths["policy"], "--dataset", data, "--num_eval_prompts", "2"]
+    if algo == "rloo":
+        flags += ["--reward_model", paths["reward"]]
+    if algo == "dpo":
+        flags += ["--max_eval_pairs", "4"]
+    if algo == "kto":
+        flags += ["--num_eval_examples", "8", "--per_device_eval_batch_size", str(TLDR["kto_batch"])]
+    for k, v in h.items():
+        flags += [f"--{k}", str(v)]
+    return flags
+
+
 def time_model_work(timer: PhaseTimer) -> None:
     """Phase "model": time inside the outermost call of any transformers model (forward passes, generation's
     forwards included), in Tensor.backward and in torch optimizer steps: the work both implementations must do.
@@ -139,7 +243,7 @@ def time_model_work(timer: PhaseTimer) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Workers (each runs in its own process)
 # ---------------------------------------------------------------------------------------------------------
-def worker_ours(algo: str, steps: int, warmup: int) -> dict:
+def worker_ours(algo: str, steps: int, warmup: int, setting: str = "toy") -> dict:
     """Run the real `<algo>.py` in this process with timed policy_common helpers."""
     import torch
 
@@ -169,7 +273,8 @@ def worker_ours(algo: str, steps: int, warmup: int) -> dict:
     pc.MetricsLogger.log = log
     with tempfile.TemporaryDirectory() as tmp:
         argv = [f"{algo}.py", "--output_dir", os.path.join(tmp, "run"), "--seed", "1", "--max_steps",
-                str(warmup + steps), "--eval_steps", "0", "--num_eval_prompts", "16"]
+                str(warmup + steps), "--eval_steps", "0", "--num_eval_prompts", "16",
+                *ours_flags(setting, algo, setting_paths(setting))]
         sys.argv = argv
         torch.manual_seed(0)
         with contextlib.redirect_stdout(sys.stderr):
@@ -190,7 +295,7 @@ def _trl_env():
     os.environ.setdefault("WANDB_MODE", "disabled")
 
 
-def worker_trl(algo: str, steps: int, warmup: int) -> dict:
+def worker_trl(algo: str, steps: int, warmup: int, setting: str = "toy") -> dict:
     """TRL's trainer on the toy task with our toy defaults translated to its config."""
     _trl_env()
     import datasets
@@ -199,9 +304,8 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
     import trl
 
     import policy_common as pc
-    import toy_task
 
-    paths = toy_task.build(verbose=False)
+    paths = setting_paths(setting)
     tokenizer = pc.load_tokenizer(paths["policy"])
     model = pc.load_causal_lm(paths["policy"], tokenizer)
     timer = PhaseTimer()
@@ -225,7 +329,7 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
         if algo == "rloo":
             import rloo
 
-            d = rloo.ALIAS_DEFAULTS["toy"]
+            d = hyper(setting, "rloo")
             config = trl.RLOOConfig(
                 **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
                 num_generations=d["rloo_k"], max_completion_length=d["response_length"], temperature=d["temperature"],
@@ -240,11 +344,11 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
             cls._generate_and_score_completions = timer.wrap(cls._generate_and_score_completions, "scoring")
             unmatched = ["missing-EOS penalty (ours: score - 1.0 without EOS; TRL has no such option)",
                          "TRL scores completions by decoding them to text and re-tokenizing for the reward model "
-                         "(same ids with the toy word-level tokenizer)"]
+                         "(same ids with the word-level tokenizers used here)"]
         elif algo == "dpo":
             import dpo
 
-            d = dpo.ALIAS_DEFAULTS["toy"]
+            d = hyper(setting, "dpo")
             config = trl.DPOConfig(
                 **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
                 learning_rate=d["learning_rate"], beta=d["beta"], loss_type=["sigmoid"], max_length=d["max_length"],
@@ -257,7 +361,7 @@ def worker_trl(algo: str, steps: int, warmup: int) -> dict:
         elif algo == "kto":
             import kto
 
-            d = kto.ALIAS_DEFAULTS["toy"]
+            d = hyper(setting, "kto")
             config = trl.KTOConfig(
                 **common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
                 learning_rate=d["learning_rate"], beta=d["beta"], desirable_weight=d["desirable_weight"],
@@ -332,8 +436,9 @@ def worker_sharing(shape: str, repeats: int) -> dict:
     """Shared-prompt encoding (each distinct query once, its key/value cache reused by the rows that repeat it)
     against plain full-row passes, same model and batch, in one process: no-grad log-probs, forward + backward,
     and batch_generation's prefill. `toy`: the RLOO toy batch (16 prompts x k=4) on the toy policy. `tldr`: TL;DR
-    shapes (4 prompts x k=2, 400-token prompts, 53-token responses) on a randomly initialised GPT-NeoX (4 layers,
-    width 256, vocabulary 50304): the sharing is shape-bound, the weights do not matter."""
+    shapes (4 prompts x k=2, 400-token prompts, 53-token responses) on a randomly initialised GPT-NeoX whose
+    transformer layers do about 8x the work of its output layer, as in Pythia-1B (8 layers, width 256,
+    vocabulary 3072; a CPU-sized stand-in): the saving is set by shapes and that proportion, not by weights."""
     import torch
 
     import policy_common as pc
@@ -354,11 +459,11 @@ def worker_sharing(shape: str, repeats: int) -> dict:
         from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
         pad, eos, k, R = 0, 1, 2, 53
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=50304, hidden_size=256, num_hidden_layers=4,
+        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=3072, hidden_size=256, num_hidden_layers=8,
                                                  num_attention_heads=4, intermediate_size=1024,
                                                  max_position_embeddings=512, hidden_dropout=0.0,
                                                  attention_dropout=0.0, eos_token_id=eos, pad_token_id=pad))
-        queries = torch.randint(2, 50304, (4, 400))
+        queries = torch.randint(2, 3072, (4, 400))
     queries = queries.repeat_interleave(k, 0)
     responses = torch.randint(2, model.config.vocab_size, (queries.shape[0], R))
     query_responses, ctx = torch.cat([queries, responses], 1), queries.shape[1]
@@ -450,7 +555,7 @@ def run_worker(kind: str, args, threads: int) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--worker_out", out, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+           "--warmup", str(args.warmup), "--repeats", str(args.repeats), "--setting", args.setting]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",
                WANDB_MODE="disabled", HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", PYTHONUNBUFFERED="1")
     start = time.perf_counter()
@@ -558,6 +663,18 @@ def model_work_section(results: dict, algos) -> list:
     return lines + [""]
 
 
+SETTING_TEXT = {
+    "toy": "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
+           "algorithm).",
+    "tldr": f"Setting: TL;DR shapes on CPU-sized random-weight stand-ins (`--setting tldr`): prompts of "
+            f"{TLDR['prompt_tokens']} tokens, responses of {TLDR['response_length']}; RLOO k={TLDR['rloo_k']} with "
+            f"{TLDR['rloo_batch']} completions per step, DPO {TLDR['dpo_batch']} pairs and KTO {TLDR['kto_batch']} "
+            "examples per step; a GPT-NeoX policy "
+            f"and reward model of {TLDR['layers']} layers, width {TLDR['width']}, vocabulary {TLDR['vocab']} "
+            "(transformer layers ~8x the output layer's work, as in Pythia-1B). Timing only: nothing learns.",
+}
+
+
 def write_report(results: dict, args, path: str, trl_version) -> None:
     lines = ["# Speed and memory benchmark", "",
              f"Written by `python benchmark/speed.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}.",
@@ -566,9 +683,9 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
              f"training measurement ran {getattr(args, 'rounds', 1)} times, ours and TRL alternating, and the run "
              f"with the median step time is shown; 1-min load average {LOAD0:.2f} at the start, "
              f"{os.getloadavg()[0]:.2f} at the end (other work on the machine inflates times).", "",
-             "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
-             "algorithm). Peak memory = peak resident set size of the measuring process (whole process: Python, "
-             "libraries, models, optimizer, activations); 'after setup' = resident size when training starts.", "",
+             SETTING_TEXT[getattr(args, "setting", "toy")] + " Peak memory = peak resident set size of the "
+             "measuring process (whole process: Python, libraries, models, optimizer, activations); 'after setup' = "
+             "resident size when training starts.", "",
              "## Seconds per training step, by phase (milliseconds)", "",
              "| algorithm | implementation | step | generation | scoring / reference | update | peak memory (MiB) | "
              "memory after setup (MiB) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -619,12 +736,13 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
         notes = [f"- {algo}: " + "; ".join(results[f"trl:{algo}"].get("unmatched", []))
                  for algo in TRL_ALGOS if results.get(f"trl:{algo}", {}).get("unmatched")]
         lines += ["", "Settings that could not be matched exactly:", *notes,
-                  "- The LR schedule: ours follows the full toy run length (then --max_steps cuts it), TRL's follows "
+                  "- The LR schedule: ours follows the full run length (then --max_steps cuts it), TRL's follows "
                   "max_steps; this changes learning rates, not step cost.",
                   "- TRL tokenizes text itself (prompt and completion tokenized separately, EOS appended); with the "
-                  "toy word-level tokenizer this gives the same token ids.", ""]
+                  "word-level tokenizers used here this gives the same token ids.", ""]
         lines += model_work_section(results, args.algos)
-    lines += ["## Baselines measured in the same run", ""]
+    if any(k.startswith(("generation", "sharing:", "logprobs:")) for k in results):
+        lines += ["## Baselines measured in the same run", ""]
     gen = results.get("generation")
     if gen and "error" not in gen:
         b, n = gen["batch_generation"], gen["naive_loop"]
@@ -668,6 +786,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps per algorithm")
     parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
     parser.add_argument("--repeats", type=int, default=10, help="repeats of each baseline micro-benchmark")
+    parser.add_argument("--setting", default="toy", choices=("toy", "tldr"),
+                        help="toy: each script's toy defaults; tldr: TL;DR shapes on random-weight stand-ins (rloo dpo kto)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating runs of every step measurement (ours, TRL, ours, ...); the median is reported")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of every measuring process")
@@ -681,9 +801,9 @@ def main():
     if args.worker:  # child process: one measurement, result as JSON
         kind = args.worker.split(":")
         if kind[0] == "ours":
-            result = worker_ours(kind[1], args.steps, args.warmup)
+            result = worker_ours(kind[1], args.steps, args.warmup, args.setting)
         elif kind[0] == "trl":
-            result = worker_trl(kind[1], args.steps, args.warmup)
+            result = worker_trl(kind[1], args.steps, args.warmup, args.setting)
         elif kind[0] == "generation":
             result = worker_generation(args.repeats)
         elif kind[0] == "sharing":

@@ -125,6 +125,25 @@ def test_speed_report_plumbing(tmp_path):
     assert "TRL comparison skipped" in out.read_text()
 
 
+def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters():
+    """--setting tldr: the flags handed to rloo.py / dpo.py / kto.py parse to exactly the values TRL's config
+    receives."""
+    import dpo
+    import kto
+    import rloo
+    import speed
+
+    import policy_common as pc
+
+    paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset", "unpaired_dataset")}
+    for algo, module in (("rloo", rloo), ("dpo", dpo), ("kto", kto)):
+        args = pc.parse_args(module.Args, module.ALIAS_DEFAULTS, argv=speed.ours_flags("tldr", algo, paths))
+        assert args.model == paths["policy"]
+        for k, v in speed.hyper("tldr", algo).items():
+            assert getattr(args, k) == v, (algo, k)
+    assert speed.hyper("toy", "rloo") == rloo.ALIAS_DEFAULTS["toy"] and speed.ours_flags("toy", "rloo", paths) == []
+
+
 def test_speed_and_toy_help():
     for script in ("benchmark/speed.py", "benchmark/toy.py", "benchmark/plot.py", "benchmark/uniform_eval.py"):
         assert "usage" in run_script(script, "--help").stdout

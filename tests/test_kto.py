@@ -127,6 +127,49 @@ def base_run(toy, tmp_path_factory):
     return out
 
 
+def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards(monkeypatch):
+    """Long prompts: own and mismatched completions in one policy forward (each prompt encoded once) give the
+    same loss, metrics and gradients as the two-forward path; a policy equal to the reference gives rewards and
+    KL of exactly 0 either way."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import kto
+    import policy_common as pc
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                           eos_token_id=1, pad_token_id=0)
+    policy = GPTNeoXForCausalLM(config).train()
+    reference = pc.Reference("copy", GPTNeoXForCausalLM(config))
+    reference.model.load_state_dict(policy.state_dict())
+    rng = random.Random(1)
+    group = [dict(prompt_ids=[rng.randrange(2, 40) for _ in range(rng.randrange(20, 30))],
+                  completion_ids=[rng.randrange(2, 40) for _ in range(rng.randrange(2, 6))] + [1],
+                  label=i % 3 == 0) for i in range(8)]
+    for i, e in enumerate(group):
+        e["kl_completion_ids"] = group[i - 1]["completion_ids"]
+    batch = kto.collate(group, 0)
+    assert kto.joint_forward(batch["query_responses"], batch["context_length"], False)
+    assert not kto.joint_forward(batch["query_responses"], batch["context_length"], True)  # checkpointing: no cache
+    args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, gradient_checkpointing=False)
+    monkeypatch.setattr(pc, "SHARE_MIN_POSITIONS", 1)
+    results = []
+    for joint in (True, False):
+        monkeypatch.setattr(kto, "joint_forward", lambda *a, joint=joint: joint)
+        policy.zero_grad()
+        loss, sums = kto.kto_step(policy, reference, batch, args, 0, Accelerator(cpu=True))
+        assert sums["rewards/chosen"] == 0.0 and sums["kl"] == 0.0  # policy == reference
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for name, grad in results[1][1].items():
+        torch.testing.assert_close(results[0][1][name], grad, atol=1e-6, rtol=1e-4)
+
+
 def test_run_writes_metrics_and_a_reloadable_model(base_run):
     rows = read_metrics(base_run)
     train = [r for r in rows if "loss" in r]

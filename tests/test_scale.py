@@ -16,7 +16,8 @@ import torch
 from conftest import ROOT, read_metrics, run_script, script_env
 
 SHORT = {  # a few steps of each script on the toy task, small enough for two processes on two cores
-    "rloo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--rloo_k", "2", "--num_eval_prompts", "16"],
+    # rloo: 8 prompts x k=4 per process, enough repeated prompt positions that shared-prompt encoding is used
+    "rloo.py": ["--max_steps", "2", "--per_device_train_batch_size", "32", "--rloo_k", "4", "--num_eval_prompts", "16"],
     "ppo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_mini_batches", "1",
                "--num_eval_prompts", "16"],
     "dpo.py": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
@@ -65,14 +66,15 @@ def test_dpo_first_step_loss_independent_of_process_count(tmp_path, toy):
 
 def test_deepspeed_zero3_on_cpu(tmp_path, toy):
     """ZeRO-3 code paths that run on a CPU (one process): the policy's parameters gathered for generation, the
-    frozen reference and reward model as ZeRO-3 inference engines, shards gathered for the final save."""
+    frozen reference and reward model as ZeRO-3 inference engines (each called twice per forward when a prompt is
+    shared), shards gathered for the final save."""
     pytest.importorskip("deepspeed")
     env = script_env(threads=1)
     out = tmp_path / "zero3"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            os.path.join(ROOT, "configs", "deepspeed_zero3_cpu.yaml"), os.path.join(ROOT, "rloo.py"),
-           "--max_steps", "2", "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1",
-           "--num_eval_prompts", "8", "--output_dir", str(out)]
+           "--max_steps", "2", "--per_device_train_batch_size", "32", "--gradient_accumulation_steps", "1",
+           "--num_eval_prompts", "8", "--output_dir", str(out)]  # 8 prompts x k=4: shared-prompt encoding is used
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert "[accelerate] DEEPSPEED" in proc.stdout
