@@ -278,10 +278,12 @@ def joint_forward(query_responses: torch.Tensor, context_length: int, gradient_c
     forward, each prompt encoded once and the mismatched half's gradient discarded? Per example that costs
     3 (Lq + 2R) token passes (forward + backward) against 4 (Lq + R) for two forwards: cheaper when the prompt is
     longer than twice the completions (TL;DR), and only when the prompts are really shared (pc.shared_queries;
-    not under activation checkpointing, where no key/value cache is kept)."""
+    not under activation checkpointing, where no key/value cache is kept). Agreed by all processes, so that
+    every process makes the same model calls (ZeRO-3)."""
     R = query_responses.shape[1] - context_length
-    return (not gradient_checkpointing and context_length > 2 * R
-            and pc.shared_queries(query_responses, context_length) is not None)
+    joint = (not gradient_checkpointing and context_length > 2 * R
+             and pc.shared_queries(query_responses, context_length) is not None)
+    return pc.all_processes_agree(joint, query_responses.device)
 
 
 def reference_logps(reference, query_responses: torch.Tensor, context_length: int, pad_token_id: int,

@@ -19,6 +19,7 @@ import random
 import shutil
 import signal
 import time
+import weakref
 from dataclasses import asdict, is_dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -446,8 +447,10 @@ def _prefill_shared(model: nn.Module, queries: torch.Tensor, pad_token_id: int) 
     """Repeated queries (RLOO's k samples of a prompt): encode each distinct query, all but its last token, once
     and hand `generate` the key/value cache with one row per query (`generate` then runs the last token).
     Returns generate's extra keyword arguments: {} when sharing saves too little (see `shared_queries`)."""
-    plan = shared_queries(queries, queries.shape[1] - 1)
-    if plan is None:
+    plan = _sharing_plan(model, queries, queries.shape[1] - 1)
+    if plan is None or not _sharing_verified(
+            model, lambda: _shared_logits(model, queries, queries.shape[1] - 1, pad_token_id, plan),
+            lambda: _plain_logits(model, queries, queries.shape[1] - 1, pad_token_id), queries[:, -1:] != pad_token_id):
         return {}
     prefixes, inverse = plan
     mask, positions = padding_inputs(prefixes, pad_token_id)
@@ -532,6 +535,51 @@ def _can_share(model: nn.Module) -> bool:
                 any(getattr(m, "gradient_checkpointing", False) for m in unwrap(model).modules()))
 
 
+def all_processes_agree(flag: bool, device) -> bool:
+    """True only when `flag` is True on every process (one tiny all-reduce; `flag` itself in a single process).
+    For data-dependent choices that change how many model calls a step makes: under ZeRO-3 or FSDP every
+    process must make the same calls, or the parameter gathers wait for each other forever."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    agreed = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
+_SHARING_VERIFIED = weakref.WeakKeyDictionary()  # model -> shared-prompt results matched a plain forward?
+
+
+def _sharing_plan(model: nn.Module, query_responses: torch.Tensor, context_length: int, share: bool = True):
+    """`shared_queries`' plan when this model may share prompts here, agreed by every process; else None."""
+    ok = share and _SHARING_VERIFIED.get(unwrap(model), True) and _can_share(model)
+    plan = shared_queries(query_responses, context_length) if ok else None
+    return plan if all_processes_agree(plan is not None, query_responses.device) else None
+
+
+def _sharing_verified(model: nn.Module, shared: Callable, plain: Callable, mask: torch.Tensor) -> bool:
+    """The first time a model shares prompts, compare with the plain forward (no grad, once) at the real
+    response positions `mask` (B, R); a model whose key/value cache does not reproduce the plain forward (or
+    returns none) is reported once and from then on always run plain. The verdict is agreed by all processes."""
+    key = unwrap(model)
+    if key not in _SHARING_VERIFIED:
+        with torch.no_grad():
+            a, b = shared(), plain()
+        ok = a is not None
+        if ok and mask.any():
+            low_precision = torch.float32 not in (a.dtype, b.dtype) or a.dtype != b.dtype
+            a, b = a[mask].float(), b[mask].float()
+            tolerance = (5e-2 if low_precision else 1e-4) * (1 + b.abs().max())  # float noise of two summation orders
+            ok = bool((a - b).abs().max() <= tolerance)
+        ok = all_processes_agree(ok, mask.device)
+        if not ok:
+            print(f"[policy_common] {type(key).__name__}: encoding a shared prompt once does not reproduce the "
+                  "plain forward with this model; prompts are encoded per row from now on", flush=True)
+        _SHARING_VERIFIED[key] = ok
+    return _SHARING_VERIFIED[key]
+
+
 def _run_shared(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                 plan, **prompt_kwargs):
     """Run the distinct queries once (returning a cache), then the responses of all rows on the selected cache
@@ -542,7 +590,7 @@ def _run_shared(model: nn.Module, query_responses: torch.Tensor, context_length:
     prompt_out = model(input_ids=queries.masked_fill(query_mask == 0, 0), attention_mask=query_mask,
                        position_ids=query_positions, use_cache=True, **prompt_kwargs)
     cache = getattr(prompt_out, "cache", None) or getattr(prompt_out, "past_key_values", None)
-    if cache is None:
+    if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     cache.batch_select_indices(inverse)
     responses = query_responses[:, context_length:]
@@ -552,23 +600,36 @@ def _run_shared(model: nn.Module, query_responses: torch.Tensor, context_length:
     return prompt_out, response_out
 
 
+def _plain_logits(model, query_responses, context_length, pad_token_id):
+    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+    input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                logits_to_keep=query_responses.shape[1] - context_length + 1)
+    return out.logits[:, :-1]
+
+
+def _shared_logits(model, query_responses, context_length, pad_token_id, plan):
+    outs = _run_shared(model, query_responses, context_length, pad_token_id, plan, logits_to_keep=1)
+    if outs is None:
+        return None
+    prompt_out, response_out = outs
+    return torch.cat([prompt_out.logits[plan[1]], response_out.logits[:, :-1]], 1)
+
+
 def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                    temperature: float = 1.0, share_prompts: bool = True) -> torch.Tensor:
     """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
     query_responses[:, context_length:]. Temperature is applied here and only here. Only the response positions
     go through the output layer. With `share_prompts`, rows with identical queries encode the query once
-    (see `shared_queries`); the result is the same."""
-    plan = shared_queries(query_responses, context_length) if share_prompts and _can_share(model) else None
-    outs = _run_shared(model, query_responses, context_length, pad_token_id, plan, logits_to_keep=1) if plan else None
-    if outs is not None:
-        prompt_out, response_out = outs
-        logits = torch.cat([prompt_out.logits[plan[1]], response_out.logits[:, :-1]], 1)
-    else:
-        attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
-        input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                    logits_to_keep=query_responses.shape[1] - context_length + 1)
-        logits = out.logits[:, :-1]
+    (see `shared_queries`; checked against the plain forward the first time for each model); same result."""
+    args = (model, query_responses, context_length, pad_token_id)
+    plan = _sharing_plan(model, query_responses, context_length, share_prompts)
+    logits = None
+    if plan is not None and _sharing_verified(model, lambda: _shared_logits(*args, plan), lambda: _plain_logits(*args),
+                                              query_responses[:, context_length:] != pad_token_id):
+        logits = _shared_logits(*args, plan)
+    if logits is None:
+        logits = _plain_logits(*args)
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -605,22 +666,35 @@ def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_l
     return selective_logprobs(logits, query_responses[:, context_length:])
 
 
+def _plain_hidden(backbone, query_responses, pad_token_id):
+    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+    return backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
+                    position_ids=position_ids, use_cache=False).last_hidden_state
+
+
+def _shared_hidden(backbone, query_responses, context_length, pad_token_id, plan):
+    outs = _run_shared(backbone, query_responses, context_length, pad_token_id, plan)
+    if outs is None:
+        return None
+    prompt_out, response_out = outs
+    return torch.cat([prompt_out.last_hidden_state[plan[1]], response_out.last_hidden_state], 1)
+
+
 def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int,
                    context_length: Optional[int] = None) -> torch.Tensor:
     """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
     Runs the backbone and the `score` head directly so that every position is read, padding-safe. Given
-    `context_length`, rows with identical queries encode the query once (see `shared_queries`)."""
+    `context_length`, rows with identical queries encode the query once (see `forward_logits`)."""
     base = unwrap(model)
     backbone = getattr(base, base.base_model_prefix)
-    plan = shared_queries(query_responses, context_length) if context_length and _can_share(model) else None
-    outs = _run_shared(backbone, query_responses, context_length, pad_token_id, plan) if plan else None
-    if outs is not None:
-        prompt_out, response_out = outs
-        hidden = torch.cat([prompt_out.last_hidden_state[plan[1]], response_out.last_hidden_state], 1)
-    else:
-        attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
-        hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
-                          position_ids=position_ids, use_cache=False).last_hidden_state
+    plan = _sharing_plan(model, query_responses, context_length) if context_length else None
+    hidden = None
+    if plan is not None and _sharing_verified(
+            model, lambda: _shared_hidden(backbone, query_responses, context_length, pad_token_id, plan),
+            lambda: _plain_hidden(backbone, query_responses, pad_token_id), query_responses != pad_token_id):
+        hidden = _shared_hidden(backbone, query_responses, context_length, pad_token_id, plan)
+    if hidden is None:
+        hidden = _plain_hidden(backbone, query_responses, pad_token_id)
     return base.score(hidden).squeeze(-1)
 
 

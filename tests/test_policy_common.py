@@ -135,11 +135,12 @@ def test_shared_prompt_logprobs_equal_unpadded_rows(lm, group_sizes, temperature
     obvious one-row computation, whatever the group sizes and the row order."""
     gen = torch.Generator().manual_seed(sum(s * 13 ** i for i, s in enumerate(group_sizes)))
     query_responses, lq, rows = grouped_batch(gen, group_sizes)
-    calls = CountCalls(lm)
     saved = pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS
     pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS = 0.0, 1
     try:
         with torch.no_grad():
+            pc.response_logprobs(lm, query_responses, lq, PAD)  # the first shared call also checks the model
+            calls = CountCalls(lm)
             batch = pc.response_logprobs(lm, query_responses, lq, PAD, temperature)
     finally:
         pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS = saved
@@ -194,6 +195,32 @@ def test_shared_prompts_fall_back_under_activation_checkpointing(always_share):
     calls = CountCalls(model)
     torch.testing.assert_close(pc.response_logprobs(model, query_responses, lq, PAD), expected)
     assert calls.n == 1
+
+
+class CacheIgnored(GPTNeoXForCausalLM):
+    """A model whose continuation does not attend to the key/value cache it is given (as custom model code that
+    only handles its own cache type might): encoding a shared prompt once would silently give wrong log-probs."""
+
+    def forward(self, *args, attention_mask=None, cache=None, **kwargs):
+        if cache is not None and cache.get_seq_length() > 0:
+            attention_mask, cache = attention_mask[:, cache.get_seq_length():], None
+        return super().forward(*args, attention_mask=attention_mask, cache=cache, **kwargs)
+
+
+def test_a_model_whose_cache_misbehaves_is_run_plain(always_share, capsys):
+    torch.manual_seed(13)
+    model = CacheIgnored(tiny_config()).eval()
+    query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(14), [3, 2])
+    with torch.no_grad():
+        for _ in range(2):
+            logprobs = pc.response_logprobs(model, query_responses, lq, PAD)
+            for i, (query, response) in enumerate(rows):
+                torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response),
+                                           atol=1e-5, rtol=0)
+        calls = CountCalls(model)
+        pc.response_logprobs(model, query_responses, lq, PAD)
+    assert calls.n == 1  # decided once: plain from then on
+    assert capsys.readouterr().out.count("does not reproduce the plain forward") == 1
 
 
 def test_shared_queries_threshold_and_inverse():
@@ -259,6 +286,7 @@ def test_batch_generation_shares_repeated_queries(lm, always_share):
     config = GenerationConfig(do_sample=False, max_new_tokens=5, pad_token_id=PAD, eos_token_id=EOS,
                               suppress_tokens=[PAD])
     q = pc.pad_sequences(queries, PAD, "left")
+    pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9)  # the first shared call also checks the model
     seen = []
     hook = lm.register_forward_hook(lambda m, a, kw, out: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     try:
@@ -334,8 +362,9 @@ def test_get_reward_with_shared_prompts_reads_the_same_scores(always_share):
     torch.manual_seed(10)
     rm = GPTNeoXForSequenceClassification(tiny_config(num_labels=1)).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(11), [3, 2, 1])
-    calls = CountCalls(rm.gpt_neox)
     with torch.no_grad():
+        pc.get_reward(rm, query_responses, PAD, context_length=lq)  # the first shared call also checks the model
+        calls = CountCalls(rm.gpt_neox)
         scores = pc.get_reward(rm, query_responses, PAD, context_length=lq)
         values = pc.scalar_forward(rm, query_responses, PAD, context_length=lq)
         assert calls.n == 4  # two calls each: the distinct queries, then the responses
@@ -639,3 +668,30 @@ def test_create_reference_defaults_to_the_starting_policy_and_checks_vocab(toy, 
     _save_tiny_tokenizer(tmp_path / "other", with_pad=True)
     with pytest.raises(pc.UserError, match="reference model's tokenizer differs"):
         pc.create_reference(policy, str(tmp_path / "other"), tokenizer, use_peft=False, reference_free=False)
+
+
+def _agree_worker(rank, port, flags, results):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results[rank] = [pc.all_processes_agree(flag, "cpu") for flag in flags[rank]]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_processes_agree_is_true_only_when_every_process_says_so():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = [[True, True, False, False], [True, False, True, False]]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_agree_worker, args=(port, flags, results), nprocs=2)
+        assert results[0] == results[1] == [True, False, False, False]
+    assert pc.all_processes_agree(True, "cpu") and not pc.all_processes_agree(False, "cpu")  # one process
