@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import math
 import os
@@ -452,15 +453,8 @@ def _prefill_shared(model: nn.Module, queries: torch.Tensor, pad_token_id: int) 
             model, lambda: _shared_logits(model, queries, queries.shape[1] - 1, pad_token_id, plan),
             lambda: _plain_logits(model, queries, queries.shape[1] - 1, pad_token_id), queries[:, -1:] != pad_token_id):
         return {}
-    prefixes, inverse = plan
-    mask, positions = padding_inputs(prefixes, pad_token_id)
-    out = model(input_ids=prefixes.masked_fill(mask == 0, 0), attention_mask=mask, position_ids=positions,
-                use_cache=True, logits_to_keep=1)
-    cache = getattr(out, "cache", None)
-    if cache is None:
-        return {}
-    cache.batch_select_indices(inverse)
-    return {"cache": cache}
+    _, cache = _encode_queries(model, plan, pad_token_id, **_keep_last(model, 1))
+    return {} if cache is None else {"cache": cache}
 
 
 @torch.no_grad()
@@ -565,7 +559,11 @@ def _sharing_verified(model: nn.Module, shared: Callable, plain: Callable, mask:
     key = unwrap(model)
     if key not in _SHARING_VERIFIED:
         with torch.no_grad():
-            a, b = shared(), plain()
+            try:
+                a = shared()
+            except TypeError:  # custom model code without a `cache` argument
+                a = None
+            b = plain()
         ok = a is not None
         if ok and mask.any():
             low_precision = torch.float32 not in (a.dtype, b.dtype) or a.dtype != b.dtype
@@ -580,19 +578,28 @@ def _sharing_verified(model: nn.Module, shared: Callable, plain: Callable, mask:
     return _SHARING_VERIFIED[key]
 
 
+def _encode_queries(model: nn.Module, plan, pad_token_id: int, **kwargs):
+    """Run the U distinct queries of `plan` = (queries, inverse) once. Returns (output, key/value cache with one
+    row per sequence, rows selected by `inverse`), or (output, None) when the model returned no usable cache."""
+    queries, inverse = plan
+    mask, positions = padding_inputs(queries, pad_token_id)
+    out = model(input_ids=queries.masked_fill(mask == 0, 0), attention_mask=mask, position_ids=positions,
+                use_cache=True, **kwargs)
+    cache = getattr(out, "cache", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return out, None
+    cache.batch_select_indices(inverse)
+    return out, cache
+
+
 def _run_shared(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                 plan, **prompt_kwargs):
     """Run the distinct queries once (returning a cache), then the responses of all rows on the selected cache
     rows. Returns (prompt_out, response_out), or None when the model returned no cache."""
-    queries, inverse = plan
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
-    query_mask, query_positions = padding_inputs(queries, pad_token_id)
-    prompt_out = model(input_ids=queries.masked_fill(query_mask == 0, 0), attention_mask=query_mask,
-                       position_ids=query_positions, use_cache=True, **prompt_kwargs)
-    cache = getattr(prompt_out, "cache", None) or getattr(prompt_out, "past_key_values", None)
-    if cache is None or not hasattr(cache, "batch_select_indices"):
+    prompt_out, cache = _encode_queries(model, plan, pad_token_id, **prompt_kwargs)
+    if cache is None:
         return None
-    cache.batch_select_indices(inverse)
     responses = query_responses[:, context_length:]
     response_out = model(input_ids=responses.masked_fill(attention_mask[:, context_length:] == 0, 0),
                          attention_mask=attention_mask, position_ids=position_ids[:, context_length:], cache=cache,
@@ -600,20 +607,34 @@ def _run_shared(model: nn.Module, query_responses: torch.Tensor, context_length:
     return prompt_out, response_out
 
 
+_KEEPS_LOGITS = {}  # model class -> whether its forward takes `logits_to_keep`
+
+
+def _keep_last(model: nn.Module, n: int) -> dict:
+    """forward kwargs computing the output layer on the last `n` positions only, where the model supports it
+    (all transformers 5 causal LMs; custom code may not): callers slice [:, -n:] either way."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    if type(inner) not in _KEEPS_LOGITS:
+        _KEEPS_LOGITS[type(inner)] = "logits_to_keep" in inspect.signature(inner.forward).parameters
+    return {"logits_to_keep": n} if _KEEPS_LOGITS[type(inner)] else {}
+
+
 def _plain_logits(model, query_responses, context_length, pad_token_id):
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
+    R = query_responses.shape[1] - context_length
     out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                logits_to_keep=query_responses.shape[1] - context_length + 1)
-    return out.logits[:, :-1]
+                **_keep_last(model, R + 1))
+    return out.logits[:, -(R + 1):-1]
 
 
 def _shared_logits(model, query_responses, context_length, pad_token_id, plan):
-    outs = _run_shared(model, query_responses, context_length, pad_token_id, plan, logits_to_keep=1)
+    outs = _run_shared(model, query_responses, context_length, pad_token_id, plan, **_keep_last(model, 1))
     if outs is None:
         return None
     prompt_out, response_out = outs
-    return torch.cat([prompt_out.logits[plan[1]], response_out.logits[:, :-1]], 1)
+    return torch.cat([prompt_out.logits[:, -1:][plan[1]], response_out.logits[:, :-1]], 1)
 
 
 def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,

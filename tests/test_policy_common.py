@@ -223,6 +223,26 @@ def test_a_model_whose_cache_misbehaves_is_run_plain(always_share, capsys):
     assert capsys.readouterr().out.count("does not reproduce the plain forward") == 1
 
 
+class OlderStyleLM(GPTNeoXForCausalLM):
+    """Custom model code of an older style: neither `logits_to_keep` nor a `cache` argument."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=use_cache)
+
+
+def test_model_code_without_cache_or_logits_to_keep_arguments_still_works(always_share, capsys):
+    torch.manual_seed(15)
+    model = OlderStyleLM(tiny_config()).eval()
+    query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(16), [2, 3])
+    with torch.no_grad():
+        logprobs = pc.response_logprobs(model, query_responses, lq, PAD)
+        for i, (query, response) in enumerate(rows):
+            torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response),
+                                       atol=1e-5, rtol=0)
+    assert "does not reproduce the plain forward" in capsys.readouterr().out
+
+
 def test_shared_queries_threshold_and_inverse():
     gen = torch.Generator().manual_seed(9)
     small, lq, _ = grouped_batch(gen, [4, 4])
