@@ -139,6 +139,16 @@ TLDR = dict(prompt_tokens=400, response_length=53, vocab=3072, layers=8, width=2
             dpo_batch=4, kto_batch=8, temperature=0.7)
 
 
+def tldr_model_config():
+    """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1)."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=TLDR["vocab"], hidden_size=TLDR["width"], num_hidden_layers=TLDR["layers"],
+                         num_attention_heads=4, intermediate_size=4 * TLDR["width"], max_position_embeddings=512,
+                         hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+
 def build_tldr_shaped(root: str) -> dict:
     """Random-weight GPT-NeoX policy and reward model (8 layers, width 256, vocabulary 3072: transformer layers do
     about 8x the work of the output layer, as in Pythia-1B), a word-level tokenizer, prompts of TLDR['prompt_tokens']
@@ -164,10 +174,7 @@ def build_tldr_shaped(root: str) -> dict:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
-    config = GPTNeoXConfig(vocab_size=len(vocab), hidden_size=TLDR["width"], num_hidden_layers=TLDR["layers"],
-                           num_attention_heads=4, intermediate_size=4 * TLDR["width"], max_position_embeddings=512,
-                           hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
-                           bos_token_id=1, eos_token_id=1, pad_token_id=0)
+    config = tldr_model_config()
     for cls, name in ((GPTNeoXForCausalLM, "policy"), (GPTNeoXForSequenceClassification, "reward")):
         model = cls(config) if name == "policy" else cls(GPTNeoXConfig(**config.to_dict(), num_labels=1))
         model.save_pretrained(out[name])
@@ -195,8 +202,7 @@ def setting_paths(setting: str) -> dict:
 def hyper(setting: str, algo: str) -> dict:
     """The hyper-parameters both implementations get (ours as flags, TRL as config fields)."""
     if setting == "toy":
-        d = dict(importlib.import_module(algo).ALIAS_DEFAULTS["toy"])
-        return d
+        return dict(importlib.import_module(algo).ALIAS_DEFAULTS["toy"])
     common = dict(gradient_accumulation_steps=1, response_length=TLDR["response_length"], max_prompt_length=512)
     if algo == "rloo":
         return dict(common, per_device_train_batch_size=TLDR["rloo_batch"], rloo_k=TLDR["rloo_k"], learning_rate=3e-6,
@@ -456,14 +462,11 @@ def worker_sharing(shape: str, repeats: int) -> dict:
         queries = pc.pad_sequences(pc.tokenize_prompts(tok, prompts, 64), tok.pad_token_id, "left")
         k, R, pad, eos = d["rloo_k"], d["response_length"], tok.pad_token_id, tok.eos_token_id
     else:
-        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+        from transformers import GPTNeoXForCausalLM
 
-        pad, eos, k, R = 0, 1, 2, 53
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(vocab_size=3072, hidden_size=256, num_hidden_layers=8,
-                                                 num_attention_heads=4, intermediate_size=1024,
-                                                 max_position_embeddings=512, hidden_dropout=0.0,
-                                                 attention_dropout=0.0, eos_token_id=eos, pad_token_id=pad))
-        queries = torch.randint(2, 3072, (4, 400))
+        pad, eos, k, R = 0, 1, 2, TLDR["response_length"]
+        model = GPTNeoXForCausalLM(tldr_model_config())
+        queries = torch.randint(2, TLDR["vocab"], (4, TLDR["prompt_tokens"]))
     queries = queries.repeat_interleave(k, 0)
     responses = torch.randint(2, model.config.vocab_size, (queries.shape[0], R))
     query_responses, ctx = torch.cat([queries, responses], 1), queries.shape[1]
