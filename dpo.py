@@ -2,22 +2,20 @@
 
 Trains a policy on (prompt, chosen, rejected) pairs with no reward model and no sampling:
     loss = -log sigmoid(beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))])
-Variants (--loss_type): sigmoid (DPO; with --label_smoothing it is conservative DPO, cDPO), ipo (Azar et al. 2023),
-hinge (SLiC, Zhao et al. 2023), robust (Chowdhury et al. 2024); --rpo_alpha adds an NLL term on the chosen
-completion (Pang et al. 2024); --reference_free drops the reference.
+Variants (--loss_type): sigmoid (DPO; with --label_smoothing conservative DPO), ipo (Azar et al. 2023), hinge (SLiC,
+Zhao et al. 2023), robust (Chowdhury et al. 2024); --rpo_alpha adds an NLL term on the chosen completion (Pang et
+al. 2024); --reference_free drops the reference.
 
     python dpo.py                                        # the offline toy task, a few CPU minutes
     accelerate launch dpo.py --model pythia-1b           # TL;DR preference data (trl-lib/tldr-preference)
 
-Logged each step (means over the step's pairs, every process): loss; rewards/chosen and rewards/rejected, the
-implicit rewards beta * (log pi - log ref) of the completions; rewards/accuracies, the fraction of pairs whose chosen
-reward is higher; rewards/margins, chosen minus rejected reward; logps/chosen and logps/rejected, the policy's
-completion log-probs (per-token means for ipo); nll_loss (with --rpo_alpha); grad_norm; lr; epoch;
-nonfinite/skipped; time/*. At evaluation the same on held-out pairs as eval/..., and eval/gold_score (mean gold
-score of greedy completions of held-out prompts) where the dataset has a gold scorer. Step 0 holds data/* counts
-(data/dropped: pairs dropped because truncation left a completion empty).
-
-Style after vwxyzjn/summarize_from_feedback_details dpo.py; loss variants as in TRL's DPOTrainer.
+Logged each step (means over the step's pairs): loss; rewards/chosen, rewards/rejected (implicit rewards
+beta * (log pi - log ref)); rewards/accuracies (chosen reward higher); rewards/margins; logps/chosen, logps/rejected
+(per-token means for ipo); nll_loss (RPO); grad_norm; lr; epoch; nonfinite/skipped; time/*. Each evaluation (before
+training, every --eval_steps, after the last step) logs the same on held-out pairs as eval/..., and eval/gold_score
+(greedy completions of held-out prompts) where the dataset has a gold scorer. Step 0 also holds data/* counts
+(data/dropped: pairs whose completion truncation emptied). Style after summarize_from_feedback_details' dpo.py; loss
+variants as in TRL's DPOTrainer.
 """
 
 import math
@@ -28,11 +26,12 @@ from typing import List, Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import broadcast_object_list, gather_object
 from transformers import get_scheduler
 
 import policy_common as pc
-from policy_common import UserError
+import prompt_sharing as ps
+import run_utils as ru
+from run_utils import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {
@@ -58,7 +57,7 @@ class Args:
     eval_split: str = "test"
     """held-out split for evaluation"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run name>"""
+    """where metrics, checkpoints and the model go; None = the folder of --resume_from, else runs/<run name>"""
     track: bool = False
     """log to Weights and Biases"""
     wandb_project: str = "policy-rlhf"
@@ -86,11 +85,11 @@ class Args:
     skip_nonfinite: bool = False
     """skip (and count) an optimizer step whose loss or gradient norm is not finite, instead of stopping"""
     eval_steps: int = 500
-    """evaluate every this many steps (0 = only at the end)"""
+    """evaluate before training, every this many steps and after the last step (0 = only before and after)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
-    """checkpoint folder to resume from"""
+    """checkpoint folder to resume from (the run continues in its folder unless --output_dir is given)"""
 
     # model loading
     use_peft: bool = False
@@ -113,6 +112,8 @@ class Args:
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
     """allow custom model code from the hub"""
+    share_prompts: bool = True
+    """encode the prompt of a chosen/rejected pair once when it saves enough (--no_share_prompts: every row plainly)"""
 
     # DPO
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
@@ -127,40 +128,38 @@ class Args:
     """no reference model (its log-probs are 0)"""
     precompute_ref_logprobs: bool = False
     """compute the reference log-probs once before training, then free the reference model"""
-    max_prompt_length: int = 512
-    """prompts keep their last this many tokens"""
+    max_prompt_length: Optional[int] = None
+    """prompts keep their last this many tokens; None = the longest prompt in the data (a completion still fits)"""
     max_length: int = 640
-    """prompt + completion tokens; completions are cut from the right (rows left with no completion are dropped)"""
+    """prompt + completion tokens (at most the model's positions); completions lose their end, empty ones are dropped"""
     max_eval_pairs: int = 2000
     """evaluate on the first this many held-out pairs (0 = all)"""
 
     # generation at evaluation (only when the dataset has a gold scorer, e.g. the toy task)
     response_length: int = 53
-    """max new tokens of the greedy evaluation generations"""
+    """max new tokens of the greedy evaluation generations (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 256
-    """held-out prompts generated from at each evaluation"""
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
 
 
 def validate(args: Args) -> None:
-    if args.beta <= 0:
-        raise UserError(f"--beta must be > 0, got {args.beta}")
+    if args.beta <= 0 or (args.rpo_alpha is not None and args.rpo_alpha < 0):
+        raise UserError(f"need --beta > 0 and --rpo_alpha >= 0, got {args.beta} and {args.rpo_alpha}")
     if args.loss_type in ("sigmoid", "robust") and not 0 <= args.label_smoothing < 0.5:
         raise UserError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
     if args.loss_type in ("ipo", "hinge") and args.label_smoothing != 0:
         raise UserError(f"--label_smoothing applies to sigmoid and robust only, not {args.loss_type}")
-    if args.rpo_alpha is not None and args.rpo_alpha < 0:
-        raise UserError(f"--rpo_alpha must be >= 0, got {args.rpo_alpha}")
     if args.reference_free and (args.precompute_ref_logprobs or args.ref_model):
         raise UserError("--reference_free excludes --precompute_ref_logprobs and --ref_model")
-    if args.max_prompt_length < 1 or args.max_length <= args.max_prompt_length:
+    if not 1 <= (1 if args.max_prompt_length is None else args.max_prompt_length) < args.max_length:
         raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and "
                         f"{args.max_length}")
+    if args.response_length < 1 or args.num_eval_prompts < 0 or args.max_eval_pairs < 0:
+        raise UserError("--response_length must be >= 1, --num_eval_prompts and --max_eval_pairs >= 0")
     if args.learning_rate <= 0 or args.max_grad_norm <= 0 or args.num_train_epochs <= 0:
         raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0")
-    if not 0 <= args.warmup_ratio < 1:
-        raise UserError(f"--warmup_ratio must be in [0, 1), got {args.warmup_ratio}")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise UserError(f"--max_steps must be >= 1, got {args.max_steps}")
+    if not 0 <= args.warmup_ratio < 1 or (args.max_steps is not None and args.max_steps < 1):
+        raise UserError(f"need 0 <= --warmup_ratio < 1 and --max_steps >= 1, got {args.warmup_ratio}, {args.max_steps}")
     if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
         raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
 
@@ -168,26 +167,29 @@ def validate(args: Args) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # Data: (prompt, chosen, rejected) -> token ids
 # ---------------------------------------------------------------------------------------------------------
+def load_pairs(name: str, split: str):
+    """`split` of a preference dataset (an empty one is a one-line error in ru), its columns checked."""
+    dataset = ru.load_preference_dataset(name, split)
+    ru.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
+    return dataset
+
+
 def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
     """Rows of text or conversational pairs -> (rows, dropped). Each row is a dict of token-id lists `prompt`,
     `chosen`, `rejected` (EOS appended to completions, then the truncation rule of
-    pc.tokenize_prompt_completion). A row whose chosen or rejected completion is cut to nothing is dropped and
+    ru.tokenize_prompt_completion). A row whose chosen or rejected completion is cut to nothing is dropped and
     counted. A value that is neither text nor a list of messages is a UserError."""
-    pc.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
     rows, dropped = [], 0
     for i, example in enumerate(dataset):
         for column in ("prompt", "chosen", "rejected"):
             value = example[column]
-            if not (isinstance(value, str) or pc.is_conversational(value)):
+            if not (isinstance(value, str) or ru.is_conversational(value)):
                 raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
                                 f"{{role, content}} messages, got {type(value).__name__}")
-        prompt = pc.render_prompt(tokenizer, example["prompt"])
-        prompt_ids, chosen_ids = pc.tokenize_prompt_completion(
-            tokenizer, prompt, pc.render_completion(tokenizer, example["prompt"], example["chosen"]),
-            max_prompt_length, max_length)
-        _, rejected_ids = pc.tokenize_prompt_completion(
-            tokenizer, prompt, pc.render_completion(tokenizer, example["prompt"], example["rejected"]),
-            max_prompt_length, max_length)
+        prompt = ru.render_prompt(tokenizer, example["prompt"])
+        (prompt_ids, chosen_ids), (_, rejected_ids) = [ru.tokenize_prompt_completion(
+            tokenizer, prompt, ru.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
+            max_length) for column in ("chosen", "rejected")]
         if not prompt_ids or not chosen_ids or not rejected_ids:
             dropped += 1
             continue
@@ -207,10 +209,10 @@ def concatenated_inputs(rows, pad_token_id: int):
     return torch.cat([prompts.repeat(2, 1), completions], 1), prompts.shape[1]
 
 
-def completion_logps(token_logprobs: torch.Tensor, query_responses: torch.Tensor, context_length: int,
-                     pad_token_id: int):
-    """(2b, R) per-token log-probs -> (sum over completion tokens (2b,), completion lengths (2b,)); prompt and
-    padding positions do not count."""
+def completion_sums(token_logprobs: torch.Tensor, query_responses: torch.Tensor, context_length: int,
+                    pad_token_id: int):
+    """(2b, R) per-token log-probs -> (log-probs summed over each completion's tokens (2b,), completion lengths
+    (2b,)); prompt and padding positions do not count."""
     mask = query_responses[:, context_length:] != pad_token_id
     return (token_logprobs * mask).sum(1), mask.sum(1)
 
@@ -268,114 +270,129 @@ def pair_losses(args: Args, policy_logps, ref_logps, lengths):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Reference log-probs and evaluation (each process takes a contiguous slice, results gathered in order)
+# Reference log-probs and evaluation: each process takes an even share (ru.even_share), so that every process makes
+# the same model calls; results are combined over all processes
 # ---------------------------------------------------------------------------------------------------------
-@torch.no_grad()
-def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator) -> torch.Tensor:
-    """(N, 2) per-token reference log-probs summed over each row's chosen / rejected completion."""
-    out = []
-    with accelerator.split_between_processes(list(range(len(rows)))) as my_rows:
-        for i in range(0, len(my_rows), batch_size):
-            query_responses, context_length = concatenated_inputs([rows[j] for j in my_rows[i:i + batch_size]],
-                                                                  pad_token_id)
-            logps = reference_logps(reference, None, None, query_responses.to(accelerator.device), context_length,
-                                    pad_token_id)
-            out += torch.stack(logps.chunk(2), 1).tolist()
-    return torch.tensor(gather_object(out))
-
-
-@torch.no_grad()
-def evaluate_pairs(args, policy, reference, rows, ref_table, pad_token_id, accelerator) -> dict:
-    """Mean preference metrics over the held-out pairs, named eval/..."""
-    values = []
-    with accelerator.split_between_processes(list(range(len(rows)))) as my_rows:
-        for i in range(0, len(my_rows), args.per_device_eval_batch_size):
-            index = my_rows[i:i + args.per_device_eval_batch_size]
-            query_responses, context_length = concatenated_inputs([rows[j] for j in index], pad_token_id)
-            query_responses = query_responses.to(accelerator.device)
-            policy_logps, lengths = completion_logps(
-                pc.response_logprobs(policy, query_responses, context_length, pad_token_id), query_responses,
-                context_length, pad_token_id)
-            _, stats = pair_losses(args, policy_logps, reference_logps(reference, ref_table, index, query_responses,
-                                                                       context_length, pad_token_id), lengths)
-            values += [dict(zip(stats, row)) for row in torch.stack(list(stats.values()), 1).tolist()]
-    values = gather_object(values)  # one dict per held-out pair, in dataset order
-    return {f"eval/{k}": sum(v[k] for v in values) / len(values) for k in values[0]}
-
-
-@torch.no_grad()
-def reference_logps(reference, precomputed, index, query_responses, context_length, pad_token_id):
+def reference_logps(reference, precomputed, index, query_responses, context_length, pad_token_id,
+                    share_prompts: bool = False):
     """(2b,) reference log-probs summed over each completion of a concatenated batch: looked up for rows `index`
-    in the (N, 2) `precomputed` table when there is one, else computed with the reference model."""
+    in the (N, 2) `precomputed` table when there is one, else computed with the reference model (no grad)."""
     if precomputed is not None:
         return torch.cat([precomputed[index, 0], precomputed[index, 1]]).to(query_responses.device)
-    token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id)
-    return completion_logps(token_logprobs, query_responses, context_length, pad_token_id)[0]
+    token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id, share_prompts=share_prompts)
+    return completion_sums(token_logprobs, query_responses, context_length, pad_token_id)[0]
 
 
 @torch.no_grad()
-def evaluate_gold(policy, tokenizer, queries, scorer, generation_config, batch_size, accelerator):
-    """Greedy completions of the held-out prompts -> (mean gold score, a few sample rows)."""
+def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator,
+                       share_prompts: bool = False) -> torch.Tensor:
+    """(N, 2) reference log-probs summed over each row's chosen / rejected completion."""
+    share, _ = ru.even_share(list(range(len(rows))), accelerator)  # rows p, p + W, ... of process p, padded
+    table = []
+    for i in range(0, len(share), batch_size):
+        query_responses, context_length = concatenated_inputs([rows[j] for j in share[i:i + batch_size]], pad_token_id)
+        logps = reference_logps(reference, None, None, query_responses.to(accelerator.device), context_length,
+                                pad_token_id, share_prompts=share_prompts)
+        table.append(torch.stack(logps.chunk(2), 1))  # (b, 2)
+    table = accelerator.gather(torch.cat(table))  # (W * S, 2): the shares of processes 0, 1, ..., W - 1
+    return table.view(accelerator.num_processes, -1, 2).transpose(0, 1).reshape(-1, 2)[:len(rows)]  # row order
+
+
+@torch.no_grad()
+def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenizer, accelerator, *, share_prompts):
+    """Held-out pairs `rows` -> eval/... preference metrics; greedy completions of the held-out `queries` (if any)
+    -> eval/gold_score. Returns (means over every process's items, a few sample rows)."""
     pad = tokenizer.pad_token_id
-    results = []
-    with accelerator.split_between_processes(queries) as my_queries:
-        if my_queries:
-            query_responses, _ = pc.batch_generation(policy, pc.pad_sequences(my_queries, pad, "left").to(
-                accelerator.device), pad, tokenizer.eos_token_id, generation_config, batch_size, accelerator)
-            context_length = max(len(q) for q in my_queries)
-            for query_response in query_responses:
-                prompt = tokenizer.decode(query_response[:context_length], skip_special_tokens=True)
-                completion = tokenizer.decode(query_response[context_length:], skip_special_tokens=True)
-                results.append((prompt, completion, scorer(prompt, completion)))
-    results = gather_object(results)
-    gold = sum(r[2] for r in results) / len(results)
-    return gold, [{"prompt": p, "completion": c, "gold": round(g, 3)} for p, c, g in results[:3]]
+    policy.eval()
+    share, n_real = ru.even_share(list(range(len(rows))), accelerator)
+    sums = {}
+    for i in range(0, len(share), args.per_device_eval_batch_size):
+        index = share[i:i + args.per_device_eval_batch_size]
+        query_responses, context_length = concatenated_inputs([rows[j] for j in index], pad)
+        query_responses = query_responses.to(accelerator.device)
+        policy_logps, lengths = completion_sums(
+            pc.response_logprobs(policy, query_responses, context_length, pad, share_prompts=share_prompts),
+            query_responses, context_length, pad)
+        ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad,
+                                    share_prompts=share_prompts)
+        _, stats = pair_losses(args, policy_logps, ref_logps, lengths)
+        for k, v in stats.items():  # only the first n_real pairs of the share count
+            sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
+    metrics, samples = ru.global_means(accelerator, sums, n_real), []
+    if queries:
+        share, n_real = ru.even_share(queries, accelerator)
+        query_tensor = pc.pad_sequences(share, pad, "left").to(accelerator.device)  # (n, Lq)
+        query_responses, _ = pc.batch_generation(
+            policy, query_tensor, pad, tokenizer.eos_token_id,
+            pc.make_generation_config(tokenizer, args.response_length, greedy=True), args.per_device_eval_batch_size,
+            accelerator)
+        for query_response in query_responses[:n_real]:
+            prompt = tokenizer.decode(query_response[:query_tensor.shape[1]], skip_special_tokens=True)
+            completion = tokenizer.decode(query_response[query_tensor.shape[1]:], skip_special_tokens=True)
+            samples.append({"prompt": prompt, "completion": completion, "gold": scorer(prompt, completion)})
+        metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)}, n_real))
+    policy.train()
+    accelerator.print("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    return metrics, [{**s, "gold": round(s["gold"], 3)} for s in samples[:3]]
 
 
 def main() -> None:
     # TRY NOT TO MODIFY: arguments, sizes, seeding
-    args = pc.parse_args(Args, ALIAS_DEFAULTS)
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
     validate(args)
-    args.dataset = args.dataset or pc.default_dataset(args.model)
+    args.dataset = args.dataset or ru.default_dataset(args.model)
+    policy_path = ru.resolve_model(args.model)
     accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
     world_size = accelerator.num_processes
     local_micro_batch_size = args.per_device_train_batch_size
     micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes
     batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
-    pc.seed_everything(args.seed, accelerator.process_index)
+    ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. data: tokenised pairs (train, held-out), held-out prompts for the gold score (bad data fails before the
-    # models load)
-    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+    # 1. data: pairs (train, held-out) and held-out prompts for the gold score; lengths fitted to the model's
+    # positions; token ids (bad data fails before the models load)
+    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_rows, dropped = tokenize_preferences(tokenizer, pc.load_any_dataset(args.dataset, "preference", "train"),
-                                               args.max_prompt_length, args.max_length, args.dataset)
-    eval_dataset = pc.load_any_dataset(args.dataset, "preference", args.eval_split)
+    train_data = load_pairs(args.dataset, "train")
+    eval_data = load_pairs(args.dataset, args.eval_split)
     if args.max_eval_pairs:
-        eval_dataset = eval_dataset.select(range(min(args.max_eval_pairs, len(eval_dataset))))
-    eval_rows, eval_dropped = tokenize_preferences(tokenizer, eval_dataset, args.max_prompt_length, args.max_length,
+        eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
+    scorer = ru.gold_scorer(args.dataset) if args.num_eval_prompts else None
+    eval_prompts = (ru.load_prompt_dataset(args.dataset, args.eval_split)["prompt"][:args.num_eval_prompts]
+                    if scorer else [])  # held-out prompts to complete greedily
+    positions = ru.model_positions(policy_path, args.trust_remote_code)
+    ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
+    if args.max_prompt_length is None:  # the longest prompt (values neither text nor messages fail below)
+        args.max_prompt_length = max((len(tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
+                                      for p in [*train_data["prompt"], *eval_data["prompt"], *eval_prompts]
+                                      if isinstance(p, str) or ru.is_conversational(p)), default=1)
+    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
+                  f"one completion token of --max_length {args.max_length}")
+    train_rows, dropped = tokenize_preferences(tokenizer, train_data, args.max_prompt_length, args.max_length,
+                                               args.dataset)
+    eval_rows, eval_dropped = tokenize_preferences(tokenizer, eval_data, args.max_prompt_length, args.max_length,
                                                    f"{args.dataset}:{args.eval_split}")
-    accelerator.print(f"pairs: {len(train_rows)} train ({dropped} dropped by truncation), {len(eval_rows)} held-out "
-                      f"({eval_dropped} dropped)")
-    scorer = pc.gold_scorer(args.dataset)
-    if scorer is not None and args.num_eval_prompts > 0:
-        prompt_dataset = pc.load_any_dataset(args.dataset, "prompt", args.eval_split)
-        pc.require_columns(prompt_dataset, ["prompt"], args.dataset)
-        eval_queries = pc.tokenize_prompts(tokenizer, prompt_dataset["prompt"][:args.num_eval_prompts],
-                                           args.max_prompt_length)
-        greedy_config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+    eval_queries = ru.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
+    if eval_queries:
+        longest = max(len(q) for q in eval_queries)
+        ru.fit_length(args, "response_length", None if positions is None else positions - longest,
+                      f"a held-out prompt of {longest} tokens in the model's {positions}")
     steps_per_epoch = len(train_rows) // batch_size
     if steps_per_epoch == 0:
-        raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} "
-                        f"(per_device_train_batch_size {local_micro_batch_size} x {world_size} processes x "
-                        f"gradient_accumulation_steps {args.gradient_accumulation_steps})")
+        raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} (per_device_train_"
+                        f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
     total_steps = max(1, int(steps_per_epoch * args.num_train_epochs))
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
+    share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
+                                                            args.max_length - args.max_prompt_length)
 
     # 2. models: policy, reference (frozen copy / adapter-off base / none)
-    policy = pc.load_policy(args, tokenizer)  # (+ LoRA with --use_peft)
-    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, args.reference_free, accelerator,
-                                    args.bf16, args.trust_remote_code, policy_name=args.model)
+    policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
+    reference = pc.create_reference(
+        policy, tokenizer, policy_name=policy_path, ref_model=args.ref_model and ru.resolve_model(args.ref_model),
+        use_peft=args.use_peft, reference_free=args.reference_free, accelerator=accelerator, bf16=args.bf16,
+        trust_remote_code=args.trust_remote_code)
 
     # 3. optimizer, schedule. The scheduler is not passed to prepare (accelerate would step it once per process);
     # checkpoints carry its state as JSON.
@@ -384,47 +401,41 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = pc.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
     start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
 
     # 4. the run folder (every input is valid by now) and the logger
-    run_name = broadcast_object_list([pc.run_name(args.exp_name, args.dataset, args.seed)])[0]
-    args.output_dir = args.output_dir or os.path.join("runs", run_name)
-    logger = pc.MetricsLogger(args.output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              run_name, resume_step=start_step if args.resume_from else None)
-    if not args.resume_from:
-        logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
-                    "data/eval_dropped": eval_dropped}, step=0)
+    output_dir = ru.output_dir(args, args.dataset, accelerator)
+    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              os.path.basename(os.path.normpath(output_dir)),
+                              resume_step=start_step if args.resume_from else None)
 
     # 5. reference log-probs once, then the reference model is freed
     ref_table = eval_ref_table = None  # (N, 2) reference log-probs of (chosen, rejected) per pair
     if args.precompute_ref_logprobs:
-        ref_table = sequence_ref_logps(reference, train_rows, args.per_device_eval_batch_size, pad, accelerator)
-        eval_ref_table = sequence_ref_logps(reference, eval_rows, args.per_device_eval_batch_size, pad, accelerator)
+        ref_table, eval_ref_table = (sequence_ref_logps(reference, rows, args.per_device_eval_batch_size, pad,
+                                                        accelerator, share_prompts=share_prompts)
+                                     for rows in (train_rows, eval_rows))
         reference.free()
 
-    def evaluate(step: int) -> dict:
-        policy.eval()
-        metrics = evaluate_pairs(args, policy, reference, eval_rows, eval_ref_table, pad, accelerator)
-        if scorer is not None and args.num_eval_prompts > 0:
-            metrics["eval/gold_score"], samples = evaluate_gold(policy, tokenizer, eval_queries, scorer, greedy_config,
-                                                                args.per_device_eval_batch_size, accelerator)
-            logger.log_samples("eval/samples", samples, step)
-        policy.train()
-        accelerator.print(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-        return metrics
+    # 6. step 0 (not again when resuming): data counts and the evaluation before training
+    if not args.resume_from:
+        metrics, samples = evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer,
+                                    tokenizer, accelerator, share_prompts=share_prompts)
+        logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
+                    "data/eval_dropped": eval_dropped, **metrics}, step=0)
+        logger.log_samples("eval/samples", samples, 0)
 
-    # 6. training: every optimizer step takes the next `batch_size` pairs of a seeded per-epoch permutation (the
-    # same global order for any number of processes); micro-batch m of process p is slice (m, p) of them.
-    stop = pc.StopSignal()
+    # 7. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
+    # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
+    stop = ru.StopSignal()
     start_time = time.time()
     policy.train()
     for step in range(start_step, total_steps):
         epoch, position = divmod(step, steps_per_epoch)
         if step == start_step or position == 0:
-            epoch_generator = torch.Generator().manual_seed(args.seed * 1000003 + epoch)
-            order = torch.randperm(len(train_rows), generator=epoch_generator)  # same on every process
-        batch_index = order[position * batch_size:(position + 1) * batch_size].tolist()
+            order = ru.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
+        batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums = {}
         for micro in range(args.gradient_accumulation_steps):
             start = micro * micro_batch_size + accelerator.process_index * local_micro_batch_size
@@ -433,27 +444,28 @@ def main() -> None:
             query_responses = query_responses.to(accelerator.device)  # (2b, Lq + R): chosen rows, rejected rows
             with accelerator.accumulate(policy):
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair losses, backward
-                policy_logps, lengths = completion_logps(  # (2b,) summed over completion tokens, (2b,)
-                    pc.response_logprobs(policy, query_responses, context_length, pad), query_responses,
-                    context_length, pad)
-                ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad)
+                policy_logps, lengths = completion_sums(  # (2b,) summed over completion tokens, (2b,)
+                    pc.response_logprobs(policy, query_responses, context_length, pad, share_prompts=share_prompts),
+                    query_responses, context_length, pad)
+                ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad,
+                                            share_prompts=share_prompts)
                 losses, stats = pair_losses(args, policy_logps, ref_logps, lengths)  # (b,)
                 accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
 
-        # 7. clip, check, step
+        # 8. clip, check, step
         grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
-        metrics = pc.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        if not (math.isfinite(metrics["loss"]) and math.isfinite(metrics.get("grad_norm", 0.0))):
-            if not args.skip_nonfinite:
-                pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-nonfinite",
-                                   {"step": step, "nonfinite_skipped": skipped}, scheduler)
-                raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics.get('grad_norm')}) at "
-                                f"step {step + 1}; last good state saved to {args.output_dir}/checkpoint-nonfinite")
+        metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
+        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
+            optimizer.step()
+        elif args.skip_nonfinite:
             skipped += 1
         else:
-            optimizer.step()
+            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-nonfinite",
+                               {"step": step, "nonfinite_skipped": skipped}, scheduler)
+            raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics.get('grad_norm')}) at step "
+                            f"{step + 1}; last good state saved to {output_dir}/checkpoint-nonfinite")
         metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
                         "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
                         "time/pairs_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
@@ -463,26 +475,25 @@ def main() -> None:
         # TRY NOT TO MODIFY: evaluation, logging, checkpoints
         global_step = step + 1
         if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
-            metrics.update(evaluate(global_step))
+            eval_metrics, samples = evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer,
+                                             tokenizer, accelerator, share_prompts=share_prompts)
+            metrics.update(eval_metrics)
+            logger.log_samples("eval/samples", samples, global_step)
         logger.log(metrics, step=global_step)
-        stopping = stop.received is not None
-        if accelerator.num_processes > 1:  # all ranks must agree, or the collective checkpoint below would hang
-            flag = torch.tensor([float(stopping)], device=accelerator.device)
-            stopping = accelerator.reduce(flag, reduction="sum").item() > 0
-        stopping = stopping and global_step < total_steps  # at the last step: finish normally instead
+        stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
         if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            pc.save_checkpoint(accelerator, f"{args.output_dir}/checkpoint-{global_step}",
+            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
                                {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
         if stopping:
             accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
             logger.close()
             return
 
-    # 8. final save
-    pc.save_model(accelerator, policy, tokenizer, os.path.join(args.output_dir, "model"), merge_peft=args.merge_peft)
+    # 9. final save
+    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close()
-    accelerator.print(f"model saved to {args.output_dir}/model")
+    accelerator.print(f"model saved to {output_dir}/model")
 
 
 if __name__ == "__main__":
-    pc.main_guard(main)
+    ru.main_guard(main)

@@ -11,32 +11,35 @@ Paired data (prompt, chosen, rejected) is unpaired automatically: chosen -> desi
     accelerate launch kto.py --model pythia-1b      # TL;DR preference data, unpaired
 
 Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py):
-- Mismatched pairs: the examples are shuffled once (seeded) into fixed micro-batches; inside one, example k is
-  also scored on example k-1's completion (TRL's _get_kl_dataset rotates by one the same way). So the y' are the
-  batch's own completions, never an example's own, and each example's pair is fixed: reference log-probs of
-  both can be precomputed (--precompute_ref_logprobs). Each epoch visits the micro-batches in a new order.
+- Mismatched pairs: the examples are shuffled once (ru.epoch_permutation, epoch 0) into fixed micro-batches;
+  inside one, example k is also scored on example k-1's completion (as TRL's _get_kl_dataset), so each pair is
+  fixed and reference log-probs can be precomputed (--precompute_ref_logprobs). Epoch e visits the micro-batches
+  in the order ru.epoch_permutation(n, seed, e).
 - z0 is recomputed every micro-batch, averaged over processes, clamped at 0 and carries no gradient (paper sec.
-  4.2; TRL). The policy's log-probs of the mismatched pairs are computed under no_grad.
-- There is no reference-free mode: r and z0 are log-ratios against pi_ref; without one the "KL" term would be
-  the policy's own log-likelihood of mismatched completions, which KTO's derivation does not support.
-- The learning-rate schedule (linear warmup over warmup_ratio, linear decay) spans num_train_epochs;
-  --max_steps stops the run early without changing it, so N steps + a resume to 2N == a 2N-step run.
+  4.2; TRL). No reference-free mode: without pi_ref the "KL" term would be a plain log-likelihood.
+- Prompts longer than twice the completions (TL;DR): own and mismatched completions run in ONE forward, each
+  prompt encoded once (`joint_forward`, decided from the flags); the reference alike (log-ratios start at 0).
+- Class weights: by default from the training data's counts (`loss_weights`, the paper's rule); given weights
+  outside the paper's range get a warning (`weight_advice`).
+- Lengths fit the model: --max_length and --response_length are lowered to its positions (with a note);
+  --max_prompt_length defaults to the data's longest prompt (lowered to leave a completion token).
+- The learning-rate schedule (linear warmup, linear decay) spans num_train_epochs; --max_steps stops the run
+  early without changing it, so N steps + a resume to 2N == a 2N-step run.
 - Logged rewards are beta * r (as TRL's KTOTrainer and dpo.py log them); kl is z0 itself.
-- The desirable:undesirable balance: the paper advises lambda_D n_D / (lambda_U n_U) in [1, 4/3]; a warning
-  with the matching weight ranges is printed when the data and weights fall outside (toy: 26% desirable, so
-  desirable_weight 3).
 """
 import functools
+import json
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 import policy_common as pc
+import prompt_sharing as ps
+import run_utils as ru
 from policy_common import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds real-scale values.
@@ -57,7 +60,7 @@ class Args:
     model: str = "toy"
     """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
     ref_model: Optional[str] = None
-    """frozen reference policy; None = the starting policy (adapter-off base with --use_peft)"""
+    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     dataset: Optional[str] = None
     """unpaired (prompt, completion, label) or paired (prompt, chosen, rejected) data; None = the model's alias"""
     eval_split: str = "test"
@@ -72,16 +75,18 @@ class Args:
     # Algorithm specific arguments
     beta: float = 0.1
     """KTO temperature: scales the implicit reward r - z0 inside the sigmoid"""
-    desirable_weight: float = 1.0
-    """loss weight of desirable examples (lambda_D)"""
-    undesirable_weight: float = 1.0
-    """loss weight of undesirable examples (lambda_U)"""
+    desirable_weight: Optional[float] = None
+    """loss weight of desirable examples (lambda_D); None = from the training data's counts (see loss_weights)"""
+    undesirable_weight: Optional[float] = None
+    """loss weight of undesirable examples (lambda_U); None = from the training data's counts (see loss_weights)"""
     precompute_ref_logprobs: bool = False
     """compute every reference log-prob (own and mismatched completions) once before training, then free the reference"""
-    max_prompt_length: int = 512
-    """prompts keep their last max_prompt_length tokens"""
+    max_prompt_length: Optional[int] = None
+    """prompts keep their last this many tokens; None = the longest prompt in the data (a completion still fits)"""
     max_length: int = 640
-    """prompt + completion tokens; completions are cut from the right to fit"""
+    """prompt + completion tokens (at most the model's positions); completions are cut from the right to fit"""
+    share_prompts: bool = True
+    """encode a prompt repeated over several rows once (prompt_sharing.py) when it saves enough; --no_share_prompts runs every row plainly"""
 
     # Optimization
     learning_rate: float = 5e-7
@@ -103,19 +108,19 @@ class Args:
 
     # Evaluation
     eval_steps: int = 500
-    """evaluate every eval_steps optimizer steps (0 = only before training and at the end)"""
+    """evaluate before training, every this many steps and after the last step (0 = only before and after)"""
     per_device_eval_batch_size: int = 8
     """examples per eval micro-batch per process (>= 2)"""
     num_eval_examples: int = 1024
     """held-out unpaired examples scored for eval/ metrics (0 = all)"""
     num_eval_prompts: int = 64
-    """held-out prompts completed greedily for eval/gold_score and samples"""
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
     response_length: int = 53
-    """max new tokens of the greedy eval generations"""
+    """max new tokens of the greedy evaluation generations (a default is lowered to fit the model's positions)"""
 
     # Saving
     save_steps: int = 0
-    """write a resumable checkpoint every save_steps steps (0 = never)"""
+    """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
     """checkpoint folder to resume from"""
     merge_peft: bool = False
@@ -142,8 +147,10 @@ class Args:
     """allow custom model code from the hub"""
 
 
+
+
 # ---------------------------------------------------------------------------------------------------------
-# ALGO LOGIC: the KTO loss and its KL reference point
+# ALGO LOGIC: the KTO loss, its KL reference point and the class weights
 # ---------------------------------------------------------------------------------------------------------
 def kl_reference_point(kl_policy_logps: torch.Tensor, kl_ref_logps: torch.Tensor, accelerator=None) -> torch.Tensor:
     """z0 = max(0, mean over the mismatched pairs (x, y') of log pi(y'|x) - log pi_ref(y'|x)), (B,) -> ().
@@ -164,12 +171,29 @@ def kto_losses(rewards: torch.Tensor, z0: torch.Tensor, desirable: torch.Tensor,
     return torch.where(desirable, desirable_losses, undesirable_losses)
 
 
+def loss_weights(n_desirable: int, n_undesirable: int, desirable_weight: Optional[float] = None,
+                 undesirable_weight: Optional[float] = None) -> Tuple[float, float]:
+    """(lambda_D, lambda_U): a given weight is kept; a None one follows the paper's rule lambda_D n_D / (lambda_U n_U)
+    in [1, 4/3] at ratio 1: both None -> the smaller class gets n_larger / n_smaller, the other 1.0; one given ->
+    the other balances it. A class without examples leaves nothing to balance (None -> 1.0)."""
+    if n_desirable == 0 or n_undesirable == 0:
+        return desirable_weight or 1.0, undesirable_weight or 1.0
+    if desirable_weight is None and undesirable_weight is None:
+        larger = max(n_desirable, n_undesirable)
+        return larger / n_desirable, larger / n_undesirable
+    if desirable_weight is None:
+        return undesirable_weight * n_undesirable / n_desirable, undesirable_weight
+    if undesirable_weight is None:
+        return desirable_weight, desirable_weight * n_desirable / n_undesirable
+    return desirable_weight, undesirable_weight
+
+
 def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float) -> Optional[str]:
     """The KTO paper (and TRL) advise lambda_D * n_D / (lambda_U * n_U) in [1, 4/3]; a warning text when outside."""
     if n_desirable == 0 or n_undesirable == 0:
         return f"the training data has {n_desirable} desirable and {n_undesirable} undesirable examples; KTO learns from both"
     ratio = desirable_weight * n_desirable / (undesirable_weight * n_undesirable)
-    if 1.0 <= ratio <= 4 / 3:
+    if 1.0 - 1e-9 <= ratio <= 4 / 3 + 1e-9:  # derived weights give 1 up to float rounding
         return None
     return (f"desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = {ratio:.3f} is outside the "
             f"recommended [1, 4/3] ({n_desirable} desirable, {n_undesirable} undesirable): use EITHER "
@@ -186,20 +210,30 @@ def to_unpaired(dataset, name: str):
     becomes two rows per pair: (prompt, chosen, True) and (prompt, rejected, False)."""
     from datasets import Dataset
 
-    columns = dataset.column_names
-    if "completion" not in columns and "chosen" in columns and "rejected" in columns:
-        pc.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
+    if "completion" not in dataset.column_names and {"chosen", "rejected"} <= set(dataset.column_names):
+        ru.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
         rows = {"prompt": [], "completion": [], "label": []}
         for prompt, chosen, rejected in zip(dataset["prompt"], dataset["chosen"], dataset["rejected"]):
             rows["prompt"] += [prompt, prompt]
             rows["completion"] += [chosen, rejected]
             rows["label"] += [True, False]
         return Dataset.from_dict(rows)
-    pc.require_columns(dataset, ["prompt", "completion", "label"], name)
+    ru.require_columns(dataset, ["prompt", "completion", "label"], name)
     dtype = getattr(dataset.features["label"], "dtype", type(dataset.features["label"]).__name__)
     if dtype != "bool":
         raise UserError(f"dataset {name!r}: column 'label' must be boolean (true = desirable), got {dtype}")
     return dataset
+
+
+def load_unpaired(name: str, split: str):
+    """`split` of the dataset `name` as unpaired rows (to_unpaired)."""
+    try:
+        return to_unpaired(ru.load_unpaired_dataset(name, split), name)
+    except IndexError:  # how `datasets` fails on a save_to_disk folder where a split was saved without rows
+        with open(os.path.join(name, "dataset_dict.json")) as f:
+            splits = json.load(f)["splits"]
+        empty = [s for s in splits if not any(f.endswith(".arrow") for f in os.listdir(os.path.join(name, s)))]
+        raise UserError(f"dataset {name!r} split {(empty or [split])[0]!r} is empty") from None
 
 
 def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
@@ -207,9 +241,9 @@ def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: in
     Rows whose prompt or completion is emptied by truncation are dropped and counted."""
     examples, dropped = [], 0
     for row in dataset:
-        prompt = pc.render_prompt(tokenizer, row["prompt"])
-        completion = pc.render_completion(tokenizer, row["prompt"], row["completion"])
-        prompt_ids, completion_ids = pc.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length, max_length)
+        prompt = ru.render_prompt(tokenizer, row["prompt"])
+        completion = ru.render_completion(tokenizer, row["prompt"], row["completion"])
+        prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length, max_length)
         if not prompt_ids or not completion_ids:
             dropped += 1
             continue
@@ -220,16 +254,12 @@ def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: in
 
 
 def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) -> list:
-    """Shuffle the examples once (seeded) and cut them into fixed micro-batches of `group_size` (a remainder
-    smaller than that is left out). Inside a micro-batch, example k is also scored on the completion of
-    example k-1 (a rotation by one, as TRL's _get_kl_dataset): the mismatched pairs (x_k, y_{k-1}) whose
-    log-ratios estimate the KL reference point. The mismatched y' are exactly the batch's own completions,
-    each with a different prompt, and the pairing is fixed per example, so reference log-probs can be
-    precomputed. Adds kl_partner (index) and kl_completion_ids (cut to fit max_length) to each example."""
+    """Fixed micro-batches of `group_size` shuffled examples (a remainder is left out); inside one, example k is also
+    scored on example k-1's completion, the mismatched pair (x_k, y_{k-1}): each example gets kl_partner (index)
+    and kl_completion_ids (cut to fit max_length)."""
     if group_size < 2:
         raise UserError(f"batch size {group_size}: KTO needs >= 2 examples per micro-batch for mismatched KL pairs")
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    groups = []
+    order, groups = ru.epoch_permutation(len(examples), seed, 0), []
     for start in range(0, len(order) - group_size + 1, group_size):
         group = [dict(examples[i]) for i in order[start:start + group_size]]
         for k, example in enumerate(group):
@@ -240,17 +270,11 @@ def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) 
     return groups
 
 
-@functools.lru_cache(maxsize=2)
-def epoch_order(n_groups: int, seed: int, epoch: int) -> List[int]:
-    return torch.randperm(n_groups, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-
-
 def step_groups(step: int, n_groups: int, groups_per_step: int, seed: int) -> List[int]:
-    """Indices of the micro-batches of optimizer step `step` (0-based): each epoch visits the fixed
-    micro-batches in a fresh seeded order, `groups_per_step` (= processes x accumulation) at a time, so the
-    data position is a function of the step (nothing else to save for resume)."""
+    """Micro-batches of optimizer step `step` (0-based): epoch e visits them in the order
+    ru.epoch_permutation(n_groups, seed, e), groups_per_step (= processes x accumulation) at a time."""
     epoch, position = divmod(step, n_groups // groups_per_step)
-    return epoch_order(n_groups, seed, epoch)[position * groups_per_step:(position + 1) * groups_per_step]
+    return ru.epoch_permutation(n_groups, seed, epoch)[position * groups_per_step:(position + 1) * groups_per_step]
 
 
 def collate(group: list, pad_token_id: int) -> dict:
@@ -267,78 +291,69 @@ def collate(group: list, pad_token_id: int) -> dict:
     return batch
 
 
-def completion_logps(logprobs_fn, query_responses: torch.Tensor, context_length: int, pad_token_id: int) -> torch.Tensor:
-    """Summed log-prob of each completion, (B, T) -> (B,); `logprobs_fn` has response_logprobs' signature."""
-    logprobs = logprobs_fn(query_responses, context_length, pad_token_id)  # (B, R)
-    return (logprobs * (query_responses[:, context_length:] != pad_token_id)).sum(1)
+# ---------------------------------------------------------------------------------------------------------
+# ALGO LOGIC: log-probs of own and mismatched completions, one KTO micro-batch, evaluation
+# ---------------------------------------------------------------------------------------------------------
+def joint_forward(args) -> bool:
+    """Score both halves of a micro-batch (own and mismatched completions of the same prompts) in ONE forward,
+    each prompt encoded once, the mismatched half's gradient discarded? Per example that costs 3 (Lq + 2R) token
+    passes (forward + backward) against 4 (Lq + R) for two forwards: cheaper when Lq > 2R and sharing saves enough;
+    never under activation checkpointing (no key/value cache). From flags: the same model calls on every process."""
+    R = args.max_length - args.max_prompt_length
+    return (args.share_prompts and not args.gradient_checkpointing and args.max_prompt_length > 2 * R
+            and ps.worth_sharing(2 * args.per_device_train_batch_size, 2, args.max_prompt_length, R))
 
 
-def joint_forward(query_responses: torch.Tensor, context_length: int, gradient_checkpointing: bool) -> bool:
-    """Score both halves of a collated batch (own and mismatched completions of the same prompts) in ONE policy
-    forward, each prompt encoded once and the mismatched half's gradient discarded? Per example that costs
-    3 (Lq + 2R) token passes (forward + backward) against 4 (Lq + R) for two forwards: cheaper when the prompt is
-    longer than twice the completions (TL;DR), and only when the prompts are really shared (pc.shared_queries;
-    not under activation checkpointing, where no key/value cache is kept). Agreed by all processes, so that
-    every process makes the same model calls (ZeRO-3)."""
-    R = query_responses.shape[1] - context_length
-    joint = (not gradient_checkpointing and context_length > 2 * R
-             and pc.shared_queries(query_responses, context_length) is not None)
-    return pc.all_processes_agree(joint, query_responses.device)
+def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                            joint: bool) -> torch.Tensor:
+    """(2B, T) collated rows -> (2B,) log p(completion | prompt) under a model (`logprobs_fn` has
+    response_logprobs' signature): all rows in one call, each prompt encoded once (`joint`), or the own half and
+    then the mismatched half, without gradient, in two plain calls."""
+    def summed(rows, share_prompts):  # (b, T) -> (b,) response log-probs summed over the real tokens
+        logprobs = logprobs_fn(rows, context_length, pad_token_id, share_prompts=share_prompts)  # (b, R)
+        return (logprobs * (rows[:, context_length:] != pad_token_id)).sum(1)
 
-
-def reference_logps(reference, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                    joint: bool) -> torch.Tensor:
-    """(2B, T) collated rows -> (2B,) reference log-probs, in one call or the two halves separately exactly as
-    the policy is run (`joint`), so that a policy equal to the reference gives log-ratios of exactly 0."""
-    halves = [query_responses] if joint else query_responses.chunk(2)
-    return torch.cat([completion_logps(reference.logprobs, h, context_length, pad_token_id) for h in halves])
+    if joint:
+        return summed(query_responses, share_prompts=True)
+    own, mismatched = query_responses.chunk(2)
+    own_logps = summed(own, share_prompts=False)
+    with torch.no_grad():
+        mismatched_logps = summed(mismatched, share_prompts=False)
+    return torch.cat([own_logps, mismatched_logps])
 
 
 @torch.no_grad()
-def precompute_reference(groups: list, reference, pad_token_id: int, accelerator, gradient_checkpointing: bool) -> None:
-    """Store ref_logps and kl_ref_logps in every example. Groups are split across processes and gathered."""
-    world, rank, device = accelerator.num_processes, accelerator.process_index, accelerator.device
-    per_process = math.ceil(len(groups) / world)
-    local = []  # per_process x (2B,): reference log-probs of own and mismatched completions of this process's groups
-    for g in range(rank, per_process * world, world):
-        batch = collate(groups[min(g, len(groups) - 1)], pad_token_id)  # past the end: a repeat, discarded
-        query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]
-        joint = joint_forward(query_responses, ctx, gradient_checkpointing)
-        local.append(reference_logps(reference, query_responses, ctx, pad_token_id, joint))
-    gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * per_process, 2B), process-major
-    for p in range(world):
-        for k in range(per_process):
-            g = k * world + p
-            if g < len(groups):
-                ref, kl_ref = gathered[p * per_process + k].chunk(2)
-                for example, r, kl_r in zip(groups[g], ref.tolist(), kl_ref.tolist()):
-                    example["ref_logps"], example["kl_ref_logps"] = r, kl_r
+def precompute_reference(groups: list, reference, pad_token_id: int, accelerator, joint: bool) -> None:
+    """Store ref_logps and kl_ref_logps in every example: the groups in padded shares over the processes (the same
+    model calls everywhere), the results gathered."""
+    share, _ = ru.even_share(groups, accelerator)
+    batches = [collate(group, pad_token_id) for group in share]
+    local = [completion_logprob_sums(reference.logprobs, b["query_responses"].to(accelerator.device),
+                                     b["context_length"], pad_token_id, joint) for b in batches]  # len(share) x (2B,)
+    gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * len(share), 2B), process-major
+    for p in range(accelerator.num_processes):
+        for k, group in enumerate(groups[p::accelerator.num_processes]):
+            ref, kl_ref = gathered[p * len(share) + k].chunk(2)
+            for example, r, kl_r in zip(group, ref.tolist(), kl_ref.tolist()):
+                example["ref_logps"], example["kl_ref_logps"] = r, kl_r
 
 
-def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, accelerator):
-    """Forward one micro-batch. Returns the mean KTO loss and the sums behind the logged metrics."""
+def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, accelerator, joint: bool):
+    """Forward one micro-batch of B examples. Returns the mean KTO loss and the sums behind the logged metrics."""
     device = accelerator.device
     query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]  # (2B, T)
     desirable = batch["desirable"].to(device)
     B = desirable.shape[0]
+    # log pi(y|x) of each example's own completion, with gradient, and log pi(y'|x) of its mismatched pair
+    # (x_k, y_{k-1}), without; the reference's the same way (unless precomputed)
     policy_logprobs = functools.partial(pc.response_logprobs, policy)
-    # 1-2. log pi(y|x) of each example's own completion, with gradient, and log pi(y'|x) of the mismatched pairs
-    # (x_k, y_{k-1}), without: in one forward when the prompts are long (see joint_forward), else in two
-    joint = joint_forward(query_responses, ctx, args.gradient_checkpointing)
-    if joint:
-        all_policy_logps = completion_logps(policy_logprobs, query_responses, ctx, pad_token_id)  # (2B,)
-        policy_logps, kl_policy_logps = all_policy_logps[:B], all_policy_logps[B:].detach()
-    else:
-        policy_logps = completion_logps(policy_logprobs, query_responses[:B], ctx, pad_token_id)
-        with torch.no_grad():
-            kl_policy_logps = completion_logps(policy_logprobs, query_responses[B:], ctx, pad_token_id)
-    # the reference on all 2B rows, computed the way the policy was
+    all_policy_logps = completion_logprob_sums(policy_logprobs, query_responses, ctx, pad_token_id, joint)
+    policy_logps, kl_policy_logps = all_policy_logps[:B], all_policy_logps[B:].detach()
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
-                     else reference_logps(reference, query_responses, ctx, pad_token_id, joint))
+                     else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad_token_id, joint))
     ref_logps, kl_ref_logps = all_ref_logps[:B], all_ref_logps[B:]
-    # 3. KL reference point z0 = max(0, mean log-ratio of the mismatched pairs), detached, over all processes
+    # z0 = max(0, mean log-ratio of the mismatched pairs), then r = log pi(y|x) - log pi_ref(y|x) and the loss
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
-    # 4. r = log pi(y|x) - log pi_ref(y|x) and the KTO loss, averaged over the batch
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()
     undesirable = ~desirable
@@ -350,15 +365,13 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
 
 
 def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") -> dict:
-    """Micro-batch sums -> step metrics: loss and kl averaged over micro-batches and processes, rewards and
-    logps averaged over the desirable (chosen) or undesirable (rejected) examples of all processes."""
+    """Micro-batch sums -> metrics (one all-reduce): loss and kl averaged over the micro-batches of all processes,
+    rewards and logps over the desirable (chosen) or undesirable (rejected) examples of all processes."""
     keys = sorted(sums)
     totals = torch.stack([sums[k].float() for k in keys])
-    if accelerator.num_processes > 1:
-        totals = accelerator.reduce(totals, reduction="sum")
-    t = dict(zip(keys, totals.tolist()))
-    out = {"loss": t["loss"] / (n_batches * accelerator.num_processes), "kl": t["kl"] / (n_batches * accelerator.num_processes),
-           "count/desirable": t["count/desirable"], "count/undesirable": t["count/undesirable"]}
+    t = dict(zip(keys, (accelerator.reduce(totals, reduction="sum") if accelerator.num_processes > 1 else totals).tolist()))
+    n = n_batches * accelerator.num_processes
+    out = {"loss": t["loss"] / n, "kl": t["kl"] / n, "count/desirable": t["count/desirable"], "count/undesirable": t["count/undesirable"]}
     for name, count in (("chosen", t["count/desirable"]), ("rejected", t["count/undesirable"])):
         if count > 0:  # a batch without desirable (or undesirable) examples has no mean for them
             out[f"rewards/{name}"], out[f"logps/{name}"] = t[f"rewards/{name}"] / count, t[f"logps/{name}"] / count
@@ -367,74 +380,74 @@ def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") ->
     return {prefix + k: v for k, v in out.items()}
 
 
-def add_sums(total: Optional[dict], sums: dict) -> dict:
-    return dict(sums) if total is None else {k: total[k] + v for k, v in sums.items()}
-
-
 @torch.no_grad()
-def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args: Args, accelerator, logger, step: int) -> dict:
-    """eval/ metrics: the KTO metrics on held-out unpaired data, and eval/gold_score of greedy completions."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    pad = tokenizer.pad_token_id
+def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args: Args, accelerator, joint: bool):
+    """(metrics, samples): the KTO metrics of held-out micro-batches (len // processes on each, the rest left out)
+    and eval/gold_score of greedy completions of held-out prompts (padded shares: only the first n_real count);
+    samples = a few prompt/response rows."""
+    world, pad = accelerator.num_processes, tokenizer.pad_token_id
     policy.eval()
-    # 1. KTO loss, rewards and KL on held-out micro-batches (the same number on every process)
-    total, n_batches = None, len(eval_groups) // world
-    for g in range(rank, n_batches * world, world):
-        _, sums = kto_step(policy, reference, collate(eval_groups[g], pad), args, pad, accelerator)
-        total = add_sums(total, sums)
-    metrics = finish_metrics(total, n_batches, accelerator, prefix="eval/") if total is not None else {}
-    # 2. greedy completions of held-out prompts, scored by the gold scorer when the dataset has one
-    local_prompts = gen_prompts[rank::world]
-    if local_prompts:
+    n_batches, total = len(eval_groups) // world, {}
+    for group in eval_groups[accelerator.process_index:n_batches * world:world]:
+        _, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint)
+        total = {k: total.get(k, 0) + v for k, v in sums.items()}
+    metrics, samples = finish_metrics(total, n_batches, accelerator, prefix="eval/"), []
+    if gen_prompts:
+        share, n_real = ru.even_share(gen_prompts, accelerator)
         config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-        queries = pc.pad_sequences(local_prompts, pad, "left").to(accelerator.device)
+        queries = pc.pad_sequences(share, pad, "left").to(accelerator.device)
         query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config,
                                                  args.per_device_eval_batch_size, accelerator)
-        prompt_texts = [tokenizer.decode(q, skip_special_tokens=True) for q in queries]
-        response_texts = [tokenizer.decode(r, skip_special_tokens=True) for r in query_responses[:, queries.shape[1]:]]
-        rows = [{"prompt": p, "response": r} for p, r in zip(prompt_texts, response_texts)]
+        prompts = tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True)
+        responses = tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True)
+        samples = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
         if scorer is not None:
-            gold = [scorer(p, r) for p, r in zip(prompt_texts, response_texts)]
-            for row, score in zip(rows, gold):
+            gold = [scorer(p, r) for p, r in zip(prompts, responses)]
+            for row, score in zip(samples, gold):
                 row["gold_score"] = round(score, 4)
-            totals = torch.tensor([sum(gold), len(gold)], device=accelerator.device, dtype=torch.float64)
-            totals = accelerator.reduce(totals, reduction="sum") if world > 1 else totals
-            metrics["eval/gold_score"] = (totals[0] / totals[1]).item()
-        logger.log_samples("eval/samples", rows[:4], step)
+            metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(gold)}, len(gold)))
     policy.train()
-    return metrics
+    return metrics, samples[:4]
 
 
 def main():
     # TRY NOT TO MODIFY: arguments, validation, seeding
-    args = pc.parse_args(Args, ALIAS_DEFAULTS)
-    if args.beta <= 0:
-        raise UserError(f"--beta must be > 0, got {args.beta}")
-    if args.desirable_weight <= 0 or args.undesirable_weight <= 0:
-        raise UserError(f"--desirable_weight and --undesirable_weight must be > 0, got {args.desirable_weight}, {args.undesirable_weight}")
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    if args.beta <= 0 or any(w is not None and w <= 0 for w in (args.desirable_weight, args.undesirable_weight)):
+        raise UserError(f"--beta, --desirable_weight and --undesirable_weight must be > 0, got {args.beta}, "
+                        f"{args.desirable_weight}, {args.undesirable_weight}")
     if args.learning_rate <= 0 or args.num_train_epochs <= 0 or not 0 <= args.warmup_ratio < 1:
         raise UserError("--learning_rate and --num_train_epochs must be > 0 and --warmup_ratio in [0, 1)")
-    if args.max_prompt_length <= 0 or args.max_length <= args.max_prompt_length:
-        raise UserError(f"need 0 < --max_prompt_length ({args.max_prompt_length}) < --max_length ({args.max_length})")
     if args.per_device_train_batch_size < 2 or args.per_device_eval_batch_size < 2:
         raise UserError("--per_device_train_batch_size and --per_device_eval_batch_size must be >= 2 (KL pairs are built in the batch)")
-    if args.gradient_accumulation_steps < 1 or (args.max_steps is not None and args.max_steps < 1):
-        raise UserError("--gradient_accumulation_steps and --max_steps must be >= 1")
-    if args.resume_from and not os.path.exists(os.path.join(args.resume_from, "trainer_state.json")):
-        raise UserError(f"--resume_from {args.resume_from!r} is not a checkpoint (no trainer_state.json)")
-    dataset_name = args.dataset or pc.default_dataset(args.model)
-
+    if args.gradient_accumulation_steps < 1 or any(n is not None and n < 1 for n in (args.max_steps, args.max_prompt_length)):
+        raise UserError("--gradient_accumulation_steps, --max_steps and --max_prompt_length must be >= 1")
+    dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
     accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
     world = accelerator.num_processes
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world  # examples per optimizer step
-    pc.seed_everything(args.seed, accelerator.process_index)
+    ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. data: unpaired train and held-out examples in fixed micro-batches with mismatched pairs, eval prompts
-    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    train_data = to_unpaired(pc.load_any_dataset(dataset_name, "unpaired", "train"), dataset_name)
-    eval_data = to_unpaired(pc.load_any_dataset(dataset_name, "unpaired", args.eval_split), dataset_name)
-    if args.num_eval_examples:
-        eval_data = eval_data.select(range(min(args.num_eval_examples, len(eval_data))))
+    # 1. data: unpaired train and held-out examples, lengths fitted to the model's positions (before any model
+    # loads), fixed micro-batches with mismatched pairs, eval prompts, the class weights
+    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    train_data, eval_data = load_unpaired(dataset_name, "train"), load_unpaired(dataset_name, args.eval_split)
+    eval_data = eval_data.select(range(min(args.num_eval_examples or len(eval_data), len(eval_data))))
+    gen_prompts = []  # token ids of held-out prompts to complete greedily (cut to max_prompt_length below)
+    if args.num_eval_prompts > 0:
+        prompt_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
+        ru.require_columns(prompt_data, ["prompt"], dataset_name)
+        prompts = prompt_data.select(range(min(args.num_eval_prompts, len(prompt_data))))["prompt"]
+        gen_prompts = [tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+    positions = ru.model_positions(policy_path, args.trust_remote_code)
+    ru.fit_length(args, "max_length", positions, f"the model has {positions} positions")
+    if args.max_prompt_length is None:  # the longest prompt in the data
+        texts = {ru.render_prompt(tokenizer, p) for data in (train_data, eval_data) for p in data["prompt"]}
+        args.max_prompt_length = max(map(len, tokenizer(list(texts), add_special_tokens=False)["input_ids"] + gen_prompts))
+    ru.fit_length(args, "max_prompt_length", args.max_length - 1, f"one completion token of --max_length {args.max_length}")
+    ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
+                  f"the model has {positions} positions and prompts up to --max_prompt_length {args.max_prompt_length}")
+    gen_prompts = [ids[-args.max_prompt_length:] for ids in gen_prompts]
     examples, dropped = tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
     eval_examples, eval_dropped = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
@@ -444,29 +457,26 @@ def main():
     if steps_per_epoch == 0 or len(eval_groups) < world:
         raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not fill one "
                         f"batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
-    scorer = pc.gold_scorer(dataset_name)
-    gen_prompts = []
-    if args.num_eval_prompts > 0:
-        prompt_data = pc.load_any_dataset(dataset_name, "prompt", args.eval_split)
-        pc.require_columns(prompt_data, ["prompt"], dataset_name)
-        prompt_rows = prompt_data.select(range(min(args.num_eval_prompts, len(prompt_data))))["prompt"]
-        gen_prompts = [tokenizer(pc.render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"][-args.max_prompt_length:]
-                       for p in prompt_rows]
+    scorer = ru.gold_scorer(dataset_name)
     n_desirable = sum(e["label"] for e in examples)
-    advice = weight_advice(n_desirable, len(examples) - n_desirable, args.desirable_weight, args.undesirable_weight)
-    if advice and accelerator.is_main_process:
-        print(f"warning: {advice}")
+    n_undesirable = len(examples) - n_desirable
+    args.desirable_weight, args.undesirable_weight = loss_weights(n_desirable, n_undesirable, args.desirable_weight,
+                                                                  args.undesirable_weight)
+    advice = weight_advice(n_desirable, n_undesirable, args.desirable_weight, args.undesirable_weight)
+    accelerator.print(f"loss weights: desirable {args.desirable_weight:.4g}, undesirable {args.undesirable_weight:.4g} "
+                      f"({n_desirable} desirable, {n_undesirable} undesirable examples)" + (f"\nwarning: {advice}" if advice else ""))
+    joint = joint_forward(args)
     total_steps = max(1, int(args.num_train_epochs * steps_per_epoch))  # the schedule's length
     stop_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
-    policy = pc.load_policy(args, tokenizer)  # (+ LoRA with --use_peft)
+    policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # KTO has no reference-free mode: z0 and r are log-ratios against pi_ref, without it the KL term is meaningless
-    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, reference_free=False,
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                                    policy_name=args.model)
+    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
+                                    ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     from transformers import get_scheduler
 
     # not prepared (accelerate would step it once per process); checkpoints carry its state as JSON
@@ -475,29 +485,31 @@ def main():
     if args.precompute_ref_logprobs:
         # only the micro-batches that steps 0 .. stop_step - 1 visit (all of them unless --max_steps cuts the run)
         used = sorted({g for s in range(stop_step) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
-        precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator,
-                             args.gradient_checkpointing)
-        precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator, args.gradient_checkpointing)
+        precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator, joint)
+        precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator, joint)
         if reference.mode == "copy":
             reference.free()
 
     # TRY NOT TO MODIFY: run folder, logger, resume
-    from accelerate.utils import broadcast_object_list
-
-    name = broadcast_object_list([pc.run_name(args.exp_name, dataset_name, args.seed)])[0]  # one clock for all
-    output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from
-                                     else os.path.join("runs", name))
+    output_dir = ru.output_dir(args, dataset_name, accelerator)
     step, skipped = 0, 0
     if args.resume_from:
-        state = pc.load_checkpoint(accelerator, args.resume_from, scheduler)
+        state = ru.load_checkpoint(accelerator, args.resume_from, scheduler)
         step, skipped = state["step"], state.get("nonfinite_skipped", 0)
-    logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project, name,
-                              resume_step=step if args.resume_from else None)
+    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              os.path.basename(output_dir), resume_step=step if args.resume_from else None)
+
+    def evaluate_and_log(step: int) -> None:
+        metrics, samples = evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, joint)
+        logger.log(metrics, step=step)
+        logger.log_samples("eval/samples", samples, step)
+
     if not args.resume_from:
         logger.log({"data/train_examples": len(examples), "data/desirable": n_desirable, "data/dropped": dropped,
-                    "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped}, step=0)
-        logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, logger, 0), step=0)
-    stop = pc.StopSignal()
+                    "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped,
+                    "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight}, step=0)
+        evaluate_and_log(0)
+    stop = ru.StopSignal()
     pad = tokenizer.pad_token_id
     policy.train()
 
@@ -505,50 +517,50 @@ def main():
     while step < stop_step:
         t0 = time.time()
         this_step = step_groups(step, len(groups), groups_per_step, args.seed)
-        total, lr = None, scheduler.get_last_lr()[0]
+        total, lr = {}, scheduler.get_last_lr()[0]
         for a in range(args.gradient_accumulation_steps):
             group = groups[this_step[a * world + accelerator.process_index]]
             with accelerator.accumulate(policy):
-                loss, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator)
+                loss, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint)
                 accelerator.backward(loss)
-                total = add_sums(total, sums)
+                total = {k: total.get(k, 0) + v for k, v in sums.items()}
                 if accelerator.sync_gradients:
                     grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
                     metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
                     if grad_norm is not None:
                         metrics["grad_norm"] = float(grad_norm)
-                    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(metrics.get(k, 0.0))]
-                    if bad and not args.skip_nonfinite:
-                        pc.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                                           {"step": step, "nonfinite_skipped": skipped}, scheduler)
-                        raise UserError(f"non-finite {', '.join(bad)} at step {step + 1}; last good state saved to "
-                                        f"{output_dir}/checkpoint-nonfinite (or pass --skip_nonfinite)")
-                    if bad:
+                    if ru.all_finite(accelerator, metrics["loss"], grad_norm):
+                        optimizer.step()
+                    elif args.skip_nonfinite:
                         skipped += 1
                     else:
-                        optimizer.step()
+                        ru.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
+                                           {"step": step, "nonfinite_skipped": skipped}, scheduler)
+                        raise UserError(f"non-finite loss {metrics['loss']} / grad norm {metrics.get('grad_norm')} at step {step + 1}; "
+                                        f"the state before it is in {output_dir}/checkpoint-nonfinite (or pass --skip_nonfinite)")
                     optimizer.zero_grad()
         scheduler.step()
         step += 1
-        # TRY NOT TO MODIFY: logging, evaluation, checkpoints
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints, stop signal (at the last step: finish normally)
         elapsed = time.time() - t0
-        logger.log({**metrics, "lr": lr, "epoch": step / steps_per_epoch,
-                    "nonfinite/skipped": skipped, "time/step_seconds": elapsed,
-                    "time/samples_per_second": batch_size / elapsed}, step=step)
+        logger.log({**metrics, "lr": lr, "epoch": step / steps_per_epoch, "nonfinite/skipped": skipped,
+                    "time/step_seconds": elapsed, "time/samples_per_second": batch_size / elapsed}, step=step)
         if (args.eval_steps and step % args.eval_steps == 0) or step == stop_step:
-            logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, logger, step), step=step)
-        if (args.save_steps and step % args.save_steps == 0) or stop.received:
-            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), {"step": step, "nonfinite_skipped": skipped}, scheduler)
-        if stop.received:
-            accelerator.print(f"{stop.received} received: checkpoint-{step} written; resume with --resume_from")
+            evaluate_and_log(step)
+        stopping = stop.agreed(accelerator) and step < stop_step
+        if (args.save_steps and step % args.save_steps == 0) or stopping:
+            ru.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"),
+                               {"step": step, "nonfinite_skipped": skipped}, scheduler)
+        if stopping:
+            accelerator.print(f"stop signal received: checkpoint-{step} written; resume with --resume_from")
             logger.close()
             return
 
     # 4. final save
-    pc.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close()
     accelerator.print(f"saved to {output_dir}/model")
 
 
 if __name__ == "__main__":
-    pc.main_guard(main)
+    ru.main_guard(main)

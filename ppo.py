@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 import policy_common as pc
+import run_utils as ru
 from policy_common import UserError, masked_mean, masked_var, masked_whiten
 
 
@@ -36,8 +37,8 @@ class Args:
     """prompt dataset with a `prompt` column (None = the model alias's dataset)"""
     eval_split: str = "test"
     """held-out split for evaluation"""
-    num_eval_prompts: Optional[int] = 512
-    """evaluate on the first this many held-out prompts (None = all)"""
+    num_eval_prompts: int = 512
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
     output_dir: Optional[str] = None
     """where metrics, checkpoints and the model go (None = runs/<run_name>)"""
     track: bool = False
@@ -61,7 +62,7 @@ class Args:
     skip_nonfinite: bool = False
     """skip optimizer steps with a non-finite loss or gradient (counted) instead of stopping"""
     eval_steps: int = 200
-    """evaluate every this many updates and before the first (0 = only at the end)"""
+    """evaluate before training, every this many updates and after the last (0 = only before and after)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many updates (0 = never)"""
     resume_from: Optional[str] = None
@@ -69,13 +70,13 @@ class Args:
 
     # generation
     response_length: int = 53
-    """maximum number of generated tokens"""
+    """maximum number of generated tokens (a default is lowered to fit the model's positions)"""
     temperature: float = 0.7
     """sampling temperature (log-probs for the ratio and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = 1.0
     """subtracted from the score of a completion without EOS (None = no penalty)"""
-    max_prompt_length: int = 512
-    """longest prompt in tokens; longer prompts are an error"""
+    max_prompt_length: Optional[int] = None
+    """longest prompt in tokens, longer prompts are an error (None = the longest prompt in the data)"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk"""
 
@@ -132,40 +133,34 @@ class Args:
 ALIAS_DEFAULTS = {
     "toy": dict(learning_rate=1e-4, per_device_train_batch_size=16, gradient_accumulation_steps=1, num_mini_batches=4,
                 total_episodes=64 * 40, response_length=8, temperature=1.0, kl_coef=0.3, missing_eos_penalty=1.0,
-                max_prompt_length=16, local_rollout_forward_batch_size=256, eval_steps=10, num_eval_prompts=None),
+                max_prompt_length=16, local_rollout_forward_batch_size=256, eval_steps=10, num_eval_prompts=256),
 }
 
 
-def validate(args: Args, num_processes: int) -> dict:
-    """Check hyper-parameters and derive every batch size once (local_ = per process)."""
-    positive = dict(learning_rate=args.learning_rate, per_device_train_batch_size=args.per_device_train_batch_size,
-                    gradient_accumulation_steps=args.gradient_accumulation_steps, total_episodes=args.total_episodes,
-                    response_length=args.response_length, temperature=args.temperature,
-                    num_ppo_epochs=args.num_ppo_epochs, num_mini_batches=args.num_mini_batches,
-                    cliprange=args.cliprange, cliprange_value=args.cliprange_value, kl_horizon=args.kl_horizon,
-                    local_rollout_forward_batch_size=args.local_rollout_forward_batch_size,
-                    max_prompt_length=args.max_prompt_length, max_grad_norm=args.max_grad_norm)
-    for name, value in positive.items():
-        if not value > 0:
-            raise UserError(f"--{name} must be > 0, got {value}")
+def validate(args: Args, num_processes: int):
+    """Check hyper-parameters and derive every batch size once (local_ = per process): returns
+    (local_mini_batch_size, local_batch_size, batch_size, num_total_batches)."""
+    for name in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "total_episodes",
+                 "response_length", "temperature", "num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value",
+                 "kl_horizon", "local_rollout_forward_batch_size", "num_eval_prompts", "max_grad_norm"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name} must be > 0, got {getattr(args, name)}")
     for name in ("kl_coef", "vf_coef", "eval_steps", "save_steps"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise UserError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
-    for name in ("kl_target", "max_steps", "num_eval_prompts"):
+    for name in ("kl_target", "max_steps", "max_prompt_length"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise UserError(f"--{name} must be > 0 when given, got {getattr(args, name)}")
-    sizes = dict(local_mini_batch_size=args.per_device_train_batch_size * args.gradient_accumulation_steps)
-    sizes["local_batch_size"] = sizes["local_mini_batch_size"] * args.num_mini_batches
-    sizes["batch_size"] = sizes["local_batch_size"] * num_processes
-    sizes["num_total_batches"] = math.ceil(args.total_episodes / sizes["batch_size"])
+    local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    local_batch_size = local_mini_batch_size * args.num_mini_batches
+    batch_size = local_batch_size * num_processes
+    num_total_batches = math.ceil(args.total_episodes / batch_size)
     if args.max_steps is not None:
-        sizes["num_total_batches"] = min(sizes["num_total_batches"], args.max_steps)
-    if args.whiten_rewards and sizes["local_batch_size"] < 2:
-        raise UserError("--whiten_rewards needs at least 2 responses per process")
-    return sizes
+        num_total_batches = min(num_total_batches, args.max_steps)
+    return local_mini_batch_size, local_batch_size, batch_size, num_total_batches
 
 
 # ALGO LOGIC: the pieces a researcher changes, each tested in tests/test_ppo.py
@@ -207,6 +202,17 @@ def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
     return advantages, (advantages + values) * response_mask
 
 
+def batch_advantages(rewards, values, response_mask, gamma: float, lam: float, whiten_rewards: bool):
+    """GAE advantages whitened over the batch (the per-token rewards first, mean kept, with `whiten_rewards`).
+    rewards, values: (B, R); response_mask: (B, R) bool. Returns (advantages, raw_advantages, returns), (B, R),
+    zero on padding. A batch with a single response token (one row, a lone EOS) has no spread to whiten by:
+    masked_var is 0 there, so its advantage whitens to 0 and its reward stays as it is."""
+    if whiten_rewards:
+        rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
+    raw_advantages, returns = compute_gae(rewards, values, response_mask, gamma, lam)
+    return masked_whiten(raw_advantages, response_mask) * response_mask, raw_advantages, returns
+
+
 def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, response_mask,
                cliprange: float, cliprange_value: float):
     """Clipped surrogate policy loss and clipped value loss, masked token means. All inputs (b, R).
@@ -228,23 +234,17 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
     return pg_loss, vf_loss, stats
 
 
-class AdaptiveKLController:
-    """Ziegler et al. 2019: kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon."""
+class KLController:
+    """The KL coefficient: fixed when `target` is None, else adapted as in Ziegler et al. 2019:
+    kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon."""
 
-    def __init__(self, init_kl_coef: float, target: float, horizon: int):
+    def __init__(self, init_kl_coef: float, target: Optional[float], horizon: int):
         self.value, self.target, self.horizon = init_kl_coef, target, horizon
 
     def update(self, current_kl: float, n_episodes: int) -> None:
-        proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
-        self.value *= 1 + proportional_error * n_episodes / self.horizon
-
-
-class FixedKLController:
-    def __init__(self, kl_coef: float):
-        self.value = kl_coef
-
-    def update(self, current_kl: float, n_episodes: int) -> None:
-        pass
+        if self.target is not None:
+            proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
+            self.value *= 1 + proportional_error * n_episodes / self.horizon
 
 
 class PolicyAndValue(nn.Module):
@@ -262,171 +262,161 @@ class PolicyAndValue(nn.Module):
         return logits, values
 
 
-# TRY NOT TO MODIFY: evaluation plumbing
+# TRY NOT TO MODIFY: evaluation and data-order plumbing
 @torch.no_grad()
 def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold):
-    """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference."""
+    """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference.
+    Returns (metrics: eval/* means over every process's prompts, samples: up to 4 rows of this process's)."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    prompts = eval_prompts[accelerator.process_index::accelerator.num_processes]
-    scores, kls, lengths, has_eos, golds, samples = [], [], [], [], [], []
+    prompts, n_real = ru.even_share(eval_prompts, accelerator)  # padded: every process makes the same calls
+    columns = {"eval/scores": [], "eval/kl": [], "eval/response_length": [], "eval/eos_rate": []}  # (b,) each
+    texts = []
     for i in range(0, len(prompts), args.local_rollout_forward_batch_size):
         prompt_ids = prompts[i:i + args.local_rollout_forward_batch_size]
-        queries = pc.pad_sequences(prompt_ids, pad, "left").to(accelerator.device)
+        queries = pc.pad_sequences(prompt_ids, pad, "left").to(accelerator.device)  # (b, Lq)
         context_length = queries.shape[1]
         query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, config, len(prompt_ids),
                                                  accelerator)
-        responses = query_responses[:, context_length:]
+        responses = query_responses[:, context_length:]  # (b, R)
         response_mask = responses != pad
         logits, _ = model(query_responses, context_length, pad, args.temperature)
         logprobs = pc.selective_logprobs(logits, responses)
         ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-        scores.append(pc.get_reward(reward_model, query_responses, pad))
-        kls.append(((logprobs - ref_logprobs) * response_mask).sum(1))
-        lengths.append(response_mask.sum(1).float())
-        has_eos.append((responses == eos).any(1).float())
-        if gold is not None or len(samples) < 4:
-            texts = [(tokenizer.decode(p, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True))
-                     for p, r in zip(prompt_ids, responses.tolist())]
-            golds += [gold(p, c) for p, c in texts] if gold is not None else []
-            samples += [{"prompt": p, "completion": c, "score": round(s, 3)}
-                        for (p, c), s in zip(texts, scores[-1].tolist())][:4 - len(samples)]
-    metrics = {"eval/scores": torch.cat(scores).mean(), "eval/kl": torch.cat(kls).mean(),
-               "eval/response_length": torch.cat(lengths).mean(), "eval/eos_rate": torch.cat(has_eos).mean()}
+        columns["eval/scores"].append(pc.get_reward(reward_model, query_responses, pad))
+        columns["eval/kl"].append(((logprobs - ref_logprobs) * response_mask).sum(1))
+        columns["eval/response_length"].append(response_mask.sum(1).float())
+        columns["eval/eos_rate"].append((responses == eos).any(1).float())
+        texts += [(tokenizer.decode(p, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True))
+                  for p, r in zip(prompt_ids, responses.tolist())]
+    columns = {key: torch.cat(values)[:n_real] for key, values in columns.items()}  # only real prompts count
+    texts = texts[:n_real]
+    sums = {key: values.sum().item() for key, values in columns.items()}
     if gold is not None:
-        metrics["eval/gold_score"] = float(np.mean(golds))
-    return metrics, samples
+        sums["eval/gold_score"] = float(np.sum([gold(p, c) for p, c in texts]))
+    samples = [{"prompt": p, "completion": c, "score": round(s, 3)}
+               for (p, c), s in zip(texts[:4], columns["eval/scores"].tolist())]
+    return ru.global_means(accelerator, sums, n_real), samples
 
 
-def batch_prompt_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> List[int]:
-    """Indices of the prompts of update `update` (1-based): a seeded permutation per pass over the data, read
-    in order, so the data position is a function of the update number (exact resume)."""
-    permutations = {}
-    out = []
-    for position in range((update - 1) * batch_size, update * batch_size):
-        data_epoch, offset = divmod(position, num_prompts)
-        if data_epoch not in permutations:
-            generator = torch.Generator().manual_seed(seed + data_epoch)
-            permutations[data_epoch] = torch.randperm(num_prompts, generator=generator).tolist()
-        out.append(permutations[data_epoch][offset])
-    return out
+def batch_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> List[int]:
+    """Indices of the prompts of update `update` (1-based): the next `batch_size` positions of the data order
+    (ru.epoch_permutation, one per pass), so the data position is a function of the update (exact resume)."""
+    first = (update - 1) * batch_size
+    epochs = range(first // num_prompts, (first + batch_size - 1) // num_prompts + 1)
+    order = [i for epoch in epochs for i in ru.epoch_permutation(num_prompts, seed, epoch)]
+    offset = first - epochs[0] * num_prompts
+    return order[offset:offset + batch_size]
 
 
 def main():
-    # 1. arguments, batch sizes, accelerator
-    args = pc.parse_args(Args, ALIAS_DEFAULTS)
-    # the lr decays once per update (see 4.), not once per optimizer step
-    accelerator = pc.make_accelerator(args.gradient_accumulation_steps, step_scheduler_with_optimizer=False)
-    sizes = validate(args, accelerator.num_processes)
-    local_batch_size, local_mini_batch_size = sizes["local_batch_size"], sizes["local_mini_batch_size"]
-    num_total_batches = sizes["num_total_batches"]
-    pc.seed_everything(args.seed, accelerator.process_index)
-    dataset_name = args.dataset or pc.default_dataset(args.model)
-    reward_name = args.reward_model or pc.default_reward_model(args.model)
+    # 1. arguments, batch sizes, accelerator, model and dataset names
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
+    local_mini_batch_size, local_batch_size, batch_size, num_total_batches = validate(args, accelerator.num_processes)
+    ru.seed_everything(args.seed, accelerator.process_index)
+    dataset_name = args.dataset or ru.default_dataset(args.model)
+    policy_path = ru.resolve_model(args.model)
+    reward_path = ru.resolve_reward_model(args.reward_model or ru.default_reward_model(args.model))
+    value_path = ru.resolve_reward_model(args.value_model) if args.value_model is not None else reward_path
 
-    # 2. models: policy (+LoRA), value model (from the reward model), frozen reference and reward model
-    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_name, "reward", args.trust_remote_code), "reward model")
-    if args.value_model is not None:
-        pc.check_same_vocab(tokenizer, pc.load_tokenizer(args.value_model, "reward", args.trust_remote_code),
-                            "value model")
-    policy = pc.load_policy(args, tokenizer)  # (+ LoRA with --use_peft)
-    max_positions = getattr(policy.config, "max_position_embeddings", None)
-    if max_positions is not None and args.max_prompt_length + args.response_length > max_positions:
-        raise UserError(f"--max_prompt_length {args.max_prompt_length} + --response_length {args.response_length} "
-                        f"exceeds the model's {max_positions} positions")
+    # 2. data: training and held-out prompts, tokenised; the response length fitted to the model's positions
+    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    train_data = ru.load_prompt_dataset(dataset_name, "train")  # an empty split is a UserError
+    eval_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
+    for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
+        ru.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
+    train_prompts = ru.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
+    longest_prompt = max(len(p) for p in train_prompts + eval_prompts)
+    positions = ru.model_positions(policy_path, args.trust_remote_code)
+    ru.fit_length(args, "response_length", None if positions is None else positions - longest_prompt,
+                  f"the longest prompt ({longest_prompt} tokens) in the model's {positions} positions")
+    gold = ru.gold_scorer(dataset_name)
+
+    # 3. models: policy (+LoRA), value model (from the reward model), frozen reference and reward model
+    for path, what in ((reward_path, "reward model"), (value_path, "value model")):
+        pc.check_same_vocab(tokenizer, pc.load_tokenizer(path, trust_remote_code=args.trust_remote_code), what)
+    policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
     # the value model starts as the reward model, which was trained to read the last token only: its values at
     # earlier positions start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by
     # update 15); the clipped value loss absorbs this without a separate warm-up phase
-    value_model = pc.load_scalar_model(args.value_model or reward_name, tokenizer, bf16=args.bf16,
-                                       trust_remote_code=args.trust_remote_code)
+    value_model = pc.load_scalar_model(value_path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         pc.enable_activation_checkpointing(value_model)
-    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, reference_free=False,
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                                    policy_name=args.model)
-    reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_name, tokenizer, bf16=args.bf16,
+    reference = pc.create_reference(
+        policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft, accelerator=accelerator, bf16=args.bf16,
+        ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
+        trust_remote_code=args.trust_remote_code)
+    reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_path, tokenizer, bf16=args.bf16,
                                                           trust_remote_code=args.trust_remote_code), accelerator)
 
-    # 3. data: training prompts and held-out prompts, tokenised and length-checked
-    train_data = pc.load_any_dataset(dataset_name, "prompt", "train")
-    eval_data = pc.load_any_dataset(dataset_name, "prompt", args.eval_split)
-    for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
-        pc.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
-    train_prompts = pc.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_prompts = pc.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
-    gold = pc.gold_scorer(dataset_name)
-
-    # 4. optimizer over policy + value, linear decay per update; accelerate state covers both
+    # 4. optimizer over policy + value; the lr decays linearly once per update (stepped below, not prepared:
+    #    checkpoints carry it as JSON); resume; the run folder
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0 - u / num_total_batches)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    kl_ctl = (AdaptiveKLController(args.kl_coef, args.kl_target, args.kl_horizon) if args.kl_target is not None
-              else FixedKLController(args.kl_coef))
+    kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
     start_update = 1
     if args.resume_from:
-        state = pc.load_checkpoint(accelerator, args.resume_from)
+        state = ru.load_checkpoint(accelerator, args.resume_from, scheduler)
         start_update, kl_ctl.value = state["step"] + 1, state["kl_coef"]
-    output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from else
-                                     os.path.join("runs", pc.run_name(args.exp_name, dataset_name, args.seed)))
-    logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+    output_dir = ru.output_dir(args, dataset_name, accelerator)
+    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
-    accelerator.print(f"ppo: {num_total_batches} updates of {sizes['batch_size']} episodes, reference: "
+    accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode} -> {output_dir}")
 
     def checkpoint(update: int, name: str) -> None:
-        pc.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_ctl.value})
+        ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_ctl.value},
+                           scheduler)
 
+    # 5. evaluate the starting policy (step 0; a resumed run has done so already)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-    stop, skipped, start_time = pc.StopSignal(), 0, time.time()
-    if start_update == 1 and args.eval_steps > 0:
+    stop, skipped, start_time = ru.StopSignal(), 0, time.time()
+    if start_update == 1:
         metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold)
-        logger.log(pc.reduce_metrics(accelerator, {**metrics, "episode": 0}), step=0)
+        logger.log({**metrics, "episode": 0}, step=0)
         logger.log_samples("eval/samples", samples, step=0)
 
     for update in range(start_update, num_total_batches + 1):
-        indices = batch_prompt_indices(len(train_prompts), args.seed, update, sizes["batch_size"])
+        indices = batch_indices(len(train_prompts), args.seed, update, batch_size)
         indices = indices[accelerator.process_index * local_batch_size:][:local_batch_size]
         queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
         context_length = queries.shape[1]  # queries: (B, Lq)
         with torch.no_grad():
-            # 1. generate responses (truncated after the first EOS)
+            # 6. generate responses (truncated after the first EOS)
             query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, generation_config,
                                                      args.local_rollout_forward_batch_size, accelerator)
             responses = query_responses[:, context_length:]  # (B, R)
             response_mask = responses != pad  # (B, R), True up to and including EOS
 
-            # 2. log-probs and values before the update, reference log-probs, reward-model scores
+            # 7. log-probs and values before the update, reference log-probs, reward-model scores
             logprobs, values = [], []
             for i in range(0, local_batch_size, args.local_rollout_forward_batch_size):
                 logits, value = model(query_responses[i:i + args.local_rollout_forward_batch_size], context_length,
                                       pad, args.temperature)
                 logprobs.append(pc.selective_logprobs(logits, responses[i:i + args.local_rollout_forward_batch_size]))
                 values.append(value)
-            logprobs, values = torch.cat(logprobs) * response_mask, torch.cat(values) * response_mask
+            logprobs, values = torch.cat(logprobs) * response_mask, torch.cat(values) * response_mask  # (B, R)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature,
                                               args.local_rollout_forward_batch_size) * response_mask
             scores = pc.get_reward(reward_model, query_responses, pad)  # (B,)
 
-            # 3. penalise completions without EOS
+            # 8. rewards: missing-EOS penalty, KL penalty on every token, score at the last real token
             scores = penalise_missing_eos(scores, responses, eos, args.missing_eos_penalty)
-
-            # 4. per-token rewards: KL penalty on every token, score at the last real token; optional whitening
             rewards, non_score_reward, kl = per_token_rewards(logprobs, ref_logprobs, scores, response_mask,
                                                               kl_ctl.value)
-            if args.whiten_rewards:
-                rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
 
-            # 5. advantages (GAE) and returns; advantages whitened over the batch
-            advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
-            raw_advantages = advantages
-            advantages = masked_whiten(advantages, response_mask) * response_mask
+            # 9. advantages (GAE, whitened over the batch) and returns
+            advantages, raw_advantages, returns = batch_advantages(rewards, values, response_mask, args.gamma,
+                                                                   args.lam, whiten_rewards=args.whiten_rewards)
 
-        # 6. PPO epochs over shuffled mini-batches, micro-batches accumulated into one optimizer step
-        stats, nonfinite = {}, False
+        # 10. PPO epochs over shuffled mini-batches, micro-batches accumulated into one optimizer step
+        stats = {}
         for _ in range(args.num_ppo_epochs):
             permutation = torch.randperm(local_batch_size, device=accelerator.device)
             for mini_start in range(0, local_batch_size, local_mini_batch_size):
@@ -441,33 +431,29 @@ def main():
                             response_mask[mb], args.cliprange, args.cliprange_value)
                         loss = pg_loss + args.vf_coef * vf_loss
                         accelerator.backward(loss)
-                        nonfinite |= not torch.isfinite(loss.detach()).item()
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            flag = torch.tensor(float(nonfinite or not pc.is_finite(grad_norm)),
-                                                device=accelerator.device)
-                            if accelerator.reduce(flag, reduction="sum").item() > 0:
-                                if not args.skip_nonfinite:
-                                    checkpoint(update - 1, "checkpoint-nonfinite")
-                                    raise UserError(f"non-finite loss or gradient norm at update {update} "
-                                                    f"(loss {loss.item()}, grad norm {grad_norm.item()}); weights "
-                                                    f"before this optimizer step saved to checkpoint-nonfinite")
-                                skipped, nonfinite = skipped + 1, False
-                                optimizer.zero_grad()
-                                continue
-                        optimizer.step()
-                        optimizer.zero_grad()
+                            if ru.all_finite(accelerator, loss, grad_norm):
+                                optimizer.step()
+                            elif args.skip_nonfinite:
+                                skipped += 1
+                            else:
+                                checkpoint(update - 1, "checkpoint-nonfinite")
+                                norm = None if grad_norm is None else grad_norm.item()
+                                raise UserError(f"non-finite loss or gradient norm at update {update} (loss "
+                                                f"{loss.item()}, grad norm {norm}); weights before this optimizer "
+                                                "step saved to checkpoint-nonfinite")
+                            optimizer.zero_grad()
                     with torch.no_grad():
                         mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
                             pc.entropy_from_logits(logits), response_mask[mb])})
                         for key, value in mb_stats.items():
                             stats.setdefault(key, []).append(value.item())
 
-        # 7. logging, KL controller, lr schedule
+        # 11. logging, KL controller, lr schedule
         with torch.no_grad():
-            mean_kl = kl.sum(1).mean()
             metrics = {
-                "objective/scores": scores.mean(), "objective/kl": mean_kl,
+                "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.sum(1).mean(),
                 "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
                 "objective/entropy": (-logprobs).sum(1).mean(), "objective/kl_coef": kl_ctl.value,
@@ -478,21 +464,21 @@ def main():
                 "adv/mean": masked_mean(raw_advantages, response_mask),
                 "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
                 "returns/mean": masked_mean(returns, response_mask),
-                "lr": scheduler.get_last_lr()[0], "episode": update * sizes["batch_size"],
+                "lr": scheduler.get_last_lr()[0], "episode": update * batch_size,
             }
             if args.skip_nonfinite:
                 metrics["nonfinite/skipped"] = skipped
-            metrics = pc.reduce_metrics(accelerator, metrics)
-        kl_ctl.update(metrics["objective/kl"], sizes["batch_size"])
+            metrics = ru.reduce_metrics(accelerator, metrics)
+        kl_ctl.update(metrics["objective/kl"], batch_size)
         scheduler.step()
-        episodes_this_run = (update - start_update + 1) * sizes["batch_size"]
+        episodes_this_run = (update - start_update + 1) * batch_size
         metrics["time/episodes_per_second"] = episodes_this_run / (time.time() - start_time)
 
-        # 8. evaluation, checkpoints
+        # 12. evaluation, checkpoints, stop signal
         if (args.eval_steps > 0 and update % args.eval_steps == 0) or update == num_total_batches:
             eval_metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator,
                                              gold)
-            metrics.update(pc.reduce_metrics(accelerator, eval_metrics))
+            metrics.update(eval_metrics)
             logger.log_samples("eval/samples", samples, step=update)
         logger.log(metrics, step=update)
         accelerator.print(f"update {update}/{num_total_batches} score {metrics['objective/scores']:.3f} "
@@ -500,18 +486,19 @@ def main():
                                                                   if "eval/gold_score" in metrics else ""))
         if args.save_steps > 0 and update % args.save_steps == 0:
             checkpoint(update, f"checkpoint-{update}")
-        if stop.received:
+        if update < num_total_batches and stop.agreed(accelerator):
             checkpoint(update, f"checkpoint-{update}")
-            accelerator.print(f"{stop.received} received: checkpoint-{update} written, exiting")
+            accelerator.print(f"{stop.received or 'a signal'} received: checkpoint-{update} written, exiting")
             logger.close()
             return
 
-    # 9. final save
-    pc.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), args.merge_peft, "policy")
+    # 13. final save
+    ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
+                  submodule="policy")
     if args.save_value_model:
-        pc.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "value_model"), submodule="value_model")
+        ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "value_model"), submodule="value_model")
     logger.close()
 
 
 if __name__ == "__main__":
-    pc.main_guard(main)
+    ru.main_guard(main)

@@ -6,13 +6,12 @@
 # Per step: sample rloo_k completions per prompt, score them (reward model, minus missing_eos_penalty without EOS),
 # subtract kl_coef * KL(policy || reference), take advantage = reward - mean reward of the prompt's other k-1
 # completions, and step on the clipped REINFORCE loss (one epoch, one mini-batch by default = plain REINFORCE).
-# Metrics (metrics.jsonl, one row per step): objective/scores (reward after the EOS penalty), objective/kl
-# (sequence KL to the reference, per the chosen estimator), objective/non_score_reward (-kl_coef * kl),
-# objective/rlhf_reward (their sum: what is maximised), objective/entropy (sum over the response of the per-token
-# entropy), objective/advantage_std, loss/policy, policy/clipfrac, policy/approxkl (old vs new policy), val/ratio
-# (+ val/ratio_var), val/num_eos_tokens (EOS tokens in the batch), val/response_length, nonfinite/skipped, lr,
-# episode, time/episodes_per_second; and eval/* (greedy, held-out prompts): scores, kl, response_length, eos_rate,
-# gold_score (when the task has a ground-truth scorer).
+# Metrics (metrics.jsonl, a row per step): objective/scores (reward after the EOS penalty), objective/kl (sequence
+# KL to the reference, per the chosen estimator), objective/non_score_reward (-kl_coef * kl), objective/rlhf_reward
+# (their sum: what is maximised), objective/entropy (summed over the response), objective/advantage_std, loss/policy,
+# policy/clipfrac, policy/approxkl (old vs new policy), val/ratio (+ val/ratio_var), val/num_eos_tokens,
+# val/response_length, nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy, held-out prompts):
+# scores, kl, response_length, eos_rate, gold_score (when the task has a ground-truth scorer).
 import math
 import os
 import time
@@ -22,6 +21,8 @@ from typing import List, Literal, Optional
 import torch
 
 import policy_common as pc
+import prompt_sharing as ps
+import run_utils as ru
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment (each process adds its index)"""
+    """seed of the experiment"""
     model: str = "toy"
     """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
     ref_model: Optional[str] = None
@@ -39,13 +40,13 @@ class Args:
     dataset: Optional[str] = None
     """prompt dataset (column `prompt`): alias, hub id, save_to_disk folder or json/jsonl/parquet; None = --model's"""
     eval_split: str = "test"
-    """split of the prompt dataset held out for evaluation"""
+    """held-out split for evaluation"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name> (or the folder of --resume_from)"""
+    """where metrics, checkpoints and the model go; None = the folder of --resume_from, else runs/<run name>"""
     track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
+    """log to Weights and Biases"""
     wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
+    """the wandb project"""
 
     # Model loading
     use_peft: bool = False
@@ -57,7 +58,7 @@ class Args:
     lora_dropout: float = 0.0
     """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
+    """LoRA target modules (None = PEFT's default for the architecture)"""
     merge_peft: bool = False
     """with --use_peft, save merged full weights instead of the adapter"""
     load_in_4bit: bool = False
@@ -67,7 +68,7 @@ class Args:
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
+    """allow custom model code from the hub"""
 
     # Run length, optimisation, logging
     total_episodes: int = 1_000_000
@@ -85,15 +86,15 @@ class Args:
     skip_nonfinite: bool = False
     """skip an optimizer step whose loss or gradient norm is not finite (else checkpoint and stop)"""
     eval_steps: int = 0
-    """evaluate every this many steps (0 = only at the start and the end)"""
+    """evaluate before training, every this many steps and after the last step (0 = only before and after)"""
     num_eval_prompts: int = 512
-    """held-out prompts used by each evaluation (capped by the split size)"""
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
     num_samples_printed: int = 4
     """evaluation samples printed per evaluation"""
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
-    """checkpoint folder to resume from (exactly: data order, RNG, optimizer)"""
+    """checkpoint folder to resume from (the run continues in its folder unless --output_dir is given)"""
 
     # Algorithm specific arguments
     rloo_k: int = 2
@@ -113,25 +114,24 @@ class Args:
     num_mini_batches: int = 1
     """mini-batches (optimizer steps) per pass"""
     response_length: int = 53
-    """maximum new tokens per completion"""
-    max_prompt_length: int = 512
-    """longest prompt accepted (a longer prompt is an error, not silently cut)"""
+    """maximum number of generated tokens (a default is lowered to fit the model's positions)"""
+    max_prompt_length: Optional[int] = None
+    """longest prompt in tokens, longer prompts are an error (None = the longest prompt in the data)"""
     temperature: float = 0.7
     """sampling temperature (log-probs are computed under the same temperature)"""
     missing_eos_penalty: Optional[float] = 1.0
     """subtracted from the score of completions without EOS (None = no penalty)"""
     local_rollout_forward_batch_size: int = 16
     """rows per generation / no-grad forward chunk"""
+    share_prompts: bool = True
+    """encode a prompt repeated over several rows once (prompt_sharing.py) when it saves enough; --no_share_prompts runs every row plainly"""
 
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
-ALIAS_DEFAULTS = {
-    "toy": dict(
-        total_episodes=8192, learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
-        rloo_k=4, kl_coef=0.2, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16,
-        num_eval_prompts=256, missing_eos_penalty=1.0, local_rollout_forward_batch_size=256,
-    )
-}
+ALIAS_DEFAULTS = {"toy": dict(
+    total_episodes=8192, learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1, rloo_k=4,
+    kl_coef=0.2, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16, num_eval_prompts=256,
+    missing_eos_penalty=1.0, local_rollout_forward_batch_size=256)}
 
 
 # ALGO LOGIC: the RLOO pieces, pure functions of tensors (tested in tests/test_rloo.py)
@@ -166,11 +166,24 @@ def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: t
     return returns * response_mask
 
 
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, accelerator=None) -> torch.Tensor:
+    """(advantages - mean) / (std + 1e-8) where the float `mask` is 1, else 0; mean and biased std over ALL processes'
+    entries (the same global batch gives the same advantages on any number of processes): two passes, one
+    all-reduce each. Constant advantages stay 0, never NaN."""
+    sums = torch.stack([(advantages * mask).sum(), mask.sum()])  # [sum, count] of this process's entries
+    sums = sums if accelerator is None else accelerator.reduce(sums, reduction="sum")
+    mean = sums[0] / sums[1]
+    squares = ((advantages - mean) ** 2 * mask).sum()
+    squares = squares if accelerator is None else accelerator.reduce(squares, reduction="sum")
+    return (advantages - mean) / ((squares / sums[1]).sqrt() + 1e-8) * mask
+
+
 def rloo_advantages(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor, kl_coef: float,
-                    rloo_k: int, token_level_kl: bool, normalize: bool):
+                    rloo_k: int, *, token_level_kl: bool, normalize: bool, accelerator=None):
     """scores (B,), kl (B, R) per-token KL, response_mask (B, R) -> (advantages, rlhf_reward, non_score_reward).
     Sequence-level: rlhf_reward = score - kl_coef * sum_t kl_t, advantage (B,) = rlhf_reward - LOO baseline.
-    Token-level: advantage (B, R) = return-to-go G_t - LOO baseline (baseline from the others' G_0)."""
+    Token-level: advantage (B, R) = return-to-go G_t - LOO baseline (baseline from the others' G_0).
+    `normalize` whitens over all processes' rows (`whiten_advantages`; every process calls this once per step)."""
     response_mask = response_mask.to(kl.dtype)
     non_score_reward = -kl_coef * (kl * response_mask).sum(1)  # (B,)
     rlhf_reward = scores + non_score_reward  # (B,)
@@ -180,10 +193,8 @@ def rloo_advantages(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch
     else:
         advantages = rlhf_reward - baseline
     if normalize:
-        mask = response_mask if token_level_kl else torch.ones_like(advantages)
-        mean = pc.masked_mean(advantages, mask.bool())
-        std = pc.masked_mean((advantages - mean) ** 2, mask.bool()).sqrt()
-        advantages = (advantages - mean) / (std + 1e-8) * mask  # constant advantages stay 0, never NaN
+        advantages = whiten_advantages(advantages, response_mask if token_level_kl else torch.ones_like(advantages),
+                                       accelerator)
     return advantages, rlhf_reward, non_score_reward
 
 
@@ -211,110 +222,114 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 
 # TRY NOT TO MODIFY: data order and evaluation
 def prompt_stream(start: int, count: int, num_prompts: int, seed: int) -> List[int]:
-    """Dataset indices of prompts start..start+count of an endless stream: a fresh seeded permutation per pass
-    over the data. The position `start` is all a checkpoint needs to resume the same order."""
-    out = []
-    for i in range(start, start + count):
-        epoch, j = divmod(i, num_prompts)
-        if j == 0 or not out:
-            perm = torch.randperm(num_prompts, generator=torch.Generator().manual_seed(seed * 100_003 + epoch)).tolist()
-        out.append(perm[j])
-    return out
+    """Dataset indices at positions start..start+count of an endless stream of prompts: pass `epoch` over the data
+    visits them in ru.epoch_permutation order. A position is all a checkpoint needs to resume the same order."""
+    epochs = range(start // num_prompts, (start + count - 1) // num_prompts + 1)  # the passes these positions touch
+    stream = [i for epoch in epochs for i in ru.epoch_permutation(num_prompts, seed, epoch)]
+    return stream[start - epochs[0] * num_prompts:][:count]
 
 
 @torch.no_grad()
-def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold, logger, step):
-    """Greedy completions of the held-out prompts (this process's share): reward, KL to the reference (sum over
-    the response of logp - ref_logp, at the training temperature like objective/kl), length, EOS rate and the
-    gold score when the task has one. Returns means over all processes' prompts."""
+def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold):
+    """Greedy completions of the held-out (distinct: not shared) prompts: reward, KL to the reference (summed over the
+    response, at the training temperature like objective/kl), length, EOS rate, gold score if the task has one.
+    Every process runs an equal share (padded: only its first n_real rows count), so all make the same model calls.
+    Returns (metrics: means over all processes' prompts, samples: a few of this process's rows)."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
     chunk = args.local_rollout_forward_batch_size
-    mine = eval_prompts[accelerator.process_index::accelerator.num_processes]
-    totals, rows = dict(scores=0.0, kl=0.0, response_length=0.0, eos_rate=0.0, gold_score=0.0), []
+    share, n_real = ru.even_share(eval_prompts, accelerator)
+    sums, samples = dict(scores=0.0, kl=0.0, response_length=0.0, eos_rate=0.0), []
+    if gold is not None:
+        sums["gold_score"] = 0.0
     policy.eval()
-    for i in range(0, len(mine), chunk):
-        queries = pc.pad_sequences(mine[i:i + chunk], pad, "left").to(accelerator.device)
+    for i in range(0, len(share), chunk):
+        real = max(0, min(chunk, n_real - i))  # rows of this chunk that count; the rest only pad the share
+        queries = pc.pad_sequences(share[i:i + chunk], pad, "left").to(accelerator.device)  # (b, Lq)
         context_length = queries.shape[1]
         query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, accelerator)
-        responses = query_responses[:, context_length:]
+        responses = query_responses[:, context_length:]  # (b, R)
         mask = responses != pad
         logprobs = pc.response_logprobs(policy, query_responses, context_length, pad, args.temperature)
         ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-        scores = pc.get_reward(reward_model, query_responses, pad)
-        totals["scores"] += scores.sum().item()
-        totals["kl"] += ((logprobs - ref_logprobs) * mask).sum().item()
-        totals["response_length"] += mask.sum().item()
-        totals["eos_rate"] += (responses == eos).any(1).sum().item()
-        for query, response, score in zip(queries, responses, scores.tolist()):
+        scores = pc.get_reward(reward_model, query_responses, pad)  # (b,)
+        sums["scores"] += scores[:real].sum().item()
+        sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
+        sums["response_length"] += mask[:real].sum().item()
+        sums["eos_rate"] += (responses == eos).any(1)[:real].sum().item()
+        for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
             prompt_text = tokenizer.decode(query, skip_special_tokens=True)
             completion_text = tokenizer.decode(response, skip_special_tokens=True)
             row = dict(prompt=prompt_text, completion=completion_text, score=round(score, 4))
             if gold is not None:
                 row["gold"] = gold(prompt_text, completion_text)
-                totals["gold_score"] += row["gold"]
-            rows.append(row)
-    if gold is None:
-        totals.pop("gold_score")
-    totals = pc.reduce_metrics(accelerator, {**totals, "count": len(mine)})  # process means of sums and counts
-    metrics = {f"eval/{k}": v / totals["count"] for k, v in totals.items() if k != "count"}
-    logger.log_samples("eval/samples", rows[:args.num_samples_printed], step)
-    return metrics
+                sums["gold_score"] += row["gold"]
+            samples.append(row)
+    means = ru.global_means(accelerator, sums, n_real)
+    return {f"eval/{k}": means[k] for k in sums}, samples[:args.num_samples_printed]
 
 
 def main():
-    # 0. arguments: validate and derive every batch size once
-    args = pc.parse_args(Args, ALIAS_DEFAULTS)
+    # 1. arguments: validate and derive every batch size once
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
     if args.rloo_k < 2:
         raise pc.UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
     if args.kl_coef < 0 or args.cliprange <= 0 or args.learning_rate <= 0 or args.max_grad_norm <= 0:
         raise pc.UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
-    if args.temperature <= 0:
-        raise pc.UserError(f"--temperature must be > 0 for sampling, got {args.temperature}")
-    if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size,
-           args.gradient_accumulation_steps, args.response_length, args.total_episodes) < 1:
-        raise pc.UserError("batch sizes, epochs, --response_length and --total_episodes must be >= 1")
-    if args.max_steps is not None and args.max_steps < 1:
-        raise pc.UserError(f"--max_steps must be >= 1, got {args.max_steps}")
+    if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
+           args.gradient_accumulation_steps, args.response_length, args.total_episodes,
+           1 if args.max_steps is None else args.max_steps) < 1:
+        raise pc.UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
+                           "--max_steps must be >= 1")
     accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
     # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     local_mini_batch_size = pc.exact_div(local_batch_size, args.num_mini_batches, "local_batch_size / num_mini_batches")
-    local_prompts = pc.exact_div(local_batch_size, args.rloo_k,
-                                 "local_batch_size (per_device_train_batch_size * gradient_accumulation_steps * "
-                                 "num_mini_batches) / rloo_k")
+    local_prompts = pc.exact_div(local_batch_size, args.rloo_k, "local_batch_size (per_device_train_batch_size * "
+                                 "gradient_accumulation_steps * num_mini_batches) / rloo_k")
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = math.ceil(args.total_episodes / batch_size)
     if args.max_steps is not None:
         num_total_batches = min(num_total_batches, args.max_steps)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
-    pc.seed_everything(args.seed, accelerator.process_index)
+    chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
+    ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. tokenizer, shared by policy, reference and reward model (checked)
-    tokenizer = pc.load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-    reward_name = args.reward_model or pc.default_reward_model(args.model)
-    pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_name, "reward", args.trust_remote_code))
+    # 2. tokenizer, shared by policy, reference and reward model (checked)
+    policy_path = ru.resolve_model(args.model)
+    reward_path = ru.resolve_reward_model(args.reward_model or ru.default_reward_model(args.model))
+    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_path, trust_remote_code=args.trust_remote_code))
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
-    # 2. data: prompts tokenised once; train prompts come in a seeded order, position saved for resume
-    dataset_name = args.dataset or pc.default_dataset(args.model)
-    train_data = pc.load_any_dataset(dataset_name, "prompt", "train")
-    eval_data = pc.load_any_dataset(dataset_name, "prompt", args.eval_split)
-    pc.require_columns(train_data, ["prompt"], dataset_name)
-    pc.require_columns(eval_data, ["prompt"], dataset_name)
-    train_prompts = pc.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_prompts = pc.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
-    gold = pc.gold_scorer(dataset_name)
+    # 3. data and lengths: prompts tokenised once; completions must fit in the model's positions after a prompt
+    dataset_name = args.dataset or ru.default_dataset(args.model)
+    train_data = ru.load_prompt_dataset(dataset_name, "train")
+    eval_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
+    ru.require_columns(train_data, ["prompt"], dataset_name)
+    ru.require_columns(eval_data, ["prompt"], dataset_name)
+    train_prompts = ru.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
+    if args.max_prompt_length is None:
+        args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
+    positions = ru.model_positions(policy_path, args.trust_remote_code)
+    ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
+                  f"the model's {positions} positions minus prompts of up to {args.max_prompt_length} tokens")
+    share = args.share_prompts and ps.worth_sharing(  # one decision, from sizes the same on every process
+        min(args.per_device_train_batch_size, chunk), args.rloo_k, args.max_prompt_length, args.response_length)
+    gold = ru.gold_scorer(dataset_name)
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+    output_dir = ru.output_dir(args, dataset_name, accelerator)
 
-    # 3. models: policy (+LoRA), frozen reference, frozen reward model
-    policy = pc.load_policy(args, tokenizer)
-    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, False, accelerator, args.bf16,
-                                    args.trust_remote_code, policy_name=args.model)
-    reward_model = pc.load_scalar_model(reward_name, tokenizer, "reward", args.bf16, args.trust_remote_code)
-    reward_model = pc.prepare_frozen(reward_model, accelerator)
+    # 4. models: policy (+LoRA), frozen reference, frozen reward model
+    policy = pc.load_policy(policy_path, tokenizer, args)
+    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
+                                    ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_path, tokenizer, bf16=args.bf16,
+                                                          trust_remote_code=args.trust_remote_code), accelerator)
 
-    # 4. optimizer, linear decay per optimizer step, checkpointable state
+    # 5. optimizer, linear decay per optimizer step, checkpointable state
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
@@ -322,98 +337,96 @@ def main():
     # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, skipped=0)
     if args.resume_from:
-        state.update(pc.load_checkpoint(accelerator, args.resume_from, scheduler))
-    output_dir = args.output_dir or (os.path.dirname(os.path.abspath(args.resume_from)) if args.resume_from else
-                                     os.path.join("runs", pc.run_name(args.exp_name, dataset_name, args.seed)))
-    logger = pc.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+        state.update(ru.load_checkpoint(accelerator, args.resume_from, scheduler))
+    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
-    stop = pc.StopSignal()
+    stop = ru.StopSignal()
     if state["step"] == 0:
-        logger.log(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
-                            logger, 0), step=0)
+        metrics, samples = evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold)
+        logger.log_samples("eval/samples", samples, 0)
+        logger.log(metrics, step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step = state["step"] + 1
-        # 5. generate: local_prompts prompts, each repeated rloo_k times in a row (repeat_interleave order)
-        indices = prompt_stream(state["prompts_seen"], local_prompts * accelerator.num_processes,
+        # 6. generate: this process's local_prompts prompts of the stream, each repeated rloo_k times in a row
+        indices = prompt_stream(state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts,
                                 len(train_prompts), args.seed)
-        indices = indices[accelerator.process_index * local_prompts:(accelerator.process_index + 1) * local_prompts]
         queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
         queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
         context_length = queries.shape[1]
         policy.eval()
-        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, generation_config,
-                                                 args.local_rollout_forward_batch_size, accelerator)
+        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk, accelerator,
+                                                 share_prompts=share)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
 
-        # 6. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
+        # 7. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
         with torch.no_grad():
             logprobs, entropy, scores = [], [], []
-            for i in range(0, local_batch_size, args.local_rollout_forward_batch_size):
-                query_response = query_responses[i:i + args.local_rollout_forward_batch_size]
-                logits = pc.forward_logits(policy, query_response, context_length, pad, args.temperature)
+            for i in range(0, local_batch_size, chunk):
+                query_response = query_responses[i:i + chunk]
+                logits = pc.forward_logits(policy, query_response, context_length, pad, args.temperature,
+                                           share_prompts=share)
                 logprobs.append(pc.selective_logprobs(logits, query_response[:, context_length:]))
                 entropy.append(pc.entropy_from_logits(logits))
-                scores.append(pc.get_reward(reward_model, query_response, pad, context_length))
-            logprobs, entropy, scores = torch.cat(logprobs), torch.cat(entropy), torch.cat(scores)
-            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature,
-                                              args.local_rollout_forward_batch_size)
+                scores.append(pc.get_reward(reward_model, query_response, pad, context_length, share_prompts=share))
+            logprobs, entropy, scores = torch.cat(logprobs), torch.cat(entropy), torch.cat(scores)  # (B, R) x2, (B,)
+            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk,
+                                              share_prompts=share)
             logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
             ref_logprobs = ref_logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
-            contain_eos = (responses == eos).any(1)
             if args.missing_eos_penalty is not None:  # the "EOS trick"
-                scores = torch.where(contain_eos, scores, scores - args.missing_eos_penalty)
+                scores = torch.where((responses == eos).any(1), scores, scores - args.missing_eos_penalty)
 
-            # 7. rewards and leave-one-out advantages
+            # 8. rewards and leave-one-out advantages
             kl = per_token_kl(logprobs, ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
-                scores, kl, response_mask, args.kl_coef, args.rloo_k, args.token_level_kl, args.normalize_advantage)
+                scores, kl, response_mask, args.kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
+                normalize=args.normalize_advantage, accelerator=accelerator)
 
-        # 8. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
+        # 9. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         policy.train()
-        losses, clipfracs, approxkls, ratios, nonfinite = [], [], [], [], 0
+        losses, clipfracs, approxkls, ratios, skipped = [], [], [], [], 0
         for _ in range(args.num_ppo_epochs):
             # shuffled prompt by prompt, so a micro-batch holds whole groups and encodes each prompt once
             order = (torch.randperm(local_prompts, device=accelerator.device)[:, None] * args.rloo_k +
                      torch.arange(args.rloo_k, device=accelerator.device)).flatten()
             for mini_start in range(0, local_batch_size, local_mini_batch_size):
-                finite = True
+                mini_losses = []
                 for micro_start in range(mini_start, mini_start + local_mini_batch_size,
                                          args.per_device_train_batch_size):
                     mb = order[micro_start:micro_start + args.per_device_train_batch_size]
                     with accelerator.accumulate(policy):
                         new_logprobs = pc.response_logprobs(policy, query_responses[mb], context_length, pad,
-                                                            args.temperature)
+                                                            args.temperature, share_prompts=share)
                         loss, stats = clipped_policy_loss(new_logprobs, logprobs[mb], advantages[mb],
                                                           response_mask[mb], args.cliprange)
                         accelerator.backward(loss)
-                        finite = finite and bool(torch.isfinite(loss))
-                        losses.append(loss.detach())
+                        mini_losses.append(loss.detach())
                         clipfracs.append(stats["clipfrac"])
                         approxkls.append(stats["approxkl"])
                         ratios.append(stats["ratio"])
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                            ok = torch.tensor([finite and pc.is_finite(grad_norm)], device=accelerator.device)
-                            if not accelerator.gather(ok).all():
-                                if not args.skip_nonfinite:
-                                    optimizer.zero_grad()
-                                    pc.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                                                       dict(state), scheduler)
-                                    raise pc.UserError(f"non-finite loss or gradient norm at step {step} (loss/policy "
-                                                       f"{loss.item()}, grad norm {grad_norm}); last good state saved "
-                                                       "to checkpoint-nonfinite (use --skip_nonfinite to skip)")
-                                nonfinite += 1
-                            else:
+                            if ru.all_finite(accelerator, torch.stack(mini_losses), grad_norm):
                                 optimizer.step()
+                            elif args.skip_nonfinite:
+                                skipped += 1
+                            else:
+                                optimizer.zero_grad()
+                                ru.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
+                                                   dict(state), scheduler)
+                                raise pc.UserError(f"non-finite loss or gradient norm at step {step} (loss "
+                                                   f"{loss.item()}, grad norm {grad_norm}): state before it saved "
+                                                   "to checkpoint-nonfinite (--skip_nonfinite skips such steps)")
                             scheduler.step()
                             optimizer.zero_grad()
-        state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + nonfinite,
+                losses += mini_losses
+        state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + skipped,
                      prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
 
-        # 9. log
+        # 10. log, and evaluate every eval_steps steps and after the last
         ratio = torch.cat(ratios)
         metrics = {
             "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
@@ -423,30 +436,33 @@ def main():
             "loss/policy": torch.stack(losses).mean(), "policy/clipfrac": torch.stack(clipfracs).mean(),
             "policy/approxkl": torch.stack(approxkls).mean(), "val/ratio": ratio.mean(),
             "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
-            "val/num_eos_tokens": (responses == eos).sum().float(), "val/response_length": response_mask.sum(1).float().mean(),
-            "nonfinite/skipped": float(state["skipped"]),
+            "val/num_eos_tokens": (responses == eos).sum().float(),
+            "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
         }
-        metrics = pc.reduce_metrics(accelerator, metrics)
+        metrics = ru.reduce_metrics(accelerator, metrics)
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
-                                    logger, step))
+            eval_metrics, samples = evaluate(args, accelerator, policy, reference, reward_model, tokenizer,
+                                             eval_prompts, gold)
+            logger.log_samples("eval/samples", samples, step)
+            metrics.update(eval_metrics)
         logger.log(metrics, step=step)
 
-        # 10. checkpoints: periodic, and on SIGTERM / Ctrl-C (then exit cleanly)
-        if (args.save_steps and step % args.save_steps == 0) or stop.received:
-            pc.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
-        if stop.received:
-            accelerator.print(f"{stop.received} received: checkpoint-{step} written, stopping")
+        # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then all exit cleanly)
+        stopping = stop.agreed(accelerator) and step < num_total_batches
+        if (args.save_steps and step % args.save_steps == 0) or stopping:
+            ru.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
+        if stopping:
+            accelerator.print(f"stop signal received: checkpoint-{step} written, stopping")
             logger.close()
             return
 
-    # 11. final save
-    pc.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    # 12. final save
+    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close()
     accelerator.print(f"done: {output_dir}")
 
 
 if __name__ == "__main__":
-    pc.main_guard(main)
+    ru.main_guard(main)

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 BUILDER_VERSION = 2  # bump whenever the build or anything it calls (generation, training) changes
 LETTERS = list("abcdefghijkl")
 MIN_LETTERS, MAX_LETTERS = 3, 6
-MAX_PROMPT_TOKENS = MAX_LETTERS + 1  # letters + "="
 MAX_NEW_TOKENS = MAX_LETTERS + 2  # room for an answer, its EOS and one mistake
 DESIRABLE_THRESHOLD = 0.75
 
@@ -123,9 +122,22 @@ def _encode(tokenizer, texts):
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
+def _pad(seqs, pad: int, side: str) -> torch.Tensor:
+    """Token-id lists -> (B, max_len), padded on `side` ("left" for prompts, "right" for completions)."""
+    width = max(len(s) for s in seqs)
+    return torch.tensor([[pad] * (width - len(s)) + s if side == "left" else s + [pad] * (width - len(s))
+                         for s in seqs])
+
+
+def _mask_and_positions(ids: torch.Tensor, pad: int):
+    """attention mask and position ids that count real tokens only (rows are [left pads | prompt | completion |
+    right pads])."""
+    mask = (ids != pad).long()
+    return mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
 def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
     from transformers import GPTNeoXForCausalLM
-    from policy_common import pad_sequences, padding_inputs
 
     model = GPTNeoXForCausalLM(_model_config(tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
@@ -135,11 +147,11 @@ def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
     for _ in range(steps):
         prompts = [make_prompt(rng) for _ in range(batch_size)]
         demos = [imperfect_demonstration(p, rng) for p in prompts]
-        q = pad_sequences(_encode(tokenizer, prompts), pad, "left")
-        r = pad_sequences([ids + [eos] for ids in _encode(tokenizer, demos)], pad, "right")
+        q = _pad(_encode(tokenizer, prompts), pad, "left")
+        r = _pad([ids + [eos] for ids in _encode(tokenizer, demos)], pad, "right")
         ids = torch.cat([q, r], 1)
-        mask, pos = padding_inputs(ids, pad)
-        logits = model(input_ids=ids.masked_fill(mask == 0, 0), attention_mask=mask, position_ids=pos).logits
+        mask, pos = _mask_and_positions(ids, pad)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
         labels = ids[:, q.shape[1]:].masked_fill(r == pad, -100)  # loss on completion tokens only
         loss = F.cross_entropy(logits[:, q.shape[1] - 1:-1].reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()
@@ -152,31 +164,45 @@ def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
 
 
 @torch.no_grad()
-def _sample(model, tokenizer, prompts, greedy: bool):
-    from policy_common import batch_generation, make_generation_config, pad_sequences
+def _sample(model, tokenizer, prompts, greedy: bool, chunk_size: int = 512):
+    """Completions of `prompts` (pure temperature-1 sampling, or greedy), `chunk_size` prompts per `generate`."""
+    from transformers import GenerationConfig
 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    queries = pad_sequences(_encode(tokenizer, prompts), pad, "left")
-    config = make_generation_config(tokenizer, MAX_NEW_TOKENS, temperature=1.0, greedy=greedy)
-    query_responses, _ = batch_generation(model, queries, pad, eos, config, chunk_size=512)
-    return [" " + tokenizer.decode(r, skip_special_tokens=True) for r in query_responses[:, queries.shape[1]:]]
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad, eos_token_id=eos,
+                              bos_token_id=tokenizer.bos_token_id, suppress_tokens=[pad], **sampling)
+    queries = _pad(_encode(tokenizer, prompts), pad, "left")
+    completions = []
+    for i in range(0, len(queries), chunk_size):
+        query = queries[i:i + chunk_size]
+        out = model.generate(input_ids=query, attention_mask=(query != pad).long(), generation_config=config)
+        # generate pads every row after its EOS; decoding skips both
+        completions += [" " + tokenizer.decode(r, skip_special_tokens=True) for r in out[:, query.shape[1]:]]
+    return completions
+
+
+def _rewards(model, tokenizer, texts) -> torch.Tensor:
+    """Reward-model scores of whole texts (each ended with EOS), read at the last token: (B,)."""
+    pad = tokenizer.pad_token_id
+    ids = _pad([x + [tokenizer.eos_token_id] for x in _encode(tokenizer, texts)], pad, "right")
+    mask, pos = _mask_and_positions(ids, pad)
+    hidden = model.gpt_neox(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1)[torch.arange(len(ids)), mask.sum(1) - 1]
 
 
 def _train_reward(sft_dir, tokenizer, pairs, steps: int, batch_size: int, rng: random.Random):
     from transformers import GPTNeoXForSequenceClassification
-    from policy_common import get_reward, pad_sequences
 
     model = GPTNeoXForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     model.train()
     for _ in range(steps):
         batch = rng.sample(pairs, batch_size)
-        texts = [p["prompt"] + c for p in batch for c in (p["chosen"], p["rejected"])]
-        ids = pad_sequences([x + [eos] for x in _encode(tokenizer, texts)], pad, "right")
-        rewards = get_reward(model, ids, pad).view(-1, 2)
+        rewards = _rewards(model, tokenizer, [p["prompt"] + c for p in batch for c in (p["chosen"], p["rejected"])])
+        rewards = rewards.view(-1, 2)
         loss = -F.logsigmoid(rewards[:, 0] - rewards[:, 1]).mean()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -189,11 +215,8 @@ def _train_reward(sft_dir, tokenizer, pairs, steps: int, batch_size: int, rng: r
 
 @torch.no_grad()
 def _pair_accuracy(model, tokenizer, pairs) -> float:
-    from policy_common import get_reward, pad_sequences
-
-    texts = [p["prompt"] + c for p in pairs for c in (p["chosen"], p["rejected"])]
-    ids = pad_sequences([x + [tokenizer.eos_token_id] for x in _encode(tokenizer, texts)], tokenizer.pad_token_id, "right")
-    rewards = get_reward(model, ids, tokenizer.pad_token_id).view(-1, 2)
+    rewards = _rewards(model, tokenizer, [p["prompt"] + c for p in pairs for c in (p["chosen"], p["rejected"])])
+    rewards = rewards.view(-1, 2)
     return (rewards[:, 0] > rewards[:, 1]).float().mean().item()
 
 
@@ -211,7 +234,8 @@ def _make_pairs(model, tokenizer, prompts):
     return pairs, samples
 
 
-def _save_dataset(splits: dict, path: str) -> None:
+def save_dataset(splits: dict, path: str) -> None:
+    """{split: rows} -> a `save_to_disk` DatasetDict at `path` whose files depend only on the rows."""
     from datasets import Dataset, DatasetDict
 
     dd = DatasetDict()
@@ -238,7 +262,6 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     tokenizer.save_pretrained(os.path.join(root, "sft"))
     log(f"sft trained ({time.time() - t0:.0f}s)")
 
-
     # 2. prompts: train and a fixed held-out set (no overlap)
     seen, train_prompts, test_prompts = set(), [], []
     while len(test_prompts) < 256:
@@ -263,12 +286,12 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     log(f"reward model trained, held-out pairwise accuracy {rm_accuracy:.3f} ({time.time() - t0:.0f}s)")
 
     # 4. datasets in the standard formats
-    _save_dataset({"train": [{"prompt": p} for p in train_prompts], "test": [{"prompt": p} for p in test_prompts]},
-                  os.path.join(root, "prompt"))
-    _save_dataset({"train": pref_train, "test": pref_test}, os.path.join(root, "preference"))
+    save_dataset({"train": [{"prompt": p} for p in train_prompts], "test": [{"prompt": p} for p in test_prompts]},
+                 os.path.join(root, "prompt"))
+    save_dataset({"train": pref_train, "test": pref_test}, os.path.join(root, "preference"))
     unpaired = {split: [{"prompt": p, "completion": c, "label": g >= DESIRABLE_THRESHOLD} for p, c, g in samples]
                 for split, samples in (("train", samples_train), ("test", samples_test))}
-    _save_dataset(unpaired, os.path.join(root, "unpaired"))
+    save_dataset(unpaired, os.path.join(root, "unpaired"))
 
     sample_gold = sum(g for _, _, g in samples_test) / len(samples_test)
     greedy = _sample(sft, tokenizer, test_prompts, greedy=True)

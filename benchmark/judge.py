@@ -85,10 +85,10 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------------------
 def load_examples(args) -> list:
     """[{prompt, reference}] of the first --num_examples rows."""
-    import policy_common as pc
+    import run_utils as ru
 
-    ds = pc.load_any_dataset(args.dataset, "prompt", args.split)
-    pc.require_columns(ds, ["prompt", "completion"], args.dataset)
+    ds = ru.load_prompt_dataset(args.dataset, args.split)
+    ru.require_columns(ds, ["prompt", "completion"], args.dataset)
     ds = ds.select(range(min(args.num_examples, len(ds))))
     return [{"prompt": r["prompt"], "reference": r["completion"]} for r in ds]
 
@@ -98,13 +98,15 @@ def generate(args, examples: list) -> list:
     import torch
 
     import policy_common as pc
+    import run_utils as ru
 
-    tokenizer = pc.load_tokenizer(args.model)
-    model = pc.load_causal_lm(args.model, tokenizer, bf16=args.bf16).eval()
+    name = ru.resolve_model(args.model)
+    tokenizer = pc.load_tokenizer(name)
+    model = pc.load_causal_lm(name, tokenizer, bf16=args.bf16).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    prompts = pc.tokenize_prompts(tokenizer, [e["prompt"] for e in examples], args.max_prompt_length)
+    prompts = ru.tokenize_prompts(tokenizer, [e["prompt"] for e in examples], args.max_prompt_length)
     for i in range(0, len(examples), args.batch_size):
         queries = pc.pad_sequences(prompts[i:i + args.batch_size], tokenizer.pad_token_id, "left").to(device)
         query_responses, _ = pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
@@ -163,12 +165,14 @@ def reward_model_report(args, examples: list) -> dict:
     import torch
 
     import policy_common as pc
+    import run_utils as ru
 
-    name = args.reward_model or (pc.default_reward_model(args.model) if args.model else None)
+    name = args.reward_model or (ru.default_reward_model(args.model) if args.model else None)
     if name is None:
         raise SystemExit("no judge and no --reward_model: nothing to evaluate with")
-    tokenizer = pc.load_tokenizer(name, "reward")
-    model = pc.load_scalar_model(name, tokenizer, "reward", bf16=args.bf16).eval()
+    path = ru.resolve_reward_model(name)
+    tokenizer = pc.load_tokenizer(path)
+    model = pc.load_scalar_model(path, tokenizer, bf16=args.bf16).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
 

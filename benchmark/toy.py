@@ -62,17 +62,20 @@ def vm_hwm_mib(pid: int):
     return None
 
 
-def wait_measuring(proc) -> tuple:
-    """Wait for a child; returns (exit code, peak RSS MiB, cpu seconds). The peak is the child's own VmHWM,
-    polled until it exits: rusage ru_maxrss is not used because a forked child inherits the parent's
-    resident size as its starting maximum (the harness holds models of its own)."""
+def wait_measuring(proc, on_poll=None, interval: float = 0.05) -> tuple:
+    """Wait for a child, polling every `interval` seconds (and calling `on_poll()` if given); returns (exit code,
+    peak RSS MiB, cpu seconds). The peak is the child's own VmHWM, polled until it exits: rusage ru_maxrss is not
+    used because a forked child inherits the parent's resident size as its starting maximum (the harness holds
+    models of its own)."""
     peak = 0.0
     while True:
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             break
         peak = max(peak, vm_hwm_mib(proc.pid) or 0.0)
-        time.sleep(0.05)
+        if on_poll is not None:
+            on_poll()
+        time.sleep(interval)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return proc.returncode, peak or usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 

@@ -26,6 +26,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 import policy_common as pc  # noqa: E402
+import prompt_sharing as ps  # noqa: E402
+import run_utils as ru  # noqa: E402
 import toy_task  # noqa: E402
 
 RESPONSE_LENGTH = toy_task.MAX_NEW_TOKENS  # 8, the toy scripts' --response_length
@@ -41,11 +43,13 @@ class ToyEvaluator:
         self.sft_path = paths["policy"]
         self.reference = pc.load_causal_lm(paths["policy"], self.tokenizer).eval()
         self.reward_model = pc.load_scalar_model(paths["reward"], self.tokenizer).eval()
-        prompts = pc.load_any_dataset(paths["prompt_dataset"], "prompt", "test")["prompt"][:num_prompts]
-        self.prompts = list(prompts)
-        self.queries = pc.pad_sequences(pc.tokenize_prompts(self.tokenizer, self.prompts, 64), self.tokenizer.pad_token_id,
+        self.prompts = list(ru.load_prompt_dataset(paths["prompt_dataset"], "test")["prompt"][:num_prompts])
+        self.queries = pc.pad_sequences(ru.tokenize_prompts(self.tokenizer, self.prompts), self.tokenizer.pad_token_id,
                                         "left")
         self.samples_per_prompt, self.seed = samples_per_prompt, seed
+        # the KL samples repeat each prompt samples_per_prompt times: encode it once when that saves enough
+        self.share_prompts = ps.worth_sharing(len(self.prompts) * samples_per_prompt, samples_per_prompt,
+                                              self.queries.shape[1], RESPONSE_LENGTH)
 
     def load_policy(self, path: str):
         """A saved model folder (`DIR/model`), or an accelerate checkpoint folder holding model.safetensors
@@ -83,10 +87,11 @@ class ToyEvaluator:
         torch.manual_seed(self.seed)
         sampling = pc.make_generation_config(tok, RESPONSE_LENGTH, temperature=1.0)
         queries = self.queries.repeat_interleave(self.samples_per_prompt, 0)
-        sampled, _ = pc.batch_generation(policy, queries, pad, eos, sampling, chunk_size=1024)
+        sampled, _ = pc.batch_generation(policy, queries, pad, eos, sampling, chunk_size=1024,
+                                         share_prompts=self.share_prompts)
         mask = sampled[:, context_length:] != pad
-        logp = pc.response_logprobs(policy, sampled, context_length, pad)
-        ref_logp = pc.response_logprobs(self.reference, sampled, context_length, pad)
+        logp = pc.response_logprobs(policy, sampled, context_length, pad, share_prompts=self.share_prompts)
+        ref_logp = pc.response_logprobs(self.reference, sampled, context_length, pad, share_prompts=self.share_prompts)
         kl = ((logp - ref_logp) * mask).sum(1)
         return {
             "gold_score": sum(gold) / len(gold), "rm_score": rm.mean().item(), "kl": kl.mean().item(),

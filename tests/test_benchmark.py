@@ -87,42 +87,65 @@ def test_plot_from_metrics_only(tmp_path):
 
 
 def test_speed_report_plumbing(tmp_path):
-    """step_stats removes evaluation time and warm-up; write_report ratios and the no-TRL note."""
+    """seconds_per_step skips the warm-up; median_run, paired ratios, write_report and the no-TRL note."""
     import argparse
 
     import speed
+    import speed_settings as settings
 
-    snap = lambda t, gen, score, ev: dict(t=t, generation=gen, scoring=score, eval=ev)  # noqa: E731
-    marks = [(0, snap(0, 0, 0, 0)), (1, snap(10, 5, 1, 0)), (2, snap(11, 5.5, 1.2, 0)), (3, snap(14, 6.0, 1.4, 2.0))]
-    stats = speed.step_stats(marks, warmup=1)
-    assert stats["steps_measured"] == 2
-    assert stats["step"] == pytest.approx(1.0)  # (1 + (3 - 2)) / 2: eval time removed, warm-up step skipped
-    assert stats["generation"] == pytest.approx(0.5) and stats["scoring"] == pytest.approx(0.2)
-    assert stats["update"] == pytest.approx(0.3)
+    step_ends = {0: 0.0, 1: 10.0, 2: 11.0, 3: 13.0, 4: 20.0}  # step 4 (the untimed last step) is not used
+    assert settings.seconds_per_step(step_ends, warmup=1, steps=2) == pytest.approx(1.5)
+    with pytest.raises(RuntimeError, match="no end time"):
+        settings.seconds_per_step({1: 0.0, 2: 1.0}, warmup=1, steps=2)
 
-    timer = speed.PhaseTimer()
-    inner = timer.wrap(lambda: None, "scoring")
-    outer = timer.wrap(lambda: inner(), "scoring")
-    outer()
-    ev = timer.wrap(lambda: inner(), "eval")
-    ev()  # scoring inside an evaluation does not count as training scoring
-    assert timer.totals["scoring"] > 0 and timer.totals["eval"] > 0
-
-    phase = dict(step=0.3, generation=0.1, scoring=0.1, update=0.1, model=0.2, peak_rss_mib=500.0, setup_rss_mib=450.0)
-    ours_runs = [dict(phase, step=s) for s in (0.35, 0.3, 0.2)] + [{"error": "exit 1"}]
-    trl_runs = [dict(phase, step=s, update=0.4, model=0.25, peak_rss_mib=600.0, trl_version="1.16.0", unmatched=["x"])
-                for s in (0.7, 0.6, 0.5, 0.6)]
+    ours_runs = [dict(step=s, peak_rss_mib=500.0) for s in (0.35, 0.3, 0.2)] + [{"error": "exit 1"}]
+    trl_runs = [dict(step=s, peak_rss_mib=600.0, trl_version="1.16.0", unmatched=["x"]) for s in (0.7, 0.6, 0.5, 0.6)]
     results = {"ours:rloo": speed.median_run(ours_runs), "trl:rloo": speed.median_run(trl_runs)}
     assert results["ours:rloo"]["step"] == 0.3 and results["trl:rloo"]["step"] == 0.6  # median run; failures dropped
     assert speed.paired_ratios(results["ours:rloo"], results["trl:rloo"]) == pytest.approx([0.5, 0.5, 0.4])
-    args = argparse.Namespace(algos=["rloo"], steps=2, warmup=1, threads=1, no_trl=False, rounds=4)
+    args = argparse.Namespace(algos=["rloo"], steps=2, warmup=1, threads=1, no_trl=False, rounds=4, setting="toy")
     out = tmp_path / "speed.md"
     speed.write_report(results, args, str(out), "1.16.0")
     text = out.read_text()
-    assert "| rloo | 0.50x | 0.40-0.50x | <= 0.5x |" in text and "0.83x" in text  # step ratio, rounds, memory ratio
-    assert "| rloo | ours | 300.0 | 200.0 | 100.0 | 0.33x (target <= 0.5x) |" in text  # model work over TRL's step
-    speed.write_report({"ours:rloo": dict(phase)}, args, str(out), None)
+    assert "| rloo | ours | 300.0 | 500 |" in text and "| rloo | TRL 1.16.0 | 600.0 | 600 |" in text
+    assert "| rloo | 0.50x | 0.40-0.50x | <= 0.5x | 0.83x | yes |" in text  # step ratio, rounds, memory ratio
+    assert "- rloo: x" in text  # the settings TRL could not match
+    speed.write_report({"ours:rloo": results["ours:rloo"]}, args, str(out), None)
     assert "TRL comparison skipped" in out.read_text()
+
+
+def test_speed_measures_the_unmodified_script(toy, tmp_path):
+    """speed.py end to end on DPO (no TRL, no baselines): the script runs as it is, in a child process, and its
+    steps are timed from the rows it writes."""
+    out = tmp_path / "speed.md"
+    run_script("benchmark/speed.py", "--algos", "dpo", "--steps", "2", "--warmup", "1", "--rounds", "1", "--no_trl",
+               "--no_baselines", "--threads", "1", "--out", str(out), timeout=300)
+    result = json.loads((tmp_path / "speed.json").read_text())["results"]["ours:dpo"]
+    assert "error" not in result, result
+    assert 0 < result["step"] < result["wall_s"] / 3 and result["peak_rss_mib"] > 50
+    assert "--max_steps 4 --eval_steps 0" in result["command"]  # warm-up + measured + one untimed last step
+    assert "| dpo | ours |" in out.read_text()
+
+
+def test_shared_prompt_baseline(toy, tmp_path):
+    """speed_baselines.py sharing:toy: both settings of the explicit share_prompts= argument, on the RLOO toy batch
+    (where worth_sharing says yes, as rloo.py decides)."""
+    run_script("benchmark/speed_baselines.py", "sharing:toy", "--repeats", "1", "--out", str(tmp_path / "s.json"),
+               threads=1)
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert result["worth_sharing"] is True and "64 rows = 16 prompts x k=4" in result["what"]
+    assert len(result["passes"]) == 3
+    assert all(t["shared"] > 0 and t["plain"] > 0 for t in result["passes"].values())
+
+
+def test_trl_side_runs(toy, tmp_path):
+    """speed_trl.py: TRL's DPOTrainer on the toy setting, steps timed by its on_step_end callback (needs TRL:
+    pip install --no-deps -r benchmark/requirements-bench.txt)."""
+    pytest.importorskip("trl")
+    run_script("benchmark/speed_trl.py", "dpo", "--steps", "1", "--warmup", "1", "--out", str(tmp_path / "t.json"),
+               threads=1)
+    result = json.loads((tmp_path / "t.json").read_text())
+    assert result["step"] > 0 and result["steps_measured"] == 1 and result["trl_version"]
 
 
 def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters():
@@ -131,21 +154,24 @@ def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters
     import dpo
     import kto
     import rloo
-    import speed
+    import speed_settings as settings
 
-    import policy_common as pc
+    import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset", "unpaired_dataset")}
     for algo, module in (("rloo", rloo), ("dpo", dpo), ("kto", kto)):
-        args = pc.parse_args(module.Args, module.ALIAS_DEFAULTS, argv=speed.ours_flags("tldr", algo, paths))
+        args = ru.parse_args(module.Args, module.ALIAS_DEFAULTS, argv=settings.ours_flags("tldr", algo, paths))
         assert args.model == paths["policy"]
-        for k, v in speed.hyper("tldr", algo).items():
+        for k, v in settings.hyper("tldr", algo).items():
             assert getattr(args, k) == v, (algo, k)
-    assert speed.hyper("toy", "rloo") == rloo.ALIAS_DEFAULTS["toy"] and speed.ours_flags("toy", "rloo", paths) == []
+        assert args.max_prompt_length + args.response_length <= settings.tldr_model_config().max_position_embeddings
+    assert settings.hyper("toy", "rloo") == rloo.ALIAS_DEFAULTS["toy"]
+    assert settings.ours_flags("toy", "rloo", paths) == ["--num_eval_prompts", "16"]
 
 
 def test_speed_and_toy_help():
-    for script in ("benchmark/speed.py", "benchmark/toy.py", "benchmark/plot.py", "benchmark/uniform_eval.py"):
+    for script in ("benchmark/speed.py", "benchmark/speed_trl.py", "benchmark/speed_baselines.py", "benchmark/toy.py",
+                   "benchmark/plot.py", "benchmark/uniform_eval.py"):
         assert "usage" in run_script(script, "--help").stdout
 
 

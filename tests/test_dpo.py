@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from conftest import read_metrics, run_script
 
 import policy_common as pc
-from dpo import (Args, concatenated_inputs, completion_logps, dpo_loss, pair_losses, reference_logps,
+from dpo import (Args, completion_sums, concatenated_inputs, dpo_loss, pair_losses, reference_logps,
                  sequence_ref_logps, tokenize_preferences, validate)
 
 LN2 = math.log(2)
@@ -70,8 +71,8 @@ def test_ipo_uses_length_normalised_logps_and_rpo_adds_chosen_nll():
     query_responses = torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0], [5, 6, 6, 0], [5, 6, 7, 0]])
     policy_tok = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, 9.0, 9.0], [-1.0, -1.0, 9.0], [-2.0, -4.0, 9.0]])
     ref_tok = torch.full_like(policy_tok, -1.0)
-    policy_logps, lengths = completion_logps(policy_tok, query_responses, 1, pad)
-    ref_logps, _ = completion_logps(ref_tok, query_responses, 1, pad)
+    policy_logps, lengths = completion_sums(policy_tok, query_responses, 1, pad)
+    ref_logps, _ = completion_sums(ref_tok, query_responses, 1, pad)
     assert lengths.tolist() == [3, 1, 2, 2]
     losses, stats = pair_losses(Args(loss_type="ipo", beta=0.5), policy_logps, ref_logps, lengths)
     pol = [(-1 - 2 - 3) / 3, -4 / 1, (-1 - 1) / 2, (-2 - 4) / 2]  # per-token means over the real tokens
@@ -116,7 +117,7 @@ def test_concatenated_forward_equals_separate_forwards(toy_model):
     assert query_responses.shape[0] == 2 * len(rows)
     with torch.no_grad():
         token_logprobs = pc.response_logprobs(model, query_responses, context_length, pad)
-    logps, lengths = completion_logps(token_logprobs, query_responses, context_length, pad)
+    logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad)
     for i, row in enumerate(rows):
         for j, column in enumerate(("chosen", "rejected")):
             ids = torch.tensor([row["prompt"] + row[column]])
@@ -133,7 +134,8 @@ def test_precomputed_reference_equals_on_the_fly(toy_model, toy):
     tokenizer, _ = toy_model
     pad, rows = tokenizer.pad_token_id, hand_rows(tokenizer)
     reference = pc.Reference("copy", model=pc.load_causal_lm(toy["policy"], tokenizer))
-    precomputed = sequence_ref_logps(reference, rows, 2, pad, Accelerator(cpu=True))  # (N, 2), batches of 2
+    # (N, 2), batches of 2 with each prompt encoded once for its chosen and rejected rows; on the fly: plainly
+    precomputed = sequence_ref_logps(reference, rows, 2, pad, Accelerator(cpu=True), share_prompts=True)
     assert precomputed.shape == (len(rows), 2)
     query_responses, context_length = concatenated_inputs(rows, pad)  # all rows in one batch: other padding
     on_the_fly = reference_logps(reference, None, None, query_responses, context_length, pad)
@@ -214,10 +216,12 @@ def test_short_run_metrics_and_model(short_run):
     assert [r["step"] for r in train] == list(range(1, 7))
     for key in REQUIRED:
         assert all(math.isfinite(r[key]) for r in train), key
-    for row in (train[2], train[5]):
+    for row in (rows[0], train[2], train[5]):  # evaluated before training too (step 0)
         for key in ["eval/loss", "eval/rewards/accuracies", "eval/rewards/margins", "eval/logps/chosen",
                     "eval/gold_score"]:
             assert key in row
+    assert rows[0]["eval/loss"] == pytest.approx(LN2, abs=1e-4)  # policy == reference before training
+    assert [r["step"] for r in rows if "eval/loss" in r] == [0, 3, 6]
     assert train[0]["loss"] == pytest.approx(LN2, abs=1e-4)  # policy == reference at step 0
     assert train[-1]["epoch"] == pytest.approx(6 * 8 / (rows[0]["data/train_pairs"] // 8 * 8))
     assert AutoModelForCausalLM.from_pretrained(os.path.join(short_run, "model")) is not None
@@ -238,6 +242,27 @@ def test_determinism_and_resume(short_run, tmp_path):
         for k in a:
             assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     wa, wb = load_weights(os.path.join(resumed, "model")), load_weights(os.path.join(short_run, "model"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wb)
+
+
+def test_resume_without_output_dir_continues_in_the_checkpoint_folder(short_run, tmp_path):
+    """--resume_from runs/X/checkpoint-N alone continues run X in its folder (it used to start a new runs/ folder)."""
+    run = str(tmp_path / "run")
+    shutil.copytree(short_run, run)
+    shutil.rmtree(os.path.join(run, "model"))
+    with open(os.path.join(run, "metrics.jsonl")) as f:  # as if stopped after step 3
+        head = [line for line in f if json.loads(line)["step"] <= 3]
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        f.writelines(head)
+    run_dpo(*SHORT, "--resume_from", os.path.join(run, "checkpoint-3"))
+    rows, original = read_metrics(run), read_metrics(short_run)
+    assert [r["step"] for r in rows] == list(range(7))
+    for a, b in zip(rows[4:], original[4:]):
+        assert a.keys() == b.keys()
+        for k in a:
+            if not k.startswith("time/"):
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    wa, wb = load_weights(os.path.join(run, "model")), load_weights(os.path.join(short_run, "model"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wb)
 
 
@@ -283,7 +308,10 @@ def test_learns_on_the_toy_task(toy, tmp_path):
     run_dpo("--output_dir", out, "--max_steps", "20", "--eval_steps", "0", "--num_eval_prompts", "64")
     with open(os.path.join(toy["root"], "report.json")) as f:
         sft_greedy_gold = json.load(f)["sft_gold_greedy"]
-    train = [r for r in read_metrics(out) if r["step"] > 0]
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "eval/gold_score" in r] == [0, 20]  # --eval_steps 0: before and after
+    assert train_gain(rows, "eval/gold_score") > 0.25 and train_gain(rows, "eval/loss") < -0.1
+    train = [r for r in rows if r["step"] > 0]
     first, last = train[:5], train[-5:]
     mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)
     # seeds 1-3 measured: loss -0.19, accuracy +0.30..0.39, held-out accuracy 0.81..0.86, gold +0.46..0.49
@@ -291,6 +319,12 @@ def test_learns_on_the_toy_task(toy, tmp_path):
     assert mean(last, "rewards/accuracies") > mean(first, "rewards/accuracies") + 0.15
     assert train[-1]["eval/rewards/accuracies"] > 0.7
     assert train[-1]["eval/gold_score"] > sft_greedy_gold + 0.25
+
+
+def train_gain(rows, key):
+    """How much `key` rose from the evaluation before training to the last one."""
+    evaluated = [r[key] for r in rows if key in r]
+    return evaluated[-1] - evaluated[0]
 
 
 @pytest.mark.parametrize("case", ["missing_column", "empty"])
@@ -305,6 +339,73 @@ def test_bad_input_fails_fast_without_output_folder(case, toy, tmp_path):
     assert proc.returncode == 2 and lines[-1].startswith("error: ") and "Traceback" not in proc.stderr
     assert {"missing_column": "['rejected']", "empty": "empty"}[case] in lines[-1]
     assert not os.path.exists(out)
+
+
+@pytest.fixture(scope="module")
+def empty_split_data(toy, tmp_path_factory):
+    """save_to_disk copies of the toy pairs with an empty train or test split (`datasets` writes no data file for
+    an empty split, and its loader then failed with IndexError: list index out of range)."""
+    from datasets import DatasetDict, load_from_disk
+
+    pairs = load_from_disk(toy["preference_dataset"])
+    folders = {}
+    for split in ("train", "test"):
+        folders[split] = str(tmp_path_factory.mktemp("empty") / f"empty_{split}")
+        DatasetDict({**pairs, split: pairs[split].select([])}).save_to_disk(folders[split])
+    return folders
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_empty_split_is_a_one_line_error(split, empty_split_data, tmp_path):
+    out = str(tmp_path / "out")
+    proc = run_dpo("--dataset", empty_split_data[split], "--output_dir", out, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[-1].startswith("error: ") and f"split '{split}' is empty" in lines[-1]
+    assert not os.path.exists(out)
+
+
+@pytest.fixture(scope="module")
+def short_model(toy, tmp_path_factory):
+    """A tiny GPT-NeoX that attends to 32 positions (fewer than the default --max_length 640 and --response_length
+    53 ask for), with the toy tokenizer."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=32, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+    path = str(tmp_path_factory.mktemp("short") / "model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_lengths_fit_a_model_with_32_positions(short_model, toy, tmp_path):
+    from datasets import load_from_disk
+
+    out = str(tmp_path / "short")
+    flags = ["--model", short_model, "--dataset", "toy", "--max_steps", "2", "--per_device_train_batch_size", "8",
+             "--gradient_accumulation_steps", "1", "--max_eval_pairs", "16", "--num_eval_prompts", "4"]
+    proc = run_dpo(*flags, "--output_dir", out)
+    with open(os.path.join(out, "args.json")) as f:
+        args = json.load(f)
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    pairs, prompts = load_from_disk(toy["preference_dataset"]), load_from_disk(toy["prompt_dataset"])["test"]["prompt"]
+    longest = max(len(encode(tokenizer, p)) for p in [*pairs["train"]["prompt"], *pairs["test"]["prompt"][:16]])
+    longest_query = max(len(encode(tokenizer, p)) for p in prompts[:4])
+    assert args["max_length"] == 32 and "note: --max_length lowered from 640 to 32" in proc.stdout
+    assert args["max_prompt_length"] == max(longest, longest_query)  # the longest prompt of the data
+    assert args["response_length"] == 32 - longest_query and "note: --response_length lowered from 53" in proc.stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(math.isfinite(rows[-1][k]) for k in REQUIRED)
+    assert "eval/gold_score" in rows[0] and "eval/gold_score" in rows[-1]
+    for flag, value in (("--max_length", "33"), ("--response_length", str(33 - longest_query))):
+        proc = run_dpo(*flags, flag, value, "--output_dir", str(tmp_path / "refused"), check=False)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and lines[-1].startswith(f"error: {flag} {value} does not fit"), proc.stderr
+        assert not os.path.exists(tmp_path / "refused")
 
 
 @pytest.mark.parametrize("flags,match", [(dict(beta=-1.0), "--beta"), (dict(label_smoothing=0.5), "label_smoothing"),

@@ -88,3 +88,29 @@ def test_wandb_key_never_written(tmp_path, toy, monkeypatch):
         for name in files:
             with open(os.path.join(folder, name), "rb") as f:
                 assert secret.encode() not in f.read(), os.path.join(folder, name)
+
+
+COLUMNS = {"rloo.py": {"prompt": "a b ="}, "ppo.py": {"prompt": "a b ="},
+           "dpo.py": {"prompt": "a b =", "chosen": " a b", "rejected": " b a"},
+           "kto.py": {"prompt": "a b =", "completion": " a b", "label": True}}
+
+
+@pytest.mark.parametrize("empty_split", ["train", "test"])
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_empty_split_fails_in_one_line(script, empty_split, tmp_path, toy):
+    """A dataset whose train or held-out split has zero rows: one line naming the dataset and the split, nothing
+    written."""
+    from datasets import Dataset, DatasetDict
+
+    row = COLUMNS[script]
+    splits = {split: [row] * 64 for split in ("train", "test")}
+    splits[empty_split] = []
+    data = tmp_path / "data"
+    DatasetDict({split: Dataset.from_list(rows) if rows else Dataset.from_dict({k: [] for k in row})
+                 for split, rows in splits.items()}).save_to_disk(str(data))
+    rl = ["--reward_model", "toy"] if script in ("rloo.py", "ppo.py") else []
+    out = tmp_path / "run"
+    proc = run_script(script, "--dataset", str(data), *rl, "--output_dir", str(out), check=False, threads=1)
+    message = one_line_error(proc)
+    assert "empty" in message and repr(empty_split) in message, message
+    assert not os.path.exists(out)

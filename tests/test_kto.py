@@ -1,6 +1,6 @@
-"""kto.py: the loss and its KL reference point against hand-written formulas, the mismatched pairs, data
-conversion and errors, and short real runs on the toy task (metrics, reload, PEFT, precomputed reference
-log-probs, determinism, resume, learning)."""
+"""kto.py: the loss, its KL reference point and class weights against hand-written formulas, the mismatched pairs
+and data order, data conversion and errors, the joint forward, and short real runs on the toy task (metrics,
+reload, PEFT, precomputed reference log-probs, determinism, resume, lengths on a 32-position model, learning)."""
 
 import json
 import math
@@ -12,8 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import run_utils as ru
 from conftest import read_metrics, run_script
-from kto import kl_reference_point, kto_losses, make_kl_groups, to_unpaired, weight_advice
+from kto import kl_reference_point, kto_losses, loss_weights, make_kl_groups, step_groups, to_unpaired, weight_advice
 from policy_common import UserError
 
 SHORT = ["--num_eval_prompts", "32", "--num_eval_examples", "128"]
@@ -84,6 +85,16 @@ def test_mismatched_pairs_never_use_the_examples_own_completion(n, group_size, s
         # the mismatched completions are exactly the batch's own completions, each used once
         assert sorted(e["kl_partner"] for e in group) == sorted(indices)
     assert make_kl_groups(examples, group_size, seed, 32) == groups  # fixed per seed: precomputable
+    # the grouping is the shared data order's epoch 0
+    assert [e["index"] for g in groups for e in g] == ru.epoch_permutation(n, seed, 0)[:len(groups) * group_size]
+
+
+def test_each_epoch_visits_the_micro_batches_in_the_shared_data_order():
+    # 10 micro-batches, 3 per step: 3 steps per epoch, each epoch leaving a different one out
+    for step in range(7):
+        epoch, position = divmod(step, 3)
+        assert step_groups(step, 10, 3, seed=5) == ru.epoch_permutation(10, 5, epoch)[3 * position:3 * position + 3]
+    assert len(set(sum((step_groups(s, 10, 3, 5) for s in range(3)), []))) == 9
 
 
 def test_mismatched_pairs_need_two_examples_per_batch():
@@ -109,6 +120,29 @@ def test_paired_data_is_unpaired():
         to_unpaired(Dataset.from_dict({"prompt": ["p"], "label": [True]}), "x")
 
 
+def test_loss_weights_follow_the_papers_rule_and_given_weights_win():
+    # hand-worked: 18 desirable, 82 undesirable (18%) -> lambda_D = 82 / 18, lambda_U = 1: 82 / 18 * 18 / 82 = 1
+    assert loss_weights(18, 82) == pytest.approx((82 / 18, 1.0))
+    assert loss_weights(82, 18) == pytest.approx((1.0, 82 / 18))
+    assert loss_weights(26, 74) == pytest.approx((74 / 26, 1.0)) and loss_weights(50, 50) == (1.0, 1.0)
+    # one weight given: the other balances it (2 * 18 / (w * 82) = 1 -> w = 36 / 82)
+    assert loss_weights(18, 82, desirable_weight=2.0) == pytest.approx((2.0, 36 / 82))
+    assert loss_weights(18, 82, undesirable_weight=0.5) == pytest.approx((41 / 18, 0.5))
+    # explicit weights win, with the warning when outside [1, 4/3]
+    assert loss_weights(18, 82, 1.0, 1.0) == (1.0, 1.0) and "outside the recommended" in weight_advice(18, 82, 1.0, 1.0)
+    assert loss_weights(26, 74, 3.0, 1.0) == (3.0, 1.0) and weight_advice(26, 74, 3.0, 1.0) is None
+    # a class without examples: nothing to balance, and a warning
+    assert loss_weights(0, 10) == (1.0, 1.0) and "KTO learns from both" in weight_advice(0, 10, 1.0, 1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n_desirable=st.integers(1, 10**6), n_undesirable=st.integers(1, 10**6))
+def test_derived_weights_are_in_the_recommended_range(n_desirable, n_undesirable):
+    wd, wu = loss_weights(n_desirable, n_undesirable)
+    assert min(wd, wu) == 1.0 and wd * n_desirable / (wu * n_undesirable) == pytest.approx(1.0)
+    assert weight_advice(n_desirable, n_undesirable, wd, wu) is None
+
+
 def test_weight_advice_follows_the_recommended_ratio():
     assert weight_advice(100, 100, 1.0, 1.0) is None and weight_advice(100, 100, 1.3, 1.0) is None
     text = weight_advice(26, 74, 1.0, 1.0)  # the toy task's imbalance
@@ -127,10 +161,10 @@ def base_run(toy, tmp_path_factory):
     return out
 
 
-def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards(monkeypatch):
+def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
     """Long prompts: own and mismatched completions in one policy forward (each prompt encoded once) give the
     same loss, metrics and gradients as the two-forward path; a policy equal to the reference gives rewards and
-    KL of exactly 0 either way."""
+    KL of exactly 0 either way. The choice comes from the flags alone."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator
@@ -153,16 +187,23 @@ def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards(monkeypatch)
     for i, e in enumerate(group):
         e["kl_completion_ids"] = group[i - 1]["completion_ids"]
     batch = kto.collate(group, 0)
-    assert kto.joint_forward(batch["query_responses"], batch["context_length"], False)
-    assert not kto.joint_forward(batch["query_responses"], batch["context_length"], True)  # checkpointing: no cache
-    args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, gradient_checkpointing=False)
-    monkeypatch.setattr(pc, "SHARE_MIN_POSITIONS", 1)
+    T, ctx = batch["query_responses"].shape[1], batch["context_length"]
+    flags = dict(max_prompt_length=30, max_length=36, per_device_train_batch_size=8, share_prompts=True,
+                 gradient_checkpointing=False)
+    assert kto.joint_forward(SimpleNamespace(**flags))
+    for change in (dict(gradient_checkpointing=True), dict(share_prompts=False), dict(max_length=46)):  # no cache kept,
+        assert not kto.joint_forward(SimpleNamespace(**{**flags, **change}))  # sharing off, completions > prompts / 2
+    args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0)
+    calls = []  # input shapes of the policy's forwards
+    policy.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     results = []
     for joint in (True, False):
-        monkeypatch.setattr(kto, "joint_forward", lambda *a, joint=joint: joint)
+        calls.clear()
         policy.zero_grad()
-        loss, sums = kto.kto_step(policy, reference, batch, args, 0, Accelerator(cpu=True))
+        loss, sums = kto.kto_step(policy, reference, batch, args, 0, Accelerator(cpu=True), joint)
         assert sums["rewards/chosen"] == 0.0 and sums["kl"] == 0.0  # policy == reference
+        # joint: the 8 prompts once, then the 16 completions on their cache; else the two halves in full
+        assert calls == ([(8, ctx), (16, T - ctx)] if joint else [(8, T), (8, T)])
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
     torch.testing.assert_close(results[0][0], results[1][0])
@@ -180,6 +221,7 @@ def test_run_writes_metrics_and_a_reloadable_model(base_run):
     for r in evals:
         assert all(k in r for k in EVAL_KEYS)
     assert rows[0]["data/dropped"] == 0
+    assert (rows[0]["data/desirable_weight"], rows[0]["data/undesirable_weight"]) == (3.0, 1.0)  # the toy's own
     assert evals[0]["eval/rewards/chosen"] == 0.0 and evals[0]["eval/kl"] == 0.0  # policy == reference at start
     assert evals[-1]["eval/rewards/margins"] != 0.0
     from transformers import AutoModelForCausalLM
@@ -250,6 +292,66 @@ def test_bad_input_exits_without_creating_the_output_folder(toy, tmp_path, rows,
     last = proc.stderr.strip().splitlines()[-1]  # above it only the datasets progress bars
     assert last.startswith("error: ") and message in last and "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+@pytest.mark.parametrize("empty,shards", [("train", None), ("test", 1)])
+def test_an_empty_split_stops_with_a_one_line_error(toy, tmp_path, empty, shards):
+    # saved with no shard (save_to_disk's default for an empty split, which datasets cannot load) or with one
+    from datasets import DatasetDict, load_from_disk
+
+    data = load_from_disk(toy["unpaired_dataset"])
+    data = DatasetDict({s: data[s].select([] if s == empty else range(64)) for s in ("train", "test")})
+    data.save_to_disk(str(tmp_path / "data"), num_shards=shards and {"train": shards, "test": shards})
+    out = tmp_path / "out"
+    proc = run_script("kto.py", "--dataset", str(tmp_path / "data"), "--output_dir", str(out), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and f"split {empty!r} is empty" in last
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def short_model(toy, tmp_path_factory):
+    """A tiny GPT-NeoX with only 32 positions (a model this project never saw), saved with the toy tokenizer."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import policy_common as pc
+
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=32, eos_token_id=tokenizer.eos_token_id,
+                           pad_token_id=tokenizer.pad_token_id)
+    path = str(tmp_path_factory.mktemp("kto") / "short_model")
+    GPTNeoXForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_lengths_and_class_weights_fit_a_model_with_32_positions(short_model, tmp_path):
+    out = str(tmp_path / "short")
+    proc = run_script("kto.py", "--model", short_model, "--dataset", "toy", "--output_dir", out, "--max_steps", "2",
+                      "--gradient_accumulation_steps", "1", "--num_eval_examples", "64", "--num_eval_prompts", "8")
+    with open(os.path.join(out, "args.json")) as f:
+        args = json.load(f)
+    # the defaults (640, the longest prompt, 53) are fitted: toy prompts have up to 7 tokens (6 letters and "=")
+    assert (args["max_length"], args["max_prompt_length"], args["response_length"]) == (32, 7, 25)
+    assert "--max_length lowered from 640 to 32" in proc.stdout and "--response_length lowered from 53 to 25" in proc.stdout
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows if "eval/gold_score" in r] == [0, 2]
+    # no weights given (not the toy alias): lambda_D n_D = lambda_U n_U from the training data's counts
+    n_desirable = rows[0]["data/desirable"]
+    n_undesirable = rows[0]["data/train_examples"] - n_desirable
+    assert n_desirable < n_undesirable and rows[0]["data/undesirable_weight"] == 1.0
+    assert rows[0]["data/desirable_weight"] == pytest.approx(n_undesirable / n_desirable)
+    # explicit lengths that cannot fit: a one-line error before anything is written
+    for flag, value in (("--max_length", "40"), ("--response_length", "53")):
+        failed = tmp_path / flag.strip("-")
+        proc = run_script("kto.py", "--model", short_model, "--dataset", "toy", "--output_dir", str(failed), flag, value,
+                          check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flag} {value} does not fit")
+        assert not failed.exists()
 
 
 def test_kto_raises_the_gold_score(toy, tmp_path):

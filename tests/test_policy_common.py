@@ -1,18 +1,15 @@
 """policy_common helpers against independent, obviously-correct computations on tiny models built here."""
 
-import json
-import os
-
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import (AutoModelForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
+from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
                           GenerationConfig)
 
 import policy_common as pc
+import prompt_sharing as ps
 
 PAD, EOS, VOCAB = 0, 1, 40
 
@@ -65,6 +62,17 @@ def test_masked_stats_against_numpy():
     np.testing.assert_allclose(whitened, (picked - picked.mean()) / np.sqrt(picked.var(ddof=1) + 1e-8), rtol=1e-6)
     np.testing.assert_allclose(pc.masked_mean(values, mask, dim=1).numpy(),
                                [values[i][mask[i]].mean().item() for i in range(6)])
+
+
+def test_masked_var_and_whiten_of_fewer_than_two_values():
+    """One unmasked value (e.g. a batch of one row whose response is a single EOS) has no spread: variance 0,
+    whitened value 0, no error; no value at all gives no NaN either."""
+    values = torch.tensor([[2.5, 7.0, -1.0]])
+    one = torch.tensor([[False, True, False]])
+    assert pc.masked_var(values, one).item() == 0.0
+    assert pc.masked_whiten(values, one)[one].item() == 0.0
+    assert pc.masked_whiten(values, one, shift_mean=False)[one].item() == pytest.approx(7.0)
+    assert pc.masked_var(values, torch.zeros_like(one)).item() == 0.0
 
 
 def test_exact_div():
@@ -122,12 +130,6 @@ class CountCalls:
         model.register_forward_hook(lambda *a: setattr(self, "n", self.n + 1))
 
 
-@pytest.fixture
-def always_share(monkeypatch):
-    monkeypatch.setattr(pc, "SHARE_MIN_FRACTION", 0.0)
-    monkeypatch.setattr(pc, "SHARE_MIN_POSITIONS", 1)
-
-
 @settings(max_examples=15, deadline=None)
 @given(st.lists(st.integers(1, 4), min_size=1, max_size=4), st.sampled_from([1.0, 0.7]))
 def test_shared_prompt_logprobs_equal_unpadded_rows(lm, group_sizes, temperature):
@@ -135,24 +137,17 @@ def test_shared_prompt_logprobs_equal_unpadded_rows(lm, group_sizes, temperature
     obvious one-row computation, whatever the group sizes and the row order."""
     gen = torch.Generator().manual_seed(sum(s * 13 ** i for i, s in enumerate(group_sizes)))
     query_responses, lq, rows = grouped_batch(gen, group_sizes)
-    saved = pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS
-    pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS = 0.0, 1
-    try:
-        with torch.no_grad():
-            pc.response_logprobs(lm, query_responses, lq, PAD)  # the first shared call also checks the model
-            calls = CountCalls(lm)
-            batch = pc.response_logprobs(lm, query_responses, lq, PAD, temperature)
-    finally:
-        pc.SHARE_MIN_FRACTION, pc.SHARE_MIN_POSITIONS = saved
-    distinct = len({tuple(q) for q, _ in rows})
-    assert calls.n == (2 if distinct < len(rows) else 1)
+    calls = CountCalls(lm)
+    with torch.no_grad():
+        batch = pc.response_logprobs(lm, query_responses, lq, PAD, temperature, share_prompts=True)
+    assert calls.n == 2  # the distinct queries, then every row's response
     with torch.no_grad():
         for i, (query, response) in enumerate(rows):
             torch.testing.assert_close(batch[i, :len(response)], unpadded_logprobs(lm, query, response, temperature),
                                        atol=1e-5, rtol=0)
 
 
-def test_shared_prompt_gradients_equal_the_plain_forward(always_share):
+def test_shared_prompt_gradients_equal_the_plain_forward():
     torch.manual_seed(3)
     model = GPTNeoXForCausalLM(tiny_config()).train()
     query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(4), [3, 1, 2])
@@ -168,7 +163,7 @@ def test_shared_prompt_gradients_equal_the_plain_forward(always_share):
         torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4)
 
 
-def test_shared_prompts_other_architecture_and_lora(always_share):
+def test_shared_prompts_other_architecture_and_lora():
     """A Llama-style model (rotary, RMSNorm, grouped KV heads) and a LoRA-wrapped policy share prompts too."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -179,48 +174,25 @@ def test_shared_prompts_other_architecture_and_lora(always_share):
     lora = pc.add_lora(GPTNeoXForCausalLM(tiny_config()), r=4, alpha=8, dropout=0.0).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(6), [2, 3])
     for model in (llama, lora):
+        calls = CountCalls(model)
         with torch.no_grad():
-            shared = pc.response_logprobs(model, query_responses, lq, PAD)
+            shared = pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True)
+        assert calls.n == 2, type(model).__name__
+        with torch.no_grad():
             for i, (query, response) in enumerate(rows):
                 torch.testing.assert_close(shared[i, :len(response)], unpadded_logprobs(model, query, response),
                                            atol=1e-5, rtol=0)
 
 
-def test_shared_prompts_fall_back_under_activation_checkpointing(always_share):
+def test_shared_prompts_fall_back_under_activation_checkpointing():
     torch.manual_seed(7)
     model = GPTNeoXForCausalLM(tiny_config()).train()
     query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(8), [3, 2])
-    expected = pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=False)
+    expected = pc.response_logprobs(model, query_responses, lq, PAD)
     pc.enable_activation_checkpointing(model)
     calls = CountCalls(model)
-    torch.testing.assert_close(pc.response_logprobs(model, query_responses, lq, PAD), expected)
+    torch.testing.assert_close(pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True), expected)
     assert calls.n == 1
-
-
-class CacheIgnored(GPTNeoXForCausalLM):
-    """A model whose continuation does not attend to the key/value cache it is given (as custom model code that
-    only handles its own cache type might): encoding a shared prompt once would silently give wrong log-probs."""
-
-    def forward(self, *args, attention_mask=None, cache=None, **kwargs):
-        if cache is not None and cache.get_seq_length() > 0:
-            attention_mask, cache = attention_mask[:, cache.get_seq_length():], None
-        return super().forward(*args, attention_mask=attention_mask, cache=cache, **kwargs)
-
-
-def test_a_model_whose_cache_misbehaves_is_run_plain(always_share, capsys):
-    torch.manual_seed(13)
-    model = CacheIgnored(tiny_config()).eval()
-    query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(14), [3, 2])
-    with torch.no_grad():
-        for _ in range(2):
-            logprobs = pc.response_logprobs(model, query_responses, lq, PAD)
-            for i, (query, response) in enumerate(rows):
-                torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response),
-                                           atol=1e-5, rtol=0)
-        calls = CountCalls(model)
-        pc.response_logprobs(model, query_responses, lq, PAD)
-    assert calls.n == 1  # decided once: plain from then on
-    assert capsys.readouterr().out.count("does not reproduce the plain forward") == 1
 
 
 class OlderStyleLM(GPTNeoXForCausalLM):
@@ -231,28 +203,35 @@ class OlderStyleLM(GPTNeoXForCausalLM):
                                use_cache=use_cache)
 
 
-def test_model_code_without_cache_or_logits_to_keep_arguments_still_works(always_share, capsys):
+def test_model_code_without_cache_or_logits_to_keep_arguments_runs_plain():
     torch.manual_seed(15)
     model = OlderStyleLM(tiny_config()).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(16), [2, 3])
+    calls = CountCalls(model)
     with torch.no_grad():
-        logprobs = pc.response_logprobs(model, query_responses, lq, PAD)
+        logprobs = pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True)
+    assert calls.n == 1  # a property of the model code, the same on every process: one plain forward
+    with torch.no_grad():
         for i, (query, response) in enumerate(rows):
             torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response),
                                        atol=1e-5, rtol=0)
-    assert "does not reproduce the plain forward" in capsys.readouterr().out
 
 
-def test_shared_queries_threshold_and_inverse():
-    gen = torch.Generator().manual_seed(9)
-    small, lq, _ = grouped_batch(gen, [4, 4])
-    assert pc.shared_queries(small, lq) is None  # at most 36 positions saved: not worth a second call
-    big, lq, _ = grouped_batch(gen, [60, 60])
-    queries, inverse = pc.shared_queries(big, lq)
-    assert queries.shape[0] <= 2 and torch.equal(queries[inverse], big[:, :lq])
-    singles, lq_singles, _ = grouped_batch(gen, [1] * 60)  # (almost) all queries distinct
-    assert pc.shared_queries(singles, lq_singles) is None
-    assert pc.shared_queries(big, 0) is None and pc.shared_queries(big[:, :lq], lq) is None  # no query / response
+def test_worth_sharing_is_a_rule_on_sizes():
+    # saved positions = (rows - prompts) * prompt_length, against max(20% of all positions, 128)
+    assert ps.worth_sharing(rows=64, rows_per_prompt=4, prompt_length=8, response_length=8)  # 384 >= 204.8
+    assert not ps.worth_sharing(rows=8, rows_per_prompt=4, prompt_length=8, response_length=8)  # 48 < 128
+    assert not ps.worth_sharing(rows=64, rows_per_prompt=2, prompt_length=4, response_length=60)  # 128 < 819.2
+    assert ps.worth_sharing(rows=16, rows_per_prompt=2, prompt_length=512, response_length=53)
+    assert not ps.worth_sharing(rows=64, rows_per_prompt=1, prompt_length=512, response_length=53)  # nothing repeats
+    assert not ps.worth_sharing(rows=64, rows_per_prompt=4, prompt_length=0, response_length=8)
+
+
+def test_distinct_queries_first_rows_and_inverse():
+    queries = torch.tensor([[0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9], [1, 2, 3]])
+    first, inverse = ps.distinct_queries(queries)
+    assert torch.equal(queries[first][inverse], queries)
+    assert sorted(first.tolist()) == [0, 1, 4]  # the first row of each distinct query
 
 
 def test_forward_logits_applies_temperature_once(lm):
@@ -298,7 +277,7 @@ def test_batch_generation_greedy_equals_one_at_a_time(lm):
             assert (query_responses[i, q.shape[1] + len(alone):] == PAD).all()
 
 
-def test_batch_generation_shares_repeated_queries(lm, always_share):
+def test_batch_generation_shares_repeated_queries(lm):
     """k samples per prompt (repeat_interleave order, 1-token queries included): each distinct query is encoded
     once, and greedy outputs equal generating every row alone."""
     gen = torch.Generator().manual_seed(12)
@@ -306,11 +285,10 @@ def test_batch_generation_shares_repeated_queries(lm, always_share):
     config = GenerationConfig(do_sample=False, max_new_tokens=5, pad_token_id=PAD, eos_token_id=EOS,
                               suppress_tokens=[PAD])
     q = pc.pad_sequences(queries, PAD, "left")
-    pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9)  # the first shared call also checks the model
     seen = []
     hook = lm.register_forward_hook(lambda m, a, kw, out: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     try:
-        query_responses, _ = pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9)
+        query_responses, _ = pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9, share_prompts=True)
     finally:
         hook.remove()
     assert seen[0] == (3, q.shape[1] - 1) and seen[1] == (9, 1)  # 3 distinct prefixes, then the last query token
@@ -320,12 +298,9 @@ def test_batch_generation_shares_repeated_queries(lm, always_share):
 
 
 @pytest.mark.parametrize("share", [False, True])
-def test_batch_generation_stops_at_eos_and_logprobs_match_forward(share, monkeypatch):
+def test_batch_generation_stops_at_eos_and_logprobs_match_forward(share):
     """A model biased towards EOS so that rows end at different lengths; the returned sampling log-probs equal
     a fresh padded forward pass at the sampling temperature (also when repeated queries are encoded once)."""
-    if share:
-        monkeypatch.setattr(pc, "SHARE_MIN_FRACTION", 0.0)
-        monkeypatch.setattr(pc, "SHARE_MIN_POSITIONS", 1)
     torch.manual_seed(4)
     model = GPTNeoXForCausalLM(tiny_config()).eval()
     with torch.no_grad():
@@ -337,7 +312,7 @@ def test_batch_generation_stops_at_eos_and_logprobs_match_forward(share, monkeyp
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=8,
                               pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD])
     torch.manual_seed(6)
-    query_responses, logprobs = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5)
+    query_responses, logprobs = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5, share_prompts=share)
     responses = query_responses[:, q.shape[1]:]
     eos_at = pc.first_true_indices(responses == EOS)
     assert 0 < (eos_at < 8).sum() < 16, "want rows that end early and rows that do not"
@@ -378,15 +353,14 @@ def test_get_reward_reads_last_real_token():
             assert scores[i].item() == pytest.approx(rm.score(hidden)[0, -1, 0].item(), abs=1e-5)
 
 
-def test_get_reward_with_shared_prompts_reads_the_same_scores(always_share):
+def test_get_reward_with_shared_prompts_reads_the_same_scores():
     torch.manual_seed(10)
     rm = GPTNeoXForSequenceClassification(tiny_config(num_labels=1)).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(11), [3, 2, 1])
     with torch.no_grad():
-        pc.get_reward(rm, query_responses, PAD, context_length=lq)  # the first shared call also checks the model
         calls = CountCalls(rm.gpt_neox)
-        scores = pc.get_reward(rm, query_responses, PAD, context_length=lq)
-        values = pc.scalar_forward(rm, query_responses, PAD, context_length=lq)
+        scores = pc.get_reward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
+        values = pc.scalar_forward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
         assert calls.n == 4  # two calls each: the distinct queries, then the responses
         for i, (query, response) in enumerate(rows):
             hidden = rm.gpt_neox(input_ids=torch.tensor([query + response])).last_hidden_state
@@ -426,7 +400,7 @@ def test_frozen_copy_unchanged_by_training(tmp_path):
     _save_tiny_tokenizer(tmp_path / "m", with_pad=True)
     tokenizer = pc.load_tokenizer(str(tmp_path / "m"))
     policy = pc.load_causal_lm(str(tmp_path / "m"), tokenizer)
-    reference = pc.create_reference(policy, str(tmp_path / "m"), tokenizer, use_peft=False, reference_free=False)
+    reference = pc.create_reference(policy, tokenizer, policy_name=str(tmp_path / "m"))
     assert reference.mode == "copy" and reference.model is not policy
     assert not any(p.requires_grad for p in reference.model.parameters())
     before = {k: v.clone() for k, v in reference.model.state_dict().items()}
@@ -439,7 +413,7 @@ def test_frozen_copy_unchanged_by_training(tmp_path):
     for k, v in reference.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert not torch.equal(policy.state_dict()["lm_head.weight"], before["lm_head.weight"])
-    none = pc.create_reference(policy, None, tokenizer, use_peft=False, reference_free=True)
+    none = pc.create_reference(policy, tokenizer, policy_name=str(tmp_path / "m"), reference_free=True)
     assert torch.equal(none.logprobs(ids, 2, PAD), torch.zeros(1, 3))
 
 
@@ -492,7 +466,7 @@ def test_bad_model_names_fail_in_one_line():
     with pytest.raises(pc.UserError, match="does not exist"):
         pc.load_tokenizer("./no/such/model")
     with pytest.raises(pc.UserError, match="unreachable|could not load"):
-        pc.load_tokenizer("no-such-alias-xyz")
+        pc.load_tokenizer("no-such-model-xyz")
 
 
 def test_check_same_vocab(tmp_path):
@@ -504,153 +478,10 @@ def test_check_same_vocab(tmp_path):
         pc.check_same_vocab(a, b)
 
 
-# --------------------------------------------------------------------------------------------- saving
-def test_save_then_reload_gives_identical_logits(tmp_path, lm):
-    _save_tiny_tokenizer(tmp_path / "tok", with_pad=True)
-    tokenizer = pc.load_tokenizer(str(tmp_path / "tok"))
-    pc.save_model(None, lm, tokenizer, str(tmp_path / "model"))
-    assert os.path.exists(tmp_path / "model" / "model.safetensors")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
-    ids = torch.tensor([[3, 4, 5, 6, 7]])
-    with torch.no_grad():
-        assert torch.equal(reloaded(input_ids=ids).logits, lm(input_ids=ids).logits)
-    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p]
-
-
-def test_peft_save_adapter_and_merged(tmp_path):
-    torch.manual_seed(13)
-    base = GPTNeoXForCausalLM(tiny_config()).eval()
-    base.save_pretrained(tmp_path / "base")
-    policy = pc.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value"])
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-    ids = torch.tensor([[3, 4, 5, 6, 7]])
-    with torch.no_grad():
-        expected = policy(input_ids=ids).logits
-    pc.save_model(None, policy, None, str(tmp_path / "adapter"))
-    assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
-    pc.save_model(None, policy, None, str(tmp_path / "merged"), merge_peft=True)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
-    # the in-memory policy still has its adapter after a merged save
-    assert any("lora_A" in n for n, _ in policy.named_parameters())
-
-
-def test_atomic_dir_keeps_old_folder_on_failure(tmp_path):
-    target = tmp_path / "ckpt"
-    with pc.atomic_dir(str(target)) as tmp:
-        open(os.path.join(tmp, "a.txt"), "w").write("first")
-    with pytest.raises(RuntimeError):
-        with pc.atomic_dir(str(target)) as tmp:
-            open(os.path.join(tmp, "a.txt"), "w").write("half")
-            raise RuntimeError("killed mid-write")
-    assert open(target / "a.txt").read() == "first"
-    assert os.listdir(tmp_path) == ["ckpt"]
-
-
-# --------------------------------------------------------------------------------------------- data
-def test_tokenize_prompt_completion_truncation_rule(toy):
-    tokenizer = pc.load_tokenizer("toy")
-    ids = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
-    prompt_ids, completion_ids = pc.tokenize_prompt_completion(tokenizer, "a b c d =", " a b c", 3, 6)
-    assert prompt_ids == ids("c d =")  # prompt keeps its last 3 tokens
-    assert completion_ids == ids(" a b c")  # 6 - 3 = 3 tokens: EOS truncated away
-    prompt_ids, completion_ids = pc.tokenize_prompt_completion(tokenizer, "a b =", " a b", 5, 10)
-    assert completion_ids == ids(" a b") + [tokenizer.eos_token_id]
-    _, completion_ids = pc.tokenize_prompt_completion(tokenizer, "a b c d =", " a", 5, 5)
-    assert completion_ids == []  # nothing of the completion survives: callers drop and count the row
-
-
-def test_tokenize_prompts_refuses_long_prompts(toy):
-    tokenizer = pc.load_tokenizer("toy")
-    assert len(pc.tokenize_prompts(tokenizer, ["a b ="], 3)[0]) == 3
-    with pytest.raises(pc.UserError, match="prompt 1 has 4 tokens, more than --max_prompt_length 3"):
-        pc.tokenize_prompts(tokenizer, ["a b =", "a b c ="], 3)
-
-
-def test_load_any_dataset_sources_and_errors(tmp_path, toy):
-    rows = [{"prompt": "a b =", "chosen": " a b", "rejected": " b a"}] * 3
-    jsonl = tmp_path / "d.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
-    ds = pc.load_any_dataset(str(jsonl), "preference", "train")
-    assert ds.column_names == ["prompt", "chosen", "rejected"] and len(ds) == 3
-    toy_pref = pc.load_any_dataset("toy", "preference", "test")
-    pc.require_columns(toy_pref, ["prompt", "chosen", "rejected"], "toy")
-    assert len(pc.load_any_dataset(toy["prompt_dataset"], "prompt", "test")) == 256
-    with pytest.raises(pc.UserError, match=r"missing column\(s\) \['label'\]"):
-        pc.require_columns(ds, ["prompt", "label"], "d.jsonl")
-    (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(pc.UserError):
-        pc.load_any_dataset(str(tmp_path / "empty.jsonl"), "preference", "train")
-    with pytest.raises(pc.UserError, match="not found"):
-        pc.load_any_dataset(str(tmp_path / "missing.json"), "preference", "train")
-    with pytest.raises(pc.UserError, match="no split 'validation'"):
-        pc.load_any_dataset("toy", "prompt", "validation")
-
-
-def test_render_conversational(toy):
-    tokenizer = pc.load_tokenizer("toy")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
-    prompt = [{"role": "user", "content": "b a"}]
-    assert pc.render_prompt(tokenizer, prompt) == "b a ="
-    assert pc.render_prompt(tokenizer, "b a =") == "b a ="
-    assert pc.is_conversational(prompt) and not pc.is_conversational("x")
-
-
-# --------------------------------------------------------------------------------------------- runs
-def test_metrics_logger_appends_refuses_and_resumes(tmp_path):
-    out = str(tmp_path / "run")
-    logger = pc.MetricsLogger(out, {"lr": 1.0})
-    logger.log({"loss": torch.tensor(0.5), "lr": 1.0}, step=1)
-    logger.log({"loss": 0.25}, step=2)
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
-    assert rows == [{"step": 1, "loss": 0.5, "lr": 1.0}, {"step": 2, "loss": 0.25}]
-    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0}
-    with pytest.raises(pc.UserError, match="already holds a run"):
-        pc.MetricsLogger(out, {"lr": 1.0})
-    pc.MetricsLogger(out, {"lr": 1.0}, resume_step=1)
-    assert [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))] == [1]
-    pc.MetricsLogger(str(tmp_path / "other"), {}, is_main_process=False).log({"x": 1}, step=1)
-    assert not os.path.exists(tmp_path / "other")
-
-
-def test_parse_args_alias_defaults_only_for_flags_not_given():
-    from dataclasses import dataclass
-
-    @dataclass
-    class Args:
-        model: str = "toy"
-        """policy"""
-        learning_rate: float = 3e-6
-        """lr"""
-        use_peft: bool = False
-        """lora"""
-
-    defaults = {"toy": {"learning_rate": 1e-3, "use_peft": True}}
-    args = pc.parse_args(Args, defaults, argv=[])
-    assert args.learning_rate == 1e-3 and args.use_peft
-    args = pc.parse_args(Args, defaults, argv=["--learning_rate", "0.5", "--no_use_peft"])
-    assert args.learning_rate == 0.5 and not args.use_peft
-    args = pc.parse_args(Args, defaults, argv=["--model", "pythia-1b"])
-    assert args.learning_rate == 3e-6
-
-
-def test_seed_everything_per_process():
-    pc.seed_everything(5, 0)
-    a = torch.rand(3)
-    pc.seed_everything(5, 0)
-    assert torch.equal(a, torch.rand(3))
-    pc.seed_everything(5, 1)
-    assert not torch.equal(a, torch.rand(3))
-
-
 def _shared_flags(**overrides):
     from types import SimpleNamespace
 
-    flags = dict(model="toy", bf16=False, trust_remote_code=False, load_in_4bit=False, gradient_checkpointing=False,
+    flags = dict(bf16=False, trust_remote_code=False, load_in_4bit=False, gradient_checkpointing=False,
                  use_peft=False, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=None)
     return SimpleNamespace(**{**flags, **overrides})
 
@@ -658,12 +489,13 @@ def _shared_flags(**overrides):
 def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
     """Activation checkpointing on a LoRA policy (frozen base) still gives the adapter its gradients, equal to
     those of the same policy without checkpointing."""
-    tokenizer = pc.load_tokenizer("toy")
+    tokenizer = pc.load_tokenizer(toy["policy"])
     ids = torch.tensor([[5, 6, 7, 3, 5, 6, 7, 1]])
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        policy = pc.load_policy(_shared_flags(use_peft=True, gradient_checkpointing=checkpointing), tokenizer).train()
+        policy = pc.load_policy(toy["policy"], tokenizer,
+                                _shared_flags(use_peft=True, gradient_checkpointing=checkpointing)).train()
         with torch.no_grad():
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
@@ -674,44 +506,19 @@ def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
     with pytest.raises(pc.UserError, match="--load_in_4bit needs --use_peft"):
-        pc.load_policy(_shared_flags(load_in_4bit=True), tokenizer)
+        pc.load_policy(toy["policy"], tokenizer, _shared_flags(load_in_4bit=True))
 
 
 def test_create_reference_defaults_to_the_starting_policy_and_checks_vocab(toy, tmp_path):
-    tokenizer = pc.load_tokenizer("toy")
-    policy = pc.load_policy(_shared_flags(), tokenizer)
-    reference = pc.create_reference(policy, None, tokenizer, use_peft=False, reference_free=False, policy_name="toy")
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    policy = pc.load_policy(toy["policy"], tokenizer, _shared_flags())
+    reference = pc.create_reference(policy, tokenizer, policy_name=toy["policy"])
     assert reference.mode == "copy" and reference.model is not policy
     for a, b in zip(reference.model.parameters(), policy.parameters()):
         assert torch.equal(a, b)
     GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "other")
     _save_tiny_tokenizer(tmp_path / "other", with_pad=True)
     with pytest.raises(pc.UserError, match="reference model's tokenizer differs"):
-        pc.create_reference(policy, str(tmp_path / "other"), tokenizer, use_peft=False, reference_free=False)
+        pc.create_reference(policy, tokenizer, policy_name=toy["policy"], ref_model=str(tmp_path / "other"))
 
 
-def _agree_worker(rank, port, flags, results):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        results[rank] = [pc.all_processes_agree(flag, "cpu") for flag in flags[rank]]
-    finally:
-        dist.destroy_process_group()
-
-
-def test_all_processes_agree_is_true_only_when_every_process_says_so():
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = [[True, True, False, False], [True, False, True, False]]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_agree_worker, args=(port, flags, results), nprocs=2)
-        assert results[0] == results[1] == [True, False, False, False]
-    assert pc.all_processes_agree(True, "cpu") and not pc.all_processes_agree(False, "cpu")  # one process

@@ -1,5 +1,6 @@
 """ppo.py: algorithm pieces against independent computations, then short real runs on the toy task."""
 
+import json
 import os
 import shutil
 
@@ -9,7 +10,9 @@ import torch
 from conftest import read_metrics
 from conftest import run_script as _run_script
 
-from ppo import AdaptiveKLController, compute_gae, penalise_missing_eos, per_token_rewards, ppo_losses
+import run_utils as ru
+from ppo import (KLController, batch_advantages, batch_indices, compute_gae, penalise_missing_eos, per_token_rewards,
+                 ppo_losses)
 
 PAD, EOS = 0, 1
 
@@ -94,13 +97,48 @@ def test_missing_eos_penalty():
 
 @pytest.mark.parametrize("current", [0.0, 3.0, 5.5, 6.0, 7.0, 20.0])
 def test_adaptive_kl_controller_formula(current):
-    ctl = AdaptiveKLController(0.1, target=6.0, horizon=10_000)
+    ctl = KLController(0.1, target=6.0, horizon=10_000)
     ctl.update(current, n_episodes=512)
     error = min(max(current / 6.0 - 1, -0.2), 0.2)
     assert ctl.value == pytest.approx(0.1 * (1 + error * 512 / 10_000))
     before = ctl.value
     ctl.update(current, n_episodes=512)  # multiplicative, compounding
     assert ctl.value == pytest.approx(before * (1 + error * 512 / 10_000))
+    fixed = KLController(0.1, target=None, horizon=10_000)  # --kl_target None: kl_coef stays as given
+    fixed.update(current, n_episodes=512)
+    assert fixed.value == 0.1
+
+
+@pytest.mark.parametrize("whiten_rewards", [False, True])
+def test_advantages_of_a_single_response_token_are_finite(whiten_rewards):
+    """One row whose response is a lone EOS (batch size 1): nothing to whiten by, yet finite advantages (the
+    old masked_var raised here, and --whiten_rewards refused batches of one)."""
+    g = torch.Generator().manual_seed(5)
+    mask = torch.tensor([[True, False, False]])
+    rewards, values = torch.randn(1, 3, generator=g), torch.randn(1, 3, generator=g)
+    advantages, raw_advantages, returns = batch_advantages(rewards, values, mask, 1.0, 0.95,
+                                                           whiten_rewards=whiten_rewards)
+    for tensor in (advantages, raw_advantages, returns):
+        assert torch.isfinite(tensor).all() and (tensor[~mask] == 0).all()
+    assert advantages[0, 0].item() == 0.0  # a single value whitens to 0
+    # the single reward is kept as it is (whitening with the mean kept is the identity for one value)
+    assert raw_advantages[0, 0].item() == pytest.approx((rewards[0, 0] - values[0, 0]).item(), abs=1e-5)
+    # two rows still whiten to mean 0, unit variance over the response tokens
+    mask2 = torch.tensor([[True, True, False], [True, False, False]])
+    advantages, _, _ = batch_advantages(torch.randn(2, 3, generator=g), torch.randn(2, 3, generator=g), mask2, 1.0,
+                                        0.95, whiten_rewards=whiten_rewards)
+    assert advantages[mask2].mean().item() == pytest.approx(0.0, abs=1e-5)
+    assert advantages[mask2].var().item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_batch_indices_follow_the_shared_data_order():
+    """Updates read the data order of every script (ru.epoch_permutation per pass) position after position,
+    across pass boundaries."""
+    num_prompts, batch_size, seed = 10, 4, 3
+    order = [i for epoch in range(3) for i in ru.epoch_permutation(num_prompts, seed, epoch)]
+    read = [i for update in range(1, 8) for i in batch_indices(num_prompts, seed, update, batch_size)]
+    assert read == order[:28]
+    assert batch_indices(num_prompts, seed, 6, batch_size) == order[20:24]  # a resumed run starts at its position
 
 
 def test_ppo_losses_against_elementwise_definition():
@@ -198,15 +236,44 @@ def test_determinism_and_resume(small_run, tmp_path):
             torch.testing.assert_close(full[name], res[name], rtol=1e-4, atol=1e-5)
 
 
+def test_checkpoint_holds_no_pickled_scheduler(small_run):
+    """The LR scheduler is not given to accelerator.prepare: the checkpoint carries it as JSON next to the step
+    and the KL coefficient (exact resume is checked above)."""
+    folder = os.path.join(small_run, "checkpoint-2")
+    assert not [f for f in os.listdir(folder) if f.startswith("scheduler")], os.listdir(folder)
+    with open(os.path.join(folder, "trainer_state.json")) as f:
+        state = json.load(f)
+    assert state["step"] == 2 and state["kl_coef"] == pytest.approx(0.3)  # the toy alias's fixed kl_coef
+    assert state["_scheduler"]["last_epoch"] == 2 and state["_scheduler"]["_last_lr"][0] == pytest.approx(1e-4 / 2)
+
+
 def test_peft_run_uses_adapter_off_reference(toy, tmp_path):
     out = str(tmp_path / "peft")
     proc = run_script("ppo.py", "--output_dir", out, "--use_peft", "--lora_r", "4", "--lora_alpha", "8",
                       "--learning_rate", "1e-3", *SMALL[:-4], "--eval_steps", "0")
     assert "reference: adapter_off" in proc.stdout
     rows = read_metrics(out)
-    assert rows[0]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # a fresh adapter is the identity
+    # --eval_steps 0: evaluate before training and after the last step only
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert [set(EVAL) <= set(r) for r in rows] == [True, False, False, False, True]
+    assert rows[0]["eval/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert rows[1]["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # a fresh adapter is the identity
     assert rows[-1]["eval/kl"] > 0  # the trained adapter moved away from the base it is compared with
     assert os.path.exists(os.path.join(out, "model", "adapter_config.json"))
+
+
+def test_single_token_responses_in_batches_of_one(toy, tmp_path):
+    """Batches of one row whose response is a single token: whitening has one value (it used to stop in
+    masked_var, and --whiten_rewards refused to start)."""
+    out = str(tmp_path / "one")
+    run_script("ppo.py", "--output_dir", out, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps",
+               "1", "--num_mini_batches", "1", "--response_length", "1", "--whiten_rewards", "--max_steps", "2",
+               "--num_ppo_epochs", "1", "--num_eval_prompts", "4")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["val/response_length"] == 1 and row["adv/std"] == 0 and row["val/var"] == 0
+        assert all(np.isfinite(v) for v in row.values()), row
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -214,7 +281,9 @@ def test_peft_run_uses_adapter_off_reference(toy, tmp_path):
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--lam", "1.5"], "--lam must be in [0, 1]"),
     (["--num_mini_batches", "0"], "--num_mini_batches must be > 0"),
-    (["--max_prompt_length", "60"], "exceeds the model's 64 positions"),
+    (["--response_length", "60"], "--response_length 60 does not fit"),  # toy: 64 positions, prompts up to 7 tokens
+    (["--max_prompt_length", "4"], "more than --max_prompt_length 4"),
+    (["--num_eval_prompts", "0"], "--num_eval_prompts must be > 0"),
 ])
 def test_bad_input_fails_early_without_output(toy, tmp_path, flags, message):
     out = str(tmp_path / "never")
@@ -232,3 +301,69 @@ def test_learns_on_toy_task(toy, tmp_path):
     rows = read_metrics(out)
     before, after = rows[0]["eval/gold_score"], rows[-1]["eval/gold_score"]
     assert after > before + 0.15, (before, after)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# lengths and data that do not fit the defaults
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_models(toy, tmp_path_factory):
+    """A tiny random GPT-NeoX policy and reward model with only 32 positions, with the toy tokenizer."""
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(toy["tokenizer"])
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=32, rotary_pct=0.25, num_labels=1,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    root = tmp_path_factory.mktemp("short")
+    torch.manual_seed(0)
+    for name, cls in (("policy", GPTNeoXForCausalLM), ("reward", GPTNeoXForSequenceClassification)):
+        cls(config).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return str(root / "policy"), str(root / "reward")
+
+
+SHORT_RUN = ["--dataset", "toy", "--max_steps", "1", "--per_device_train_batch_size", "2",
+             "--gradient_accumulation_steps", "1", "--num_ppo_epochs", "1", "--num_eval_prompts", "4"]
+
+
+def test_defaults_fit_a_model_with_32_positions(short_models, tmp_path):
+    """The defaults (response_length 53, max_prompt_length = the longest prompt) fit a model with 32 positions:
+    the response length is lowered to what the longest toy prompt (7 tokens) leaves, with a note."""
+    policy, reward = short_models
+    out = str(tmp_path / "short")
+    proc = run_script("ppo.py", "--model", policy, "--reward_model", reward, *SHORT_RUN, "--output_dir", out)
+    assert "--response_length lowered from 53 to 25" in proc.stdout, proc.stdout
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["response_length"] == 25
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert 1 <= rows[1]["val/response_length"] <= 25 and 1 <= rows[1]["eval/response_length"] <= 25
+
+
+def test_explicit_response_length_that_cannot_fit_fails_in_one_line(short_models, tmp_path):
+    policy, reward = short_models
+    out = str(tmp_path / "never")
+    proc = run_script("ppo.py", "--model", policy, "--reward_model", reward, *SHORT_RUN, "--response_length", "30",
+                      "--output_dir", out, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("error: --response_length 30 does not fit: the longest prompt "
+                                                    "(7 tokens) in the model's 32 positions leaves 25 positions")
+    assert not os.path.exists(out)
+
+
+def test_empty_held_out_split_fails_in_one_line(toy, tmp_path):
+    """A save_to_disk dataset whose held-out split has no rows (datasets itself cannot load such a split): one
+    line naming the split, nothing written. (tests/test_hardening.py checks both splits for every script.)"""
+    import datasets
+
+    features = datasets.Features({"prompt": datasets.Value("string")})
+    path = str(tmp_path / "prompts")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a b c =", "d e f ="]}, features=features),
+                          "test": datasets.Dataset.from_dict({"prompt": []}, features=features)}).save_to_disk(path)
+    out = str(tmp_path / "never")
+    proc = run_script("ppo.py", "--reward_model", "toy", "--dataset", path, "--output_dir", out, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error:") and "empty" in last_line and "'test'" in last_line, last_line
+    assert not os.path.exists(out)

@@ -1,5 +1,6 @@
-"""rloo.py: the algorithm pieces against hand-worked numbers and slow loops, then short real runs on the toy task
-(metrics, saved model, PEFT reference, determinism, resume, bad inputs, learning)."""
+"""rloo.py: the algorithm pieces against hand-worked numbers and slow loops (advantage whitening over 2 real
+processes), then short real runs on the toy task (metrics, saved model, PEFT reference, determinism, resume in
+place, lengths fitted to a 32-position model, bad inputs, learning)."""
 
 import json
 import math
@@ -11,6 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import policy_common as pc
+import run_utils as ru
 from conftest import read_metrics, run_script
 from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, prompt_stream, rloo_advantages,
                   token_level_returns)
@@ -39,7 +42,8 @@ def test_loo_baseline_hand_worked_and_grouping():
     scores = rewards
     kl = torch.zeros(6, 4)
     mask = torch.ones(6, 4, dtype=torch.bool)
-    advantages, rlhf_reward, non_score = rloo_advantages(scores, kl, mask, 0.1, 3, False, False)
+    advantages, rlhf_reward, non_score = rloo_advantages(scores, kl, mask, 0.1, 3, token_level_kl=False,
+                                                         normalize=False)
     torch.testing.assert_close(advantages, torch.tensor([-1.5, 0.0, 1.5, -15.0, 0.0, 15.0]))
     torch.testing.assert_close(rlhf_reward, scores)
     torch.testing.assert_close(non_score, torch.zeros(6))
@@ -72,7 +76,7 @@ def test_constant_rewards_give_zero_advantage_without_nan(token_level, normalize
     kl = torch.zeros(8, 5)
     mask = torch.ones(8, 5, dtype=torch.bool)
     mask[:, 3:] = False
-    advantages, _, _ = rloo_advantages(scores, kl, mask, 0.05, 4, token_level, normalize)
+    advantages, _, _ = rloo_advantages(scores, kl, mask, 0.05, 4, token_level_kl=token_level, normalize=normalize)
     assert torch.isfinite(advantages).all()
     if token_level:  # return-to-go of a constant score minus the baseline: zero everywhere (score is at the end)
         torch.testing.assert_close(advantages, torch.zeros_like(advantages))
@@ -82,9 +86,69 @@ def test_constant_rewards_give_zero_advantage_without_nan(token_level, normalize
 
 def test_normalized_advantages_are_whitened():
     scores = torch.tensor([1.0, 2.0, 4.0, 8.0])
-    advantages, _, _ = rloo_advantages(scores, torch.zeros(4, 2), torch.ones(4, 2, dtype=torch.bool), 0.0, 2, False, True)
+    advantages, _, _ = rloo_advantages(scores, torch.zeros(4, 2), torch.ones(4, 2, dtype=torch.bool), 0.0, 2,
+                                       token_level_kl=False, normalize=True)
     raw = torch.tensor([-1.0, 1.0, -4.0, 4.0])  # r_i - r_other within each pair
     torch.testing.assert_close(advantages, (raw - raw.mean()) / raw.std(unbiased=False), atol=1e-6, rtol=1e-6)
+
+
+def global_batch():
+    """8 prompts x k=2 with rewards on very different scales in the two halves, and responses of different lengths
+    (the halves hold different numbers of tokens): whitening per half differs clearly from whitening the whole."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.cat([torch.randn(8, generator=generator), 10 + 5 * torch.randn(8, generator=generator)])
+    kl = torch.rand(16, 6, generator=generator)
+    mask = torch.arange(6)[None, :] < torch.tensor([6, 5, 4, 3, 2, 1, 6, 6, 1, 1, 2, 2, 3, 3, 1, 1])[:, None]
+    return scores, kl, mask
+
+
+def _whiten_worker(rank, port, results):
+    """One of 2 gloo processes, each with a real Accelerator, holding half of `global_batch()`."""
+    import os
+
+    from accelerate import Accelerator
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
+    accelerator = Accelerator(cpu=True)
+    try:
+        assert accelerator.num_processes == 2
+        rows = slice(8 * rank, 8 * rank + 8)
+        scores, kl, mask = (t[rows] for t in global_batch())
+        results[rank] = [rloo_advantages(scores, kl, mask, 0.1, 2, token_level_kl=token_level, normalize=True,
+                                         accelerator=accelerator)[0] for token_level in (False, True)]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_normalized_advantages_use_the_global_batch_over_two_processes():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    scores, kl, mask = global_batch()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_whiten_worker, args=(port, results), nprocs=2)
+        per_process = [results[0], results[1]]
+    for i, token_level in enumerate((False, True)):
+        one_process = rloo_advantages(scores, kl, mask, 0.1, 2, token_level_kl=token_level, normalize=True)[0]
+        two_processes = torch.cat([per_process[0][i], per_process[1][i]])
+        torch.testing.assert_close(two_processes, one_process, rtol=1e-5, atol=1e-6)
+        # whitening each half by itself (what every process did before) gives clearly different advantages
+        halves = torch.cat([rloo_advantages(scores[r], kl[r], mask[r], 0.1, 2, token_level_kl=token_level,
+                                            normalize=True)[0] for r in (slice(0, 8), slice(8, 16))])
+        assert (halves - one_process).abs().max() > 0.1
+        # one process: the same two-pass arithmetic as before, bit for bit
+        raw = rloo_advantages(scores, kl, mask, 0.1, 2, token_level_kl=token_level, normalize=False)[0]
+        weight = mask.float() if token_level else torch.ones_like(raw)
+        mean = pc.masked_mean(raw, weight.bool())
+        std = pc.masked_mean((raw - mean) ** 2, weight.bool()).sqrt()
+        assert torch.equal(one_process, (raw - mean) / (std + 1e-8) * weight)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -105,7 +169,8 @@ def test_sequence_kl_penalty_hand_worked():
     scores = torch.tensor([1.0, 0.0])
     kl = torch.tensor([[0.1, 0.2, 0.3, 0.0], [0.4, 0.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
-    advantages, rlhf_reward, non_score = rloo_advantages(scores, kl, mask, 0.5, 2, False, False)
+    advantages, rlhf_reward, non_score = rloo_advantages(scores, kl, mask, 0.5, 2, token_level_kl=False,
+                                                         normalize=False)
     torch.testing.assert_close(non_score, torch.tensor([-0.3, -0.2]))
     torch.testing.assert_close(rlhf_reward, torch.tensor([0.7, -0.2]))
     torch.testing.assert_close(advantages, torch.tensor([0.9, -0.9]))
@@ -118,7 +183,8 @@ def test_token_level_returns_hand_worked():
     # rewards row 0: [-0.05, -0.1, -0.15 + 1, 0] -> returns-to-go [0.7, 0.75, 0.85, 0]; row 1: [-0.2] -> [-0.2]
     returns = token_level_returns(scores, kl, mask, 0.5)
     torch.testing.assert_close(returns, torch.tensor([[0.7, 0.75, 0.85, 0.0], [-0.2, 0.0, 0.0, 0.0]]))
-    advantages, rlhf_reward, _ = rloo_advantages(scores, kl, mask.bool(), 0.5, 2, True, False)
+    advantages, rlhf_reward, _ = rloo_advantages(scores, kl, mask.bool(), 0.5, 2, token_level_kl=True,
+                                                    normalize=False)
     torch.testing.assert_close(rlhf_reward, returns[:, 0])  # G_0 is the sequence-level reward
     # baselines: row 0 -> G_0 of row 1 (-0.2); row 1 -> G_0 of row 0 (0.7)
     torch.testing.assert_close(advantages, torch.tensor([[0.9, 0.95, 1.05, 0.0], [-0.9, 0.0, 0.0, 0.0]]))
@@ -160,6 +226,8 @@ def test_policy_loss_token_level_sums_tokens():
 def test_prompt_stream_is_a_seeded_permutation_per_pass():
     first = prompt_stream(0, 10, 10, seed=1)
     assert sorted(first) == list(range(10))
+    assert first == ru.epoch_permutation(10, 1, 0)  # the data order every script shares
+    assert prompt_stream(25, 3, 10, seed=1) == ru.epoch_permutation(10, 1, 2)[5:8]
     assert prompt_stream(3, 12, 10, seed=1) == (first + prompt_stream(10, 10, 10, seed=1))[3:15]
     assert prompt_stream(0, 10, 10, seed=2) != first
 
@@ -168,20 +236,20 @@ def test_prompt_stream_is_a_seeded_permutation_per_pass():
 # PEFT: the reference is the adapter-off base
 # ---------------------------------------------------------------------------------------------------------
 def test_peft_reference_is_adapter_off_base(toy):
-    import policy_common as pc
     from rloo import ALIAS_DEFAULTS, Args
 
-    args = pc.parse_args(Args, ALIAS_DEFAULTS, argv=["--use_peft"])
-    tokenizer = pc.load_tokenizer("toy")
-    policy = pc.load_policy(args, tokenizer)  # the same two calls rloo.py makes
-    reference = pc.create_reference(policy, args.ref_model, tokenizer, args.use_peft, False, policy_name=args.model)
+    args = ru.parse_args(Args, ALIAS_DEFAULTS, argv=["--use_peft"])
+    policy_path = ru.resolve_model(args.model)
+    tokenizer = pc.load_tokenizer(policy_path)
+    policy = pc.load_policy(policy_path, tokenizer, args)  # the same calls rloo.py makes
+    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft)
     assert reference.mode == "adapter_off"
     torch.manual_seed(0)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # make the adapter matter
-    base = pc.load_causal_lm("toy", tokenizer)
+    base = pc.load_causal_lm(policy_path, tokenizer)
     queries = pc.pad_sequences([tokenizer("b a c =", add_special_tokens=False)["input_ids"]], tokenizer.pad_token_id, "left")
     query_responses = torch.cat([queries, torch.tensor([[tokenizer.convert_tokens_to_ids(t) for t in "abc"]])], 1)
     ctx = queries.shape[1]
@@ -241,13 +309,18 @@ def test_determinism(run_a, tmp_path):
     assert without_time(read_metrics(out)) == without_time(read_metrics(run_a))
 
 
-def test_resume_equals_uninterrupted_run(run_a, tmp_path):
+def test_resume_in_place_equals_uninterrupted_run(run_a, tmp_path):
     from safetensors.torch import load_file
 
+    # the run folder as it was when checkpoint-2 was written; resuming without --output_dir continues in it
     out = str(tmp_path / "b")
-    run_script("rloo.py", *RUN_ARGS, "--output_dir", out, "--resume_from", os.path.join(run_a, "checkpoint-2"))
-    resumed, full = without_time(read_metrics(out)), without_time(read_metrics(run_a))
-    assert [r["step"] for r in resumed] == [3, 4]
+    shutil.copytree(os.path.join(run_a, "checkpoint-2"), os.path.join(out, "checkpoint-2"))
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in read_metrics(run_a)[:3])
+    run_script("rloo.py", *RUN_ARGS, "--resume_from", os.path.join(out, "checkpoint-2"))
+    rows, full = without_time(read_metrics(out)), without_time(read_metrics(run_a))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[:3] == full[:3]
+    resumed = rows[3:]
     for a, b in zip(resumed, full[3:]):
         assert a.keys() == b.keys()
         for k in a:
@@ -262,6 +335,7 @@ def test_peft_run_with_every_variant_option(toy, tmp_path):
     # also exercises token-level k3 KL, normalisation, 2 epochs x 2 mini-batches x 2 accumulated micro-batches
     out = str(tmp_path / "peft")
     run_script("rloo.py", "--use_peft", "--token_level_kl", "--kl_estimator", "k3", "--normalize_advantage",
+               "--no_share_prompts",
                "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--gradient_accumulation_steps", "2",
                "--per_device_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-4",
                "--num_eval_prompts", "8", "--output_dir", out)
@@ -273,6 +347,58 @@ def test_peft_run_with_every_variant_option(toy, tmp_path):
     assert rows[1]["val/ratio"] != 1.0  # later mini-batches see an updated policy
     assert all(math.isfinite(v) for r in rows for v in r.values())
     assert os.path.exists(os.path.join(out, "model", "adapter_config.json"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Lengths: defaults fit a model this project never saw (32 positions); an explicit length that cannot is an error
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def short_models(toy, tmp_path_factory):
+    """A tiny random GPT-NeoX policy and reward model with 32 positions, on the toy tokenizer, saved to folders
+    (so no toy alias defaults apply: rloo.py's dataclass defaults, response_length 53, meet a 32-position model)."""
+    from transformers import AutoTokenizer, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    root = tmp_path_factory.mktemp("short")
+    tokenizer = AutoTokenizer.from_pretrained(toy["tokenizer"])
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           intermediate_size=64, max_position_embeddings=32, rotary_pct=0.25, num_labels=1,
+                           hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    paths = {}
+    for name, model_class in (("policy", GPTNeoXForCausalLM), ("reward", GPTNeoXForSequenceClassification)):
+        paths[name] = str(root / name)
+        model_class(config).save_pretrained(paths[name])
+        tokenizer.save_pretrained(paths[name])
+    return ["--model", paths["policy"], "--reward_model", paths["reward"], "--dataset", "toy"]
+
+
+SHORT_RUN = ["--max_steps", "1", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+             "--num_eval_prompts", "4"]  # sizes only: every length is left to its default
+
+
+def test_default_lengths_fit_a_32_position_model(short_models, tmp_path):
+    out = str(tmp_path / "short")
+    proc = run_script("rloo.py", *short_models, *SHORT_RUN, "--output_dir", out)
+    longest_prompt = 7  # toy prompts have 4-7 tokens
+    assert f"--response_length lowered from 53 to {32 - longest_prompt}" in proc.stdout
+    with open(os.path.join(out, "args.json")) as f:
+        saved = json.load(f)
+    assert saved["max_prompt_length"] == longest_prompt and saved["response_length"] == 32 - longest_prompt
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1] and 0 < rows[1]["val/response_length"] <= 32 - longest_prompt
+    assert all(math.isfinite(v) for r in rows for v in r.values())
+    assert os.path.exists(os.path.join(out, "model", "model.safetensors"))
+
+
+def test_explicit_response_length_that_cannot_fit_fails_in_one_line(short_models, tmp_path):
+    out = str(tmp_path / "never")
+    proc = run_script("rloo.py", *short_models, *SHORT_RUN, "--response_length", "40", "--output_dir", out,
+                      check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--response_length 40 does not fit" in errors[0] and "32 positions" in errors[0]
+    assert "Traceback" not in proc.stderr and not os.path.exists(out)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -296,11 +422,33 @@ def no_prompt_dataset(toy, tmp_path):
     return ["--dataset", path, "--eval_split", "train"]
 
 
+def empty_train_split(toy, tmp_path):
+    path = str(tmp_path / "data.json")
+    with open(path, "w") as f:
+        f.write("[]")  # a json dataset with zero rows
+    return ["--dataset", path, "--eval_split", "train"]
+
+
+def empty_eval_split(toy, tmp_path):
+    import datasets
+
+    features = datasets.Features({"prompt": datasets.Value("string")})
+    splits = {"train": ["a b c =", "c b a ="], "test": []}
+    path = str(tmp_path / "prompts")
+    # one (empty) data file per split: datasets cannot reload a zero-row split saved with none
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"prompt": v}, features=features) for k, v in splits.items()}
+                         ).save_to_disk(path, num_shards={k: 1 for k in splits})
+    return ["--dataset", path]
+
+
 @pytest.mark.parametrize("make_args, message", [
     (lambda toy, tmp: ["--rloo_k", "1"], "rloo_k"),
     (lambda toy, tmp: ["--rloo_k", "3"], "not divisible"),
     (lambda toy, tmp: ["--temperature", "0"], "temperature"),
     (no_prompt_dataset, "missing column"),
+    (empty_train_split, "data.json"),
+    (empty_eval_split, "split 'test' is empty"),
+    (lambda toy, tmp: ["--num_eval_prompts", "0"], "--num_eval_prompts"),
     (bad_reward_model, "tokenizer differs"),
 ])
 def test_bad_inputs_fail_cleanly(toy, tmp_path, make_args, message):

@@ -15,15 +15,20 @@ import torch
 
 from conftest import ROOT, read_metrics, run_script, script_env
 
-SHORT = {  # a few steps of each script on the toy task, small enough for two processes on two cores
-    # rloo: 8 prompts x k=4 per process, enough repeated prompt positions that shared-prompt encoding is used
-    "rloo.py": ["--max_steps", "2", "--per_device_train_batch_size", "32", "--rloo_k", "4", "--num_eval_prompts", "16"],
+SHORT = {  # a few steps of each script on the toy task, small enough for two processes on two cores, with 3
+    # held-out prompts (2 on one process, 1 on the other) evaluated one at a time: an uneven evaluation split must
+    # not make the processes disagree on their collectives (DDP syncs buffers in every forward)
+    "rloo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--rloo_k", "4", "--num_eval_prompts", "3",
+                "--local_rollout_forward_batch_size", "1"],
+    # 8 prompts x k=4 per process: shared-prompt encoding is used in training
+    "rloo.py shared": ["--max_steps", "2", "--per_device_train_batch_size", "32", "--rloo_k", "4",
+                       "--num_eval_prompts", "3"],
     "ppo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_mini_batches", "1",
-               "--num_eval_prompts", "16"],
+               "--num_eval_prompts", "3", "--local_rollout_forward_batch_size", "1"],
     "dpo.py": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
-               "--num_eval_prompts", "16"],
+               "--num_eval_prompts", "3", "--max_eval_pairs", "5", "--per_device_eval_batch_size", "1"],
     "kto.py": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
-               "--num_eval_prompts", "16"],
+               "--num_eval_prompts", "3", "--num_eval_examples", "10", "--per_device_eval_batch_size", "2"],
 }
 
 
@@ -39,10 +44,10 @@ def run_distributed(script, *args, nproc=2, timeout=600):
     return proc
 
 
-@pytest.mark.parametrize("script", sorted(SHORT))
-def test_two_processes(script, tmp_path, toy):
+@pytest.mark.parametrize("case", sorted(SHORT))
+def test_two_processes(case, tmp_path, toy):
     out = tmp_path / "run"
-    run_distributed(script, *SHORT[script], "--output_dir", str(out))
+    run_distributed(case.split()[0], *SHORT[case], "--output_dir", str(out), timeout=300)
     rows = read_metrics(str(out))
     train_steps = sorted({r["step"] for r in rows if r["step"] > 0})
     assert train_steps == [1, 2], rows  # one row per step: only the main process logs

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import policy_common as pc
+import run_utils as ru
 
 EVIL_MODULE = '''import os
 open(os.environ["EVIL_MARKER"], "w").write("remote code ran")
@@ -53,7 +54,7 @@ def test_checkpoints_load_without_unpickling(tmp_path, monkeypatch):
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     scheduler.step()
-    pc.save_checkpoint(accelerator, str(tmp_path / "ckpt"), {"step": 1}, scheduler=scheduler)
+    ru.save_checkpoint(accelerator, str(tmp_path / "ckpt"), {"step": 1}, scheduler=scheduler)
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     # accelerate unpickles registered custom objects with weights_only=False: there must be none
     assert not [f for f in os.listdir(tmp_path / "ckpt") if f.startswith("custom_checkpoint")]
@@ -69,7 +70,7 @@ def test_checkpoints_load_without_unpickling(tmp_path, monkeypatch):
     fresh_model = fresh.prepare(torch.nn.Linear(3, 2))
     fresh_optimizer = fresh.prepare(torch.optim.AdamW(fresh_model.parameters(), lr=1e-2))
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda s: 1 - s / 10)
-    state = pc.load_checkpoint(fresh, str(tmp_path / "ckpt"), scheduler=fresh_scheduler)
+    state = ru.load_checkpoint(fresh, str(tmp_path / "ckpt"), scheduler=fresh_scheduler)
     assert state == {"step": 1}
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
     for a, b in zip(fresh_model.parameters(), model.parameters()):

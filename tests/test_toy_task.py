@@ -1,5 +1,6 @@
 """The toy world: gold scorer by hand, a deterministic build, a useful reward model, an improvable SFT policy."""
 
+import ast
 import filecmp
 import json
 import os
@@ -75,6 +76,17 @@ def test_half_written_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         toy_task.build(seed=8, cache_dir=str(tmp_path), verbose=False)
     assert not [p for p in os.listdir(tmp_path) if "seed8" in p and not p.endswith(".lock")]
+
+
+def test_imports_nothing_from_the_project():
+    """toy_task builds with plain transformers code: it imports no project module (the project's helpers import it,
+    never the other way round), so changes to them cannot change the cached world."""
+    root = os.path.dirname(os.path.abspath(toy_task.__file__))
+    project = {os.path.splitext(f)[0] for f in os.listdir(root) if f.endswith(".py")}
+    tree = ast.parse(open(toy_task.__file__).read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    assert not imported & project, imported & project
 
 
 def test_gold_scorer_lookup(toy):

@@ -1,0 +1,131 @@
+"""What benchmark/speed.py's runners (speed.py for ours, speed_trl.py, speed_baselines.py) share: the two settings
+(the toy task with each script's toy defaults, or TL;DR shapes on CPU-sized random-weight stand-ins), the
+hyper-parameters both implementations get in each, and how a step time is read from the times steps end."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+
+TRL_ALGOS = ("rloo", "dpo", "kto")  # TRL 1.16 has no PPOTrainer
+BASELINES = ("generation", "sharing:toy", "sharing:tldr", "logprobs:selective:toy", "logprobs:full:toy",
+             "logprobs:selective:pythia", "logprobs:full:pythia")  # the measurements of speed_baselines.py
+
+# TL;DR shapes (Huang et al. 2024; TRL's TL;DR runs): ~400-token prompts, 53-token responses, RLOO k=4, DPO pairs.
+TLDR = dict(prompt_tokens=400, response_length=53, vocab=3072, layers=8, width=256, rloo_k=4, rloo_batch=16,
+            dpo_batch=4, kto_batch=8, temperature=0.7)
+
+
+def tldr_model_config():
+    """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1)."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(vocab_size=TLDR["vocab"], hidden_size=TLDR["width"], num_hidden_layers=TLDR["layers"],
+                         num_attention_heads=4, intermediate_size=4 * TLDR["width"], max_position_embeddings=512,
+                         hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
+                         bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+
+def build_tldr_shaped(root: str) -> dict:
+    """Random-weight GPT-NeoX policy and reward model (8 layers, width 256, vocabulary 3072: transformer layers do
+    about 8x the work of the output layer, as in Pythia-1B), a word-level tokenizer, prompts of TLDR['prompt_tokens']
+    words and preference pairs with TLDR['response_length']-token completions. Timing only: nothing here learns.
+    Built once into `root` (seeded, so identical for ours and TRL)."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
+
+    from toy_task import save_dataset
+
+    out = {k: os.path.join(root, k) for k in ("policy", "reward", "prompt_dataset", "preference_dataset",
+                                              "unpaired_dataset")}
+    if os.path.exists(os.path.join(root, "done")):
+        return out
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    words = [f"w{i}" for i in range(TLDR["vocab"] - 3)]
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[EOS]", "[UNK]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+    config = tldr_model_config()
+    for model, name in ((GPTNeoXForCausalLM(config), "policy"),
+                        (GPTNeoXForSequenceClassification(GPTNeoXConfig(**config.to_dict(), num_labels=1)), "reward")):
+        model.save_pretrained(out[name])
+        tokenizer.save_pretrained(out[name])
+    text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
+    R = TLDR["response_length"] - 1  # + EOS
+    prompts = {split: [text(TLDR["prompt_tokens"]) for _ in range(n)] for split, n in (("train", 256), ("test", 8))}
+    save_dataset({s: [{"prompt": p} for p in ps] for s, ps in prompts.items()}, out["prompt_dataset"])
+    save_dataset({s: [{"prompt": p, "chosen": " " + text(R), "rejected": " " + text(R)} for p in ps]
+                  for s, ps in prompts.items()}, out["preference_dataset"])
+    save_dataset({s: [{"prompt": p, "completion": " " + text(R), "label": i % 2 == 0} for i, p in enumerate(ps)]
+                  for s, ps in prompts.items()}, out["unpaired_dataset"])
+    open(os.path.join(root, "done"), "w").close()
+    return out
+
+
+def setting_paths(setting: str) -> dict:
+    if setting == "toy":
+        import toy_task
+
+        return toy_task.build(verbose=False)
+    return build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))
+
+
+def hyper(setting: str, algo: str) -> dict:
+    """The hyper-parameters both implementations get (ours as flags, TRL as config fields)."""
+    if setting == "toy":
+        return dict(importlib.import_module(algo).ALIAS_DEFAULTS["toy"])
+    common = dict(gradient_accumulation_steps=1, response_length=TLDR["response_length"], max_prompt_length=448)
+    if algo == "rloo":
+        return dict(common, per_device_train_batch_size=TLDR["rloo_batch"], rloo_k=TLDR["rloo_k"], learning_rate=3e-6,
+                    kl_coef=0.05, temperature=TLDR["temperature"], local_rollout_forward_batch_size=TLDR["rloo_batch"])
+    if algo == "dpo":
+        return dict(common, per_device_train_batch_size=TLDR["dpo_batch"], learning_rate=5e-7, beta=0.1,
+                    max_length=512, warmup_ratio=0.1)
+    if algo == "kto":
+        return dict(common, per_device_train_batch_size=TLDR["kto_batch"], learning_rate=5e-7, beta=0.1,
+                    desirable_weight=1.0, undesirable_weight=1.0, max_length=512)
+    raise ValueError(f"--setting tldr measures rloo, dpo and kto, not {algo}")
+
+
+def ours_flags(setting: str, algo: str, paths: dict) -> list:
+    """The setting's flags for `<algo>.py`: for the toy task its toy defaults with a small evaluation (outside
+    the timed steps either way)."""
+    if setting == "toy":
+        return ["--num_eval_prompts", "16"]
+    data = paths[{"rloo": "prompt_dataset", "dpo": "preference_dataset", "kto": "unpaired_dataset"}[algo]]
+    flags = ["--model", paths["policy"], "--dataset", data, "--num_eval_prompts", "2"]
+    if algo == "rloo":
+        flags += ["--reward_model", paths["reward"]]
+    if algo == "dpo":
+        flags += ["--max_eval_pairs", "4"]
+    if algo == "kto":
+        flags += ["--num_eval_examples", "8", "--per_device_eval_batch_size", str(TLDR["kto_batch"])]
+    for k, v in hyper(setting, algo).items():
+        flags += [f"--{k}", str(v)]
+    return flags
+
+
+SETTING_TEXT = {
+    "toy": "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
+           "algorithm).",
+    "tldr": f"Setting: TL;DR shapes on CPU-sized random-weight stand-ins (`--setting tldr`): prompts of "
+            f"{TLDR['prompt_tokens']} tokens, responses of {TLDR['response_length']}; RLOO k={TLDR['rloo_k']} with "
+            f"{TLDR['rloo_batch']} completions per step, DPO {TLDR['dpo_batch']} pairs and KTO {TLDR['kto_batch']} "
+            f"examples per step; a GPT-NeoX policy and reward model of {TLDR['layers']} layers, width {TLDR['width']}, "
+            f"vocabulary {TLDR['vocab']} (transformer layers ~8x the output layer's work, as in Pythia-1B). Timing "
+            "only: nothing learns.",
+}
+
+
+def seconds_per_step(step_ends: dict, warmup: int, steps: int) -> float:
+    """{step: time the step ended} -> mean seconds per step over steps warmup+1 .. warmup+steps."""
+    missing = [s for s in (warmup, warmup + steps) if s not in step_ends]
+    if missing:
+        raise RuntimeError(f"no end time for step(s) {missing} (steps seen: {sorted(step_ends)})")
+    return (step_ends[warmup + steps] - step_ends[warmup]) / steps

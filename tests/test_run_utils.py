@@ -1,0 +1,262 @@
+"""run_utils: run plumbing (data, run folder, processes, logging, checkpoints) against hand-worked examples."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
+
+import policy_common as pc
+import run_utils as ru
+from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
+
+# --------------------------------------------------------------------------------------------- saving
+def test_save_then_reload_gives_identical_logits(tmp_path, lm):
+    _save_tiny_tokenizer(tmp_path / "tok", with_pad=True)
+    tokenizer = pc.load_tokenizer(str(tmp_path / "tok"))
+    ru.save_model(None, lm, tokenizer, str(tmp_path / "model"))
+    assert os.path.exists(tmp_path / "model" / "model.safetensors")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, lm(input_ids=ids).logits)
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p or ".old-" in p]
+
+
+def test_peft_save_adapter_and_merged(tmp_path):
+    torch.manual_seed(13)
+    base = GPTNeoXForCausalLM(tiny_config()).eval()
+    base.save_pretrained(tmp_path / "base")
+    policy = pc.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value"])
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        expected = policy(input_ids=ids).logits
+    ru.save_model(None, policy, None, str(tmp_path / "adapter"))
+    assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
+    ru.save_model(None, policy, None, str(tmp_path / "merged"), merge_peft=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+    # the in-memory policy still has its adapter after a merged save
+    assert any("lora_A" in n for n, _ in policy.named_parameters())
+
+
+def test_atomic_dir_keeps_old_folder_on_failure(tmp_path):
+    target = tmp_path / "ckpt"
+    with ru.atomic_dir(str(target)) as tmp:
+        open(os.path.join(tmp, "a.txt"), "w").write("first")
+    with pytest.raises(RuntimeError):
+        with ru.atomic_dir(str(target)) as tmp:
+            open(os.path.join(tmp, "a.txt"), "w").write("half")
+            raise RuntimeError("killed mid-write")
+    assert open(target / "a.txt").read() == "first"
+    assert os.listdir(tmp_path) == ["ckpt"]
+
+
+# --------------------------------------------------------------------------------------------- data
+def test_tokenize_prompt_completion_truncation_rule(toy):
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    ids = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+    prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, "a b c d =", " a b c", 3, 6)
+    assert prompt_ids == ids("c d =")  # prompt keeps its last 3 tokens
+    assert completion_ids == ids(" a b c")  # 6 - 3 = 3 tokens: EOS truncated away
+    prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, "a b =", " a b", 5, 10)
+    assert completion_ids == ids(" a b") + [tokenizer.eos_token_id]
+    _, completion_ids = ru.tokenize_prompt_completion(tokenizer, "a b c d =", " a", 5, 5)
+    assert completion_ids == []  # nothing of the completion survives: callers drop and count the row
+
+
+def test_tokenize_prompts_refuses_long_prompts(toy):
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    assert len(ru.tokenize_prompts(tokenizer, ["a b ="], 3)[0]) == 3
+    with pytest.raises(pc.UserError, match="prompt 1 has 4 tokens, more than --max_prompt_length 3"):
+        ru.tokenize_prompts(tokenizer, ["a b =", "a b c ="], 3)
+
+
+def test_load_dataset_sources_and_errors(tmp_path, toy):
+    rows = [{"prompt": "a b =", "chosen": " a b", "rejected": " b a"}] * 3
+    jsonl = tmp_path / "d.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    ds = ru.load_preference_dataset(str(jsonl), "train")
+    assert ds.column_names == ["prompt", "chosen", "rejected"] and len(ds) == 3
+    toy_pref = ru.load_preference_dataset("toy", "test")
+    ru.require_columns(toy_pref, ["prompt", "chosen", "rejected"], "toy")
+    assert len(ru.load_prompt_dataset(toy["prompt_dataset"], "test")) == 256
+    with pytest.raises(pc.UserError, match=r"missing column\(s\) \['label'\]"):
+        ru.require_columns(ds, ["prompt", "label"], "d.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(pc.UserError):
+        ru.load_preference_dataset(str(tmp_path / "empty.jsonl"), "train")
+    with pytest.raises(pc.UserError, match="not found"):
+        ru.load_preference_dataset(str(tmp_path / "missing.json"), "train")
+    with pytest.raises(pc.UserError, match="no split 'validation'"):
+        ru.load_prompt_dataset("toy", "validation")
+
+
+def test_render_conversational(toy):
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
+    prompt = [{"role": "user", "content": "b a"}]
+    assert ru.render_prompt(tokenizer, prompt) == "b a ="
+    assert ru.render_prompt(tokenizer, "b a =") == "b a ="
+    assert ru.is_conversational(prompt) and not ru.is_conversational("x")
+
+
+# --------------------------------------------------------------------------------------------- runs
+def test_metrics_logger_appends_refuses_and_resumes(tmp_path):
+    out = str(tmp_path / "run")
+    logger = ru.MetricsLogger(out, {"lr": 1.0})
+    logger.log({"loss": torch.tensor(0.5), "lr": 1.0}, step=1)
+    logger.log({"loss": 0.25}, step=2)
+    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    assert rows == [{"step": 1, "loss": 0.5, "lr": 1.0}, {"step": 2, "loss": 0.25}]
+    assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0}
+    with pytest.raises(pc.UserError, match="already holds a run"):
+        ru.MetricsLogger(out, {"lr": 1.0})
+    ru.MetricsLogger(out, {"lr": 1.0}, resume_step=1)
+    assert [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))] == [1]
+    ru.MetricsLogger(str(tmp_path / "other"), {}, is_main_process=False).log({"x": 1}, step=1)
+    assert not os.path.exists(tmp_path / "other")
+
+
+def test_parse_args_alias_defaults_only_for_flags_not_given():
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        model: str = "toy"
+        """policy"""
+        learning_rate: float = 3e-6
+        """lr"""
+        use_peft: bool = False
+        """lora"""
+
+    defaults = {"toy": {"learning_rate": 1e-3, "use_peft": True}}
+    args = ru.parse_args(Args, defaults, argv=[])
+    assert args.learning_rate == 1e-3 and args.use_peft
+    args = ru.parse_args(Args, defaults, argv=["--learning_rate", "0.5", "--no_use_peft"])
+    assert args.learning_rate == 0.5 and not args.use_peft
+    args = ru.parse_args(Args, defaults, argv=["--model", "pythia-1b"])
+    assert args.learning_rate == 3e-6
+
+
+def test_seed_everything_per_process():
+    ru.seed_everything(5, 0)
+    a = torch.rand(3)
+    ru.seed_everything(5, 0)
+    assert torch.equal(a, torch.rand(3))
+    ru.seed_everything(5, 1)
+    assert not torch.equal(a, torch.rand(3))
+
+
+def test_parse_args_records_the_flags_given_and_fit_length(capsys):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        model: str = "toy"
+        """policy"""
+        response_length: int = 53
+        """new tokens"""
+
+    args = ru.parse_args(Args, {"toy": {"response_length": 40}}, argv=[])
+    assert args.response_length == 40 and args.given_flags == frozenset()
+    assert ru.fit_length(args, "response_length", 30, "the longest prompt") == 30  # a default is lowered
+    assert args.response_length == 30 and "lowered from 40 to 30" in capsys.readouterr().out
+    assert ru.fit_length(args, "response_length", None, "no limit") == 30
+    args = ru.parse_args(Args, {}, argv=["--response_length", "40"])
+    assert args.given_flags == {"response_length"}
+    with pytest.raises(pc.UserError, match="--response_length 40 does not fit: the longest prompt leaves 30"):
+        ru.fit_length(args, "response_length", 30, "the longest prompt")
+    args = ru.parse_args(Args, {}, argv=[])
+    with pytest.raises(pc.UserError, match="leaves 0 positions"):  # real prompts that leave no room
+        ru.fit_length(args, "response_length", -3, "a 35-token prompt in 32 positions")
+
+
+def test_aliases_resolve_without_importing_the_toy_task_until_named(toy):
+    assert ru.resolve_model("pythia-1b") == "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
+    assert ru.resolve_reward_model("pythia-1b") == "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
+    assert ru.resolve_model("org/some-model") == "org/some-model"
+    assert ru.resolve_model("toy") == toy["policy"] and ru.resolve_reward_model("toy") == toy["reward"]
+    assert ru.default_dataset("pythia-2.8b") == "tldr" and ru.default_reward_model("toy") == "toy"
+    with pytest.raises(pc.UserError, match="--dataset is required"):
+        ru.default_dataset("org/some-model")
+    assert ru.model_positions(toy["policy"]) == 64
+
+
+def test_epoch_permutation_is_seeded_per_epoch():
+    a = ru.epoch_permutation(50, seed=1, epoch=0)
+    assert sorted(a) == list(range(50)) and a == ru.epoch_permutation(50, seed=1, epoch=0)
+    assert a != ru.epoch_permutation(50, seed=1, epoch=1) and a != ru.epoch_permutation(50, seed=2, epoch=0)
+    assert ru.epoch_permutation(50, seed=1, epoch=1) != ru.epoch_permutation(50, seed=2, epoch=0)  # no seed+epoch aliasing
+
+
+class _Processes:
+    """What ru needs of an Accelerator, for one process out of `num_processes` (no collectives)."""
+
+    def __init__(self, num_processes=1, process_index=0):
+        self.num_processes, self.process_index, self.device = num_processes, process_index, torch.device("cpu")
+
+
+def test_even_share_gives_every_process_the_same_number_of_items():
+    items = list(range(5))
+    shares = [ru.even_share(items, _Processes(3, rank)) for rank in range(3)]
+    assert [len(share) for share, _ in shares] == [2, 2, 2]
+    assert [n for _, n in shares] == [2, 2, 1]
+    assert sorted(x for share, n in shares for x in share[:n]) == items  # each item counted exactly once
+    few = [ru.even_share([7], _Processes(2, rank)) for rank in range(2)]
+    assert few == [([7], 1), ([7], 0)]  # a process with no item still runs one (discarded) item
+    assert ru.even_share(items, _Processes()) == (items, 5)
+
+
+def _processes_worker(rank, port, results):
+    import torch.distributed as dist
+    from accelerate import Accelerator
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
+    accelerator = Accelerator(cpu=True)
+    try:
+        # uneven items: 3 on process 0, 1 on process 1; the same calls on both
+        sums, count = ({"x": 1.0 + 2.0 + 3.0}, 3) if rank == 0 else ({"x": 10.0}, 1)
+        stop = ru.StopSignal()
+        stop.received = "SIGTERM" if rank == 1 else None
+        results[rank] = (ru.global_means(accelerator, sums, count),
+                         ru.all_finite(accelerator, 1.0, torch.tensor([2.0])),
+                         ru.all_finite(accelerator, float("nan") if rank == 0 else 1.0, None),
+                         stop.agreed(accelerator))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_global_means_and_agreement_over_two_processes():
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_processes_worker, args=(port, results), nprocs=2)
+        assert results[0] == results[1] == ({"x": 4.0}, True, False, True)
+    one = _Processes()
+    assert ru.global_means(one, {"x": 6.0}, 3) == {"x": 2.0}
+    assert ru.all_finite(one, 1.0, None) and not ru.all_finite(one, torch.tensor([1.0, float("inf")]))
+    assert not ru.StopSignal().agreed(one)
+
+
+def test_output_dir_resume_continues_in_place(tmp_path):
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(output_dir=None, resume_from=str(tmp_path / "runs" / "x" / "checkpoint-4"),
+                           exp_name="rloo", seed=1)
+    assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path / "runs" / "x")
+    args.output_dir = str(tmp_path / "mine")
+    assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path / "mine")
