@@ -47,35 +47,35 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment (data order; runs repeat exactly)"""
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
     model: str = "toy"
-    """starting policy: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
     ref_model: Optional[str] = None
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     dataset: Optional[str] = None
-    """preference pairs (prompt, chosen, rejected): alias, hub id, save_to_disk folder or json/jsonl/parquet files"""
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
     eval_split: str = "test"
-    """held-out split for evaluation"""
+    """split of the dataset held out for evaluation"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = the folder of --resume_from, else runs/<run name>"""
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
     track: bool = False
-    """log to Weights and Biases"""
+    """log to Weights & Biases as well as metrics.jsonl"""
     wandb_project: str = "policy-rlhf"
-    """the wandb project"""
+    """the wandb project name"""
 
     # optimisation
     learning_rate: float = 1e-6
-    """AdamW learning rate (peak, after warmup)"""
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
     per_device_train_batch_size: int = 8
-    """pairs per process per micro-batch"""
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     per_device_eval_batch_size: int = 8
-    """pairs (or prompts, for generation) per process per evaluation forward"""
+    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
     gradient_accumulation_steps: int = 8
-    """micro-batches per optimizer step"""
+    """micro-batches accumulated into one optimizer step"""
     num_train_epochs: float = 1.0
-    """passes over the training pairs (fractional allowed)"""
+    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
     max_steps: Optional[int] = None
-    """stop after this many optimizer steps whatever the run length says"""
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
     warmup_ratio: float = 0.1
     """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
     weight_decay: float = 0.0
@@ -83,17 +83,17 @@ class Args:
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     skip_nonfinite: bool = False
-    """skip (and count) an optimizer step whose loss or gradient norm is not finite, instead of stopping"""
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
     eval_steps: int = 500
-    """evaluate before training, every this many steps and after the last step (0 = only before and after)"""
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
-    """checkpoint folder to resume from (the run continues in its folder unless --output_dir is given)"""
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
 
     # model loading
     use_peft: bool = False
-    """train a LoRA adapter instead of all weights"""
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -101,25 +101,25 @@ class Args:
     lora_dropout: float = 0.0
     """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
-    """LoRA target modules; None = PEFT's default for the architecture"""
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
     merge_peft: bool = False
     """with --use_peft, save merged full weights instead of the adapter"""
     load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs --use_peft and a GPU)"""
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
-    """allow custom model code from the hub"""
+    """allow models with custom code from the hub"""
     share_prompts: bool = True
-    """encode the prompt of a chosen/rejected pair once when it saves enough (--no_share_prompts: every row plainly)"""
+    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
     # DPO
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
     """sigmoid (DPO / cDPO), ipo, hinge (SLiC) or robust (rDPO)"""
     beta: float = 0.1
-    """inverse temperature of the implicit reward beta * log(pi / ref)"""
+    """inverse temperature of the implicit reward beta * log(pi / ref) inside the loss"""
     label_smoothing: float = 0.0
     """probability that a preference label is flipped (cDPO for sigmoid, the noise rate for robust)"""
     rpo_alpha: Optional[float] = None
@@ -127,17 +127,17 @@ class Args:
     reference_free: bool = False
     """no reference model (its log-probs are 0)"""
     precompute_ref_logprobs: bool = False
-    """compute the reference log-probs once before training, then free the reference model"""
+    """compute every reference log-prob once before training, then free the reference model"""
     max_prompt_length: Optional[int] = None
-    """prompts keep their last this many tokens; None = the longest prompt in the data (a completion still fits)"""
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
     max_length: int = 640
-    """prompt + completion tokens (at most the model's positions); completions lose their end, empty ones are dropped"""
+    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
     max_eval_pairs: int = 2000
     """evaluate on the first this many held-out pairs (0 = all)"""
 
     # generation at evaluation (only when the dataset has a gold scorer, e.g. the toy task)
     response_length: int = 53
-    """max new tokens of the greedy evaluation generations (a default is lowered to fit the model's positions)"""
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 256
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
 
@@ -342,7 +342,7 @@ def main() -> None:
     validate(args)
     args.dataset = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
-    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     world_size = accelerator.num_processes
     local_micro_batch_size = args.per_device_train_batch_size
     micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes

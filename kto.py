@@ -23,12 +23,11 @@ Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py)
   outside the paper's range get a warning (`weight_advice`).
 - Lengths fit the model: --max_length and --response_length are lowered to its positions (with a note);
   --max_prompt_length defaults to the data's longest prompt (lowered to leave a completion token).
-- The learning-rate schedule (linear warmup, linear decay) spans num_train_epochs; --max_steps stops the run
-  early without changing it, so N steps + a resume to 2N == a 2N-step run.
+- The learning-rate schedule (linear warmup, linear decay) spans num_train_epochs, or --max_steps when that
+  ends the run earlier (as in every script).
 - Logged rewards are beta * r (as TRL's KTOTrainer and dpo.py log them); kl is z0 itself.
 """
 import functools
-import json
 import math
 import os
 import time
@@ -56,79 +55,79 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
     model: str = "toy"
     """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
     ref_model: Optional[str] = None
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     dataset: Optional[str] = None
-    """unpaired (prompt, completion, label) or paired (prompt, chosen, rejected) data; None = the model's alias"""
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
     eval_split: str = "test"
-    """held-out split for eval/ metrics and greedy generations"""
+    """split of the dataset held out for evaluation"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>"""
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
     track: bool = False
-    """log to Weights and Biases"""
+    """log to Weights & Biases as well as metrics.jsonl"""
     wandb_project: str = "policy-rlhf"
-    """wandb project name"""
+    """the wandb project name"""
 
     # Algorithm specific arguments
     beta: float = 0.1
-    """KTO temperature: scales the implicit reward r - z0 inside the sigmoid"""
+    """inverse temperature of the implicit reward beta * log(pi / ref) inside the loss"""
     desirable_weight: Optional[float] = None
     """loss weight of desirable examples (lambda_D); None = from the training data's counts (see loss_weights)"""
     undesirable_weight: Optional[float] = None
     """loss weight of undesirable examples (lambda_U); None = from the training data's counts (see loss_weights)"""
     precompute_ref_logprobs: bool = False
-    """compute every reference log-prob (own and mismatched completions) once before training, then free the reference"""
+    """compute every reference log-prob once before training, then free the reference model"""
     max_prompt_length: Optional[int] = None
-    """prompts keep their last this many tokens; None = the longest prompt in the data (a completion still fits)"""
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
     max_length: int = 640
-    """prompt + completion tokens (at most the model's positions); completions are cut from the right to fit"""
+    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
     share_prompts: bool = True
-    """encode a prompt repeated over several rows once (prompt_sharing.py) when it saves enough; --no_share_prompts runs every row plainly"""
+    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
     # Optimization
     learning_rate: float = 5e-7
-    """AdamW learning rate (peak of the linear schedule)"""
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
     per_device_train_batch_size: int = 8
-    """examples per micro-batch per process (>= 2: the mismatched KL pairs are built inside it)"""
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     gradient_accumulation_steps: int = 4
-    """micro-batches per optimizer step"""
+    """micro-batches accumulated into one optimizer step"""
     num_train_epochs: float = 1.0
-    """passes over the training data (sets the learning-rate schedule)"""
+    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
     max_steps: Optional[int] = None
-    """stop after this many optimizer steps whatever the run length says (the schedule still follows epochs)"""
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
     warmup_ratio: float = 0.1
-    """fraction of the run spent warming the learning rate up linearly from 0"""
+    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     skip_nonfinite: bool = False
-    """skip optimizer steps whose loss or grad norm is not finite (default: checkpoint and stop)"""
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
 
     # Evaluation
     eval_steps: int = 500
-    """evaluate before training, every this many steps and after the last step (0 = only before and after)"""
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
     per_device_eval_batch_size: int = 8
-    """examples per eval micro-batch per process (>= 2)"""
+    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
     num_eval_examples: int = 1024
     """held-out unpaired examples scored for eval/ metrics (0 = all)"""
     num_eval_prompts: int = 64
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
     response_length: int = 53
-    """max new tokens of the greedy evaluation generations (a default is lowered to fit the model's positions)"""
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
 
     # Saving
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
-    """checkpoint folder to resume from"""
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
     merge_peft: bool = False
     """with --use_peft, save merged full weights instead of the adapter"""
 
     # Model loading
     use_peft: bool = False
-    """train a LoRA adapter; the reference is then the adapter-off base"""
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -136,15 +135,15 @@ class Args:
     lora_dropout: float = 0.0
     """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
-    """LoRA target modules (None = PEFT's default for the architecture)"""
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
     load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs a GPU and bitsandbytes)"""
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
-    """allow custom model code from the hub"""
+    """allow models with custom code from the hub"""
 
 
 
@@ -223,17 +222,6 @@ def to_unpaired(dataset, name: str):
     if dtype != "bool":
         raise UserError(f"dataset {name!r}: column 'label' must be boolean (true = desirable), got {dtype}")
     return dataset
-
-
-def load_unpaired(name: str, split: str):
-    """`split` of the dataset `name` as unpaired rows (to_unpaired)."""
-    try:
-        return to_unpaired(ru.load_unpaired_dataset(name, split), name)
-    except IndexError:  # how `datasets` fails on a save_to_disk folder where a split was saved without rows
-        with open(os.path.join(name, "dataset_dict.json")) as f:
-            splits = json.load(f)["splits"]
-        empty = [s for s in splits if not any(f.endswith(".arrow") for f in os.listdir(os.path.join(name, s)))]
-        raise UserError(f"dataset {name!r} split {(empty or [split])[0]!r} is empty") from None
 
 
 def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
@@ -423,7 +411,7 @@ def main():
     if args.gradient_accumulation_steps < 1 or any(n is not None and n < 1 for n in (args.max_steps, args.max_prompt_length)):
         raise UserError("--gradient_accumulation_steps, --max_steps and --max_prompt_length must be >= 1")
     dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
-    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     world = accelerator.num_processes
     batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world  # examples per optimizer step
     ru.seed_everything(args.seed, accelerator.process_index)
@@ -431,7 +419,8 @@ def main():
     # 1. data: unpaired train and held-out examples, lengths fitted to the model's positions (before any model
     # loads), fixed micro-batches with mismatched pairs, eval prompts, the class weights
     tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    train_data, eval_data = load_unpaired(dataset_name, "train"), load_unpaired(dataset_name, args.eval_split)
+    train_data = to_unpaired(ru.load_unpaired_dataset(dataset_name, "train"), dataset_name)
+    eval_data = to_unpaired(ru.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
     eval_data = eval_data.select(range(min(args.num_eval_examples or len(eval_data), len(eval_data))))
     gen_prompts = []  # token ids of held-out prompts to complete greedily (cut to max_prompt_length below)
     if args.num_eval_prompts > 0:
@@ -467,7 +456,7 @@ def main():
                       f"({n_desirable} desirable, {n_undesirable} undesirable examples)" + (f"\nwarning: {advice}" if advice else ""))
     joint = joint_forward(args)
     total_steps = max(1, int(args.num_train_epochs * steps_per_epoch))  # the schedule's length
-    stop_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
     policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
@@ -483,8 +472,8 @@ def main():
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     if args.precompute_ref_logprobs:
-        # only the micro-batches that steps 0 .. stop_step - 1 visit (all of them unless --max_steps cuts the run)
-        used = sorted({g for s in range(stop_step) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
+        # only the micro-batches that steps 0 .. total_steps - 1 visit (all of them unless --max_steps cuts the run)
+        used = sorted({g for s in range(total_steps) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
         precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator, joint)
         precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator, joint)
         if reference.mode == "copy":
@@ -514,7 +503,7 @@ def main():
     policy.train()
 
     # 3. training loop: one optimizer step = gradient_accumulation_steps micro-batches on every process
-    while step < stop_step:
+    while step < total_steps:
         t0 = time.time()
         this_step = step_groups(step, len(groups), groups_per_step, args.seed)
         total, lr = {}, scheduler.get_last_lr()[0]
@@ -545,9 +534,9 @@ def main():
         elapsed = time.time() - t0
         logger.log({**metrics, "lr": lr, "epoch": step / steps_per_epoch, "nonfinite/skipped": skipped,
                     "time/step_seconds": elapsed, "time/samples_per_second": batch_size / elapsed}, step=step)
-        if (args.eval_steps and step % args.eval_steps == 0) or step == stop_step:
+        if (args.eval_steps and step % args.eval_steps == 0) or step == total_steps:
             evaluate_and_log(step)
-        stopping = stop.agreed(accelerator) and step < stop_step
+        stopping = stop.agreed(accelerator) and step < total_steps
         if (args.save_steps and step % args.save_steps == 0) or stopping:
             ru.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"),
                                {"step": step, "nonfinite_skipped": skipped}, scheduler)

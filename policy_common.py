@@ -290,19 +290,6 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     return model.to(accelerator.device)
 
 
-def make_accelerator(gradient_accumulation_steps: int, **kwargs):
-    """The run's Accelerator. On a machine without a GPU, a multi-process launch (torchrun or accelerate launch)
-    runs real ranks over gloo; a DeepSpeed launch keeps its engine (ZeRO code paths run on a CPU too)."""
-    from accelerate import Accelerator
-
-    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
-                              cpu=not torch.cuda.is_available() and not use_deepspeed, **kwargs)
-    accelerator.print(f"[accelerate] {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
-                      f"device {accelerator.device}")
-    return accelerator
-
-
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`)."""
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):

@@ -24,75 +24,75 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
     model: str = "toy"
-    """starting policy: alias (toy | pythia-1b | pythia-2.8b | pythia-6.9b), hub id or local folder"""
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
     ref_model: Optional[str] = None
-    """frozen reference policy (None = the starting policy; with --use_peft its adapter-off base)"""
+    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     reward_model: Optional[str] = None
-    """reward model (None = the one paired with --model's alias)"""
+    """reward model: alias, hub id or local folder; None = the one paired with --model"""
     value_model: Optional[str] = None
     """initialisation of the value model (None = the reward model, as in Ouyang et al. 2022)"""
     dataset: Optional[str] = None
-    """prompt dataset with a `prompt` column (None = the model alias's dataset)"""
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
     eval_split: str = "test"
-    """held-out split for evaluation"""
+    """split of the dataset held out for evaluation"""
     num_eval_prompts: int = 512
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go (None = runs/<run_name>)"""
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
     track: bool = False
-    """log to Weights and Biases as well"""
+    """log to Weights & Biases as well as metrics.jsonl"""
     wandb_project: str = "policy-rlhf"
-    """the wandb project"""
+    """the wandb project name"""
 
     # optimisation
     learning_rate: float = 3e-6
-    """AdamW learning rate (eps 1e-5), decayed linearly to 0 over the run"""
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
     per_device_train_batch_size: int = 16
-    """micro-batch size per process for the PPO forward/backward passes"""
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     gradient_accumulation_steps: int = 4
-    """micro-batches per mini-batch (one optimizer step per mini-batch)"""
+    """micro-batches accumulated into one optimizer step"""
     total_episodes: int = 1_000_000
-    """number of prompts (episodes) to roll out in total"""
+    """total number of sampled completions (episodes) to train on"""
     max_steps: Optional[int] = None
-    """stop after this many PPO updates (rollout batches) whatever total_episodes says"""
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
     max_grad_norm: float = 1.0
-    """gradient clipping norm (policy and value together)"""
+    """gradient clipping norm"""
     skip_nonfinite: bool = False
-    """skip optimizer steps with a non-finite loss or gradient (counted) instead of stopping"""
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
     eval_steps: int = 200
-    """evaluate before training, every this many updates and after the last (0 = only before and after)"""
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
     save_steps: int = 0
-    """write a resumable checkpoint every this many updates (0 = never)"""
+    """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
-    """checkpoint folder to resume from"""
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
 
     # generation
     response_length: int = 53
-    """maximum number of generated tokens (a default is lowered to fit the model's positions)"""
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     temperature: float = 0.7
-    """sampling temperature (log-probs for the ratio and the KL use logits / temperature too)"""
+    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = 1.0
     """subtracted from the score of a completion without EOS (None = no penalty)"""
     max_prompt_length: Optional[int] = None
-    """longest prompt in tokens, longer prompts are an error (None = the longest prompt in the data)"""
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
     local_rollout_forward_batch_size: int = 64
     """rows per generation / no-grad forward chunk"""
 
     # PPO (defaults from Huang et al. 2024)
     num_ppo_epochs: int = 4
-    """passes over each rollout batch"""
+    """passes over each batch of rollouts"""
     num_mini_batches: int = 1
-    """mini-batches (optimizer steps) per PPO epoch"""
+    """mini-batches (optimizer steps) per pass over a batch of rollouts"""
     kl_coef: float = 0.05
-    """initial coefficient of the per-token KL penalty -kl_coef * (logp - ref_logp)"""
+    """beta: weight of the KL-to-reference penalty in the reward (PPO: the start value if --kl_target adapts it)"""
     kl_target: Optional[float] = None
     """adaptive KL controller target (sequence KL, nats); None = fixed kl_coef"""
     kl_horizon: int = 10_000
     """adaptive KL controller horizon in episodes"""
     cliprange: float = 0.2
-    """policy ratio clip range"""
+    """clip range of the policy's importance ratio"""
     cliprange_value: float = 0.2
     """value prediction clip range around the rollout values"""
     vf_coef: float = 0.1
@@ -106,7 +106,7 @@ class Args:
 
     # models and memory
     use_peft: bool = False
-    """train a LoRA adapter on the policy (the value model stays fully trainable)"""
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -114,17 +114,17 @@ class Args:
     lora_dropout: float = 0.0
     """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
-    """LoRA target modules (None = PEFT's default for the architecture)"""
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
     merge_peft: bool = False
-    """save merged full weights instead of the adapter"""
+    """with --use_peft, save merged full weights instead of the adapter"""
     load_in_4bit: bool = False
-    """load the policy in 4 bit (needs --use_peft and a GPU)"""
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
     gradient_checkpointing: bool = False
-    """recompute activations in the backward pass"""
+    """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
-    """allow custom model code from the hub"""
+    """allow models with custom code from the hub"""
     save_value_model: bool = False
     """also save the value model to <output_dir>/value_model"""
 
@@ -312,7 +312,7 @@ def batch_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> 
 def main():
     # 1. arguments, batch sizes, accelerator, model and dataset names
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
-    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     local_mini_batch_size, local_batch_size, batch_size, num_total_batches = validate(args, accelerator.num_processes)
     ru.seed_everything(args.seed, accelerator.process_index)
     dataset_name = args.dataset or ru.default_dataset(args.model)

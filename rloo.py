@@ -30,27 +30,27 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """the name of this experiment"""
     seed: int = 1
-    """seed of the experiment"""
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
     model: str = "toy"
     """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
     ref_model: Optional[str] = None
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     reward_model: Optional[str] = None
-    """reward model; None = the reward model paired with --model"""
+    """reward model: alias, hub id or local folder; None = the one paired with --model"""
     dataset: Optional[str] = None
-    """prompt dataset (column `prompt`): alias, hub id, save_to_disk folder or json/jsonl/parquet; None = --model's"""
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
     eval_split: str = "test"
-    """held-out split for evaluation"""
+    """split of the dataset held out for evaluation"""
     output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = the folder of --resume_from, else runs/<run name>"""
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
     track: bool = False
-    """log to Weights and Biases"""
+    """log to Weights & Biases as well as metrics.jsonl"""
     wandb_project: str = "policy-rlhf"
-    """the wandb project"""
+    """the wandb project name"""
 
     # Model loading
     use_peft: bool = False
-    """train a LoRA adapter instead of all weights (the reference is then the adapter-off base)"""
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
     lora_r: int = 16
     """LoRA rank"""
     lora_alpha: int = 32
@@ -58,35 +58,35 @@ class Args:
     lora_dropout: float = 0.0
     """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
     lora_target_modules: Optional[List[str]] = None
-    """LoRA target modules (None = PEFT's default for the architecture)"""
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
     merge_peft: bool = False
     """with --use_peft, save merged full weights instead of the adapter"""
     load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs a GPU and --use_peft)"""
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
-    """allow custom model code from the hub"""
+    """allow models with custom code from the hub"""
 
     # Run length, optimisation, logging
     total_episodes: int = 1_000_000
     """total number of sampled completions (episodes) to train on"""
     max_steps: Optional[int] = None
-    """stop after this many steps (one step = one batch of rollouts) whatever total_episodes says"""
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
     learning_rate: float = 3e-6
-    """AdamW learning rate, decayed linearly to 0"""
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
     per_device_train_batch_size: int = 16
-    """completions per forward/backward pass (micro-batch) on each process"""
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     gradient_accumulation_steps: int = 16
     """micro-batches accumulated into one optimizer step"""
     max_grad_norm: float = 1.0
     """gradient clipping norm"""
     skip_nonfinite: bool = False
-    """skip an optimizer step whose loss or gradient norm is not finite (else checkpoint and stop)"""
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
     eval_steps: int = 0
-    """evaluate before training, every this many steps and after the last step (0 = only before and after)"""
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
     num_eval_prompts: int = 512
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
     num_samples_printed: int = 4
@@ -94,13 +94,13 @@ class Args:
     save_steps: int = 0
     """write a resumable checkpoint every this many steps (0 = none)"""
     resume_from: Optional[str] = None
-    """checkpoint folder to resume from (the run continues in its folder unless --output_dir is given)"""
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
 
     # Algorithm specific arguments
     rloo_k: int = 2
     """completions sampled per prompt (k of the leave-one-out baseline)"""
     kl_coef: float = 0.03
-    """beta: weight of the KL penalty to the reference (0.03 in TRL's TL;DR run; TRL's config default is 0.05)"""
+    """beta: weight of the KL-to-reference penalty in the reward (PPO: the start value if --kl_target adapts it)"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """per-token KL estimator: k1 = logp - ref_logp; k3 = exp(ref_logp - logp) - 1 - (ref_logp - logp)"""
     token_level_kl: bool = False
@@ -108,23 +108,23 @@ class Args:
     normalize_advantage: bool = False
     """whiten the advantages over the batch"""
     cliprange: float = 0.2
-    """clip range of the importance ratio"""
+    """clip range of the policy's importance ratio"""
     num_ppo_epochs: int = 1
-    """passes over each batch of rollouts (1 = plain REINFORCE)"""
+    """passes over each batch of rollouts"""
     num_mini_batches: int = 1
-    """mini-batches (optimizer steps) per pass"""
+    """mini-batches (optimizer steps) per pass over a batch of rollouts"""
     response_length: int = 53
-    """maximum number of generated tokens (a default is lowered to fit the model's positions)"""
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     max_prompt_length: Optional[int] = None
-    """longest prompt in tokens, longer prompts are an error (None = the longest prompt in the data)"""
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
     temperature: float = 0.7
-    """sampling temperature (log-probs are computed under the same temperature)"""
+    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = 1.0
-    """subtracted from the score of completions without EOS (None = no penalty)"""
+    """subtracted from the score of a completion without EOS (None = no penalty)"""
     local_rollout_forward_batch_size: int = 16
     """rows per generation / no-grad forward chunk"""
     share_prompts: bool = True
-    """encode a prompt repeated over several rows once (prompt_sharing.py) when it saves enough; --no_share_prompts runs every row plainly"""
+    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
@@ -281,7 +281,7 @@ def main():
            1 if args.max_steps is None else args.max_steps) < 1:
         raise pc.UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
                            "--max_steps must be >= 1")
-    accelerator = pc.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     local_mini_batch_size = pc.exact_div(local_batch_size, args.num_mini_batches, "local_batch_size / num_mini_batches")

@@ -291,6 +291,19 @@ def tokenize_prompts(tokenizer, prompts: Sequence, max_prompt_length: Optional[i
 # ---------------------------------------------------------------------------------------------------------
 # Runs: seeding, run folder, metrics, saving, checkpoints
 # ---------------------------------------------------------------------------------------------------------
+def make_accelerator(gradient_accumulation_steps: int, **kwargs):
+    """The run's Accelerator. On a machine without a GPU, a multi-process launch (torchrun or accelerate launch)
+    runs real ranks over gloo; a DeepSpeed launch keeps its engine (ZeRO code paths run on a CPU too)."""
+    from accelerate import Accelerator
+
+    use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
+    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available() and not use_deepspeed, **kwargs)
+    accelerator.print(f"[accelerate] {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
+                      f"device {accelerator.device}")
+    return accelerator
+
+
 def seed_everything(seed: int, process_index: int = 0) -> int:
     """Seed python, numpy and torch with seed + process_index (each process samples differently, runs
     repeat exactly). Returns the per-process seed."""

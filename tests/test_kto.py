@@ -232,12 +232,13 @@ def test_run_writes_metrics_and_a_reloadable_model(base_run):
 
 @pytest.fixture(scope="module")
 def resumed_run(base_run, tmp_path_factory):
-    """The base run's first 2 steps (checkpoint at 2), then a resume for 2 more; returns (folder, rows of part 1)."""
+    """The base run again with a checkpoint at step 2, then a resume from that checkpoint for the last 2 steps;
+    returns (folder, rows up to step 2 of the first run)."""
     out = str(tmp_path_factory.mktemp("kto") / "resumed")
-    common = ["--output_dir", out, "--eval_steps", "2", "--seed", "3", *SHORT]
-    run_script("kto.py", *common, "--max_steps", "2", "--save_steps", "2")
-    first_part = read_metrics(out)
-    run_script("kto.py", *common, "--max_steps", "4", "--resume_from", os.path.join(out, "checkpoint-2"))
+    common = ["--output_dir", out, "--eval_steps", "2", "--seed", "3", "--max_steps", "4", *SHORT]
+    run_script("kto.py", *common, "--save_steps", "2")
+    first_part = [r for r in read_metrics(out) if r["step"] <= 2]
+    run_script("kto.py", *common, "--resume_from", os.path.join(out, "checkpoint-2"))
     return out, first_part
 
 
