@@ -2,9 +2,9 @@
 
 Trains a policy on (prompt, chosen, rejected) pairs with no reward model and no sampling:
     loss = -log sigmoid(beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))])
-Variants (--loss_type): sigmoid (DPO; with --label_smoothing conservative DPO), ipo (Azar et al. 2023), hinge (SLiC,
-Zhao et al. 2023), robust (Chowdhury et al. 2024); --rpo_alpha adds an NLL term on the chosen completion (Pang et
-al. 2024); --reference_free drops the reference.
+Variants: --loss_type ipo, hinge (SLiC) or robust (rDPO), --label_smoothing (cDPO), --rpo_alpha (an NLL term on the
+chosen completion, RPO), --reference_free (no reference); formulas and papers at dpo_loss and pair_losses. Style after
+summarize_from_feedback_details' dpo.py; loss variants as in TRL's DPOTrainer.
 
     python dpo.py                                        # the offline toy task, a few CPU minutes
     accelerate launch dpo.py --model pythia-1b           # TL;DR preference data (trl-lib/tldr-preference)
@@ -14,8 +14,7 @@ beta * (log pi - log ref)); rewards/accuracies (chosen reward higher); rewards/m
 (per-token means for ipo); nll_loss (RPO); grad_norm; lr; epoch; nonfinite/skipped; time/*. Each evaluation (before
 training, every --eval_steps, after the last step) logs the same on held-out pairs as eval/..., and eval/gold_score
 (greedy completions of held-out prompts) where the dataset has a gold scorer. Step 0 also holds data/* counts
-(data/dropped: pairs whose completion truncation emptied). Style after summarize_from_feedback_details' dpo.py; loss
-variants as in TRL's DPOTrainer.
+(data/dropped: pairs whose completion truncation emptied).
 """
 
 import math
@@ -164,21 +163,11 @@ def validate(args: Args) -> None:
         raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Data: (prompt, chosen, rejected) -> token ids
-# ---------------------------------------------------------------------------------------------------------
-def load_pairs(name: str, split: str):
-    """`split` of a preference dataset (an empty one is a one-line error in ru), its columns checked."""
-    dataset = ru.load_preference_dataset(name, split)
-    ru.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
-    return dataset
-
-
 def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
-    """Rows of text or conversational pairs -> (rows, dropped). Each row is a dict of token-id lists `prompt`,
-    `chosen`, `rejected` (EOS appended to completions, then the truncation rule of
-    ru.tokenize_prompt_completion). A row whose chosen or rejected completion is cut to nothing is dropped and
-    counted. A value that is neither text nor a list of messages is a UserError."""
+    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected` (EOS
+    appended to completions, then cut by ru.tokenize_prompt_completion's rule); a pair with a completion cut to nothing
+    is dropped and counted. A value that is neither text nor a list of messages is a UserError."""
     rows, dropped = [], 0
     for i, example in enumerate(dataset):
         for column in ("prompt", "chosen", "rejected"):
@@ -204,22 +193,18 @@ def concatenated_inputs(rows, pad_token_id: int):
     """b rows -> (query_responses (2b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
     RIGHT-padded to R; the b chosen rows first, then the b rejected rows (one forward pass for both)."""
     prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
-    completions = pc.pad_sequences([r["chosen"] for r in rows] + [r["rejected"] for r in rows], pad_token_id,
-                                   "right")  # (2b, R)
+    completions = pc.pad_sequences([r[c] for c in ("chosen", "rejected") for r in rows], pad_token_id, "right")
     return torch.cat([prompts.repeat(2, 1), completions], 1), prompts.shape[1]
 
 
-def completion_sums(token_logprobs: torch.Tensor, query_responses: torch.Tensor, context_length: int,
-                    pad_token_id: int):
+def completion_sums(token_logprobs, query_responses, context_length: int, pad_token_id: int):
     """(2b, R) per-token log-probs -> (log-probs summed over each completion's tokens (2b,), completion lengths
     (2b,)); prompt and padding positions do not count."""
     mask = query_responses[:, context_length:] != pad_token_id
     return (token_logprobs * mask).sum(1), mask.sum(1)
 
 
-# ---------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: the preference losses
-# ---------------------------------------------------------------------------------------------------------
 def dpo_loss(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
              loss_type: str = "sigmoid", label_smoothing: float = 0.0):
     """Per-pair losses (b,) and implicit rewards beta * log(pi / ref) of chosen and rejected (b,), (b,).
@@ -254,9 +239,8 @@ def pair_losses(args: Args, policy_logps, ref_logps, lengths):
     if args.loss_type == "ipo":  # length-normalised log-probs (see dpo_loss)
         policy_logps, ref_logps = policy_logps / lengths, ref_logps / lengths
     policy_chosen, policy_rejected = policy_logps.chunk(2)
-    ref_chosen, ref_rejected = ref_logps.chunk(2)
-    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected,
-                                                        args.beta, args.loss_type, args.label_smoothing)
+    losses, chosen_rewards, rejected_rewards = dpo_loss(policy_chosen, policy_rejected, *ref_logps.chunk(2), args.beta,
+                                                        args.loss_type, args.label_smoothing)
     stats = {"rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
              "rewards/accuracies": (chosen_rewards > rejected_rewards).float(),
              "rewards/margins": chosen_rewards - rejected_rewards,
@@ -269,10 +253,8 @@ def pair_losses(args: Args, policy_logps, ref_logps, lengths):
     return losses, stats
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Reference log-probs and evaluation: each process takes an even share (ru.even_share), so that every process makes
 # the same model calls; results are combined over all processes
-# ---------------------------------------------------------------------------------------------------------
 def reference_logps(reference, precomputed, index, query_responses, context_length, pad_token_id,
                     share_prompts: bool = False):
     """(2b,) reference log-probs summed over each completion of a concatenated batch: looked up for rows `index`
@@ -281,6 +263,19 @@ def reference_logps(reference, precomputed, index, query_responses, context_leng
         return torch.cat([precomputed[index, 0], precomputed[index, 1]]).to(query_responses.device)
     token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id, share_prompts=share_prompts)
     return completion_sums(token_logprobs, query_responses, context_length, pad_token_id)[0]
+
+
+def batch_losses(args, policy, reference, rows, index, ref_table, pad_token_id: int, device, share_prompts: bool):
+    """Pairs rows[index] -> per-pair losses (b,) and metrics (pair_losses): one policy forward over the chosen and
+    the rejected completions together; reference log-probs from `ref_table` when precomputed, else the reference."""
+    query_responses, context_length = concatenated_inputs([rows[i] for i in index], pad_token_id)
+    query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
+    token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id,
+                                          share_prompts=share_prompts)
+    policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
+    ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad_token_id,
+                                share_prompts=share_prompts)
+    return pair_losses(args, policy_logps, ref_logps, lengths)
 
 
 @torch.no_grad()
@@ -299,33 +294,26 @@ def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, acce
 
 
 @torch.no_grad()
-def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenizer, accelerator, *, share_prompts):
+def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenizer, accelerator, logger, step, *,
+             share_prompts):
     """Held-out pairs `rows` -> eval/... preference metrics; greedy completions of the held-out `queries` (if any)
-    -> eval/gold_score. Returns (means over every process's items, a few sample rows)."""
+    -> eval/gold_score. Logs a few completions as eval/samples; returns the means over every process's items."""
     pad = tokenizer.pad_token_id
     policy.eval()
     share, n_real = ru.even_share(list(range(len(rows))), accelerator)
     sums = {}
     for i in range(0, len(share), args.per_device_eval_batch_size):
-        index = share[i:i + args.per_device_eval_batch_size]
-        query_responses, context_length = concatenated_inputs([rows[j] for j in index], pad)
-        query_responses = query_responses.to(accelerator.device)
-        policy_logps, lengths = completion_sums(
-            pc.response_logprobs(policy, query_responses, context_length, pad, share_prompts=share_prompts),
-            query_responses, context_length, pad)
-        ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad,
-                                    share_prompts=share_prompts)
-        _, stats = pair_losses(args, policy_logps, ref_logps, lengths)
+        _, stats = batch_losses(args, policy, reference, rows, share[i:i + args.per_device_eval_batch_size], ref_table,
+                                pad, accelerator.device, share_prompts)
         for k, v in stats.items():  # only the first n_real pairs of the share count
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
     metrics, samples = ru.global_means(accelerator, sums, n_real), []
     if queries:
         share, n_real = ru.even_share(queries, accelerator)
         query_tensor = pc.pad_sequences(share, pad, "left").to(accelerator.device)  # (n, Lq)
-        query_responses, _ = pc.batch_generation(
-            policy, query_tensor, pad, tokenizer.eos_token_id,
-            pc.make_generation_config(tokenizer, args.response_length, greedy=True), args.per_device_eval_batch_size,
-            accelerator)
+        greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+        query_responses, _ = pc.batch_generation(policy, query_tensor, pad, tokenizer.eos_token_id, greedy,
+                                                 args.per_device_eval_batch_size, accelerator)
         for query_response in query_responses[:n_real]:
             prompt = tokenizer.decode(query_response[:query_tensor.shape[1]], skip_special_tokens=True)
             completion = tokenizer.decode(query_response[query_tensor.shape[1]:], skip_special_tokens=True)
@@ -333,7 +321,8 @@ def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenize
         metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)}, n_real))
     policy.train()
     accelerator.print("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    return metrics, [{**s, "gold": round(s["gold"], 3)} for s in samples[:3]]
+    logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples[:3]], step)
+    return metrics
 
 
 def main() -> None:
@@ -349,12 +338,13 @@ def main() -> None:
     batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. data: pairs (train, held-out) and held-out prompts for the gold score; lengths fitted to the model's
-    # positions; token ids (bad data fails before the models load)
+    # 1. data: pairs, held-out prompts (gold score), lengths fitted to the model, token ids (before the models load)
     tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_data = load_pairs(args.dataset, "train")
-    eval_data = load_pairs(args.dataset, args.eval_split)
+    train_data = ru.load_preference_dataset(args.dataset, "train")
+    ru.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
+    eval_data = ru.load_preference_dataset(args.dataset, args.eval_split)
+    ru.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
     if args.max_eval_pairs:
         eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
     scorer = ru.gold_scorer(args.dataset) if args.num_eval_prompts else None
@@ -381,8 +371,7 @@ def main() -> None:
     if steps_per_epoch == 0:
         raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} (per_device_train_"
                         f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
-    total_steps = max(1, int(steps_per_epoch * args.num_train_epochs))
-    total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
     # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
     share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
                                                             args.max_length - args.max_prompt_length)
@@ -394,8 +383,7 @@ def main() -> None:
         use_peft=args.use_peft, reference_free=args.reference_free, accelerator=accelerator, bf16=args.bf16,
         trust_remote_code=args.trust_remote_code)
 
-    # 3. optimizer, schedule. The scheduler is not passed to prepare (accelerate would step it once per process);
-    # checkpoints carry its state as JSON.
+    # 3. optimizer, schedule (not given to prepare: accelerate would step it on every process; checkpoints save it)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
@@ -420,11 +408,10 @@ def main() -> None:
 
     # 6. step 0 (not again when resuming): data counts and the evaluation before training
     if not args.resume_from:
-        metrics, samples = evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer,
-                                    tokenizer, accelerator, share_prompts=share_prompts)
+        metrics = evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer, tokenizer,
+                           accelerator, logger, 0, share_prompts=share_prompts)
         logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
                     "data/eval_dropped": eval_dropped, **metrics}, step=0)
-        logger.log_samples("eval/samples", samples, 0)
 
     # 7. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
     # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
@@ -440,16 +427,10 @@ def main() -> None:
         for micro in range(args.gradient_accumulation_steps):
             start = micro * micro_batch_size + accelerator.process_index * local_micro_batch_size
             index = batch_index[start:start + local_micro_batch_size]
-            query_responses, context_length = concatenated_inputs([train_rows[i] for i in index], pad)
-            query_responses = query_responses.to(accelerator.device)  # (2b, Lq + R): chosen rows, rejected rows
             with accelerator.accumulate(policy):
-                # ALGO LOGIC: one forward over chosen and rejected, per-pair losses, backward
-                policy_logps, lengths = completion_sums(  # (2b,) summed over completion tokens, (2b,)
-                    pc.response_logprobs(policy, query_responses, context_length, pad, share_prompts=share_prompts),
-                    query_responses, context_length, pad)
-                ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad,
-                                            share_prompts=share_prompts)
-                losses, stats = pair_losses(args, policy_logps, ref_logps, lengths)  # (b,)
+                # ALGO LOGIC: one forward over chosen and rejected, per-pair losses (b,), backward
+                losses, stats = batch_losses(args, policy, reference, train_rows, index, ref_table, pad,
+                                             accelerator.device, share_prompts)
                 accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
@@ -475,10 +456,8 @@ def main() -> None:
         # TRY NOT TO MODIFY: evaluation, logging, checkpoints
         global_step = step + 1
         if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
-            eval_metrics, samples = evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer,
-                                             tokenizer, accelerator, share_prompts=share_prompts)
-            metrics.update(eval_metrics)
-            logger.log_samples("eval/samples", samples, global_step)
+            metrics.update(evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer,
+                                    tokenizer, accelerator, logger, global_step, share_prompts=share_prompts))
         logger.log(metrics, step=global_step)
         stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
         if (args.save_steps and global_step % args.save_steps == 0) or stopping:

@@ -15,17 +15,14 @@ Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py)
   inside one, example k is also scored on example k-1's completion (as TRL's _get_kl_dataset), so each pair is
   fixed and reference log-probs can be precomputed (--precompute_ref_logprobs). Epoch e visits the micro-batches
   in the order ru.epoch_permutation(n, seed, e).
-- z0 is recomputed every micro-batch, averaged over processes, clamped at 0 and carries no gradient (paper sec.
-  4.2; TRL). No reference-free mode: without pi_ref the "KL" term would be a plain log-likelihood.
+- z0 is recomputed every micro-batch (paper sec. 4.2; TRL). No reference-free mode: without pi_ref the "KL" term
+  would be a plain log-likelihood.
 - Prompts longer than twice the completions (TL;DR): own and mismatched completions run in ONE forward, each
   prompt encoded once (`joint_forward`, decided from the flags); the reference alike (log-ratios start at 0).
 - Class weights: by default from the training data's counts (`loss_weights`, the paper's rule); given weights
   outside the paper's range get a warning (`weight_advice`).
-- Lengths fit the model: --max_length and --response_length are lowered to its positions (with a note);
-  --max_prompt_length defaults to the data's longest prompt (lowered to leave a completion token).
-- The learning-rate schedule (linear warmup, linear decay) spans num_train_epochs, or --max_steps when that
-  ends the run earlier (as in every script).
-- Logged rewards are beta * r (as TRL's KTOTrainer and dpo.py log them); kl is z0 itself.
+- Metrics: kl is z0; rewards/chosen|rejected are beta * r over the desirable|undesirable examples (as TRL's
+  KTOTrainer and dpo.py log them), rewards/margins their difference, logps/* log pi(y|x) alike; eval/*: held out.
 """
 import functools
 import math
@@ -35,6 +32,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 import torch
+from transformers import get_scheduler
 
 import policy_common as pc
 import prompt_sharing as ps
@@ -146,11 +144,7 @@ class Args:
     """allow models with custom code from the hub"""
 
 
-
-
-# ---------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: the KTO loss, its KL reference point and the class weights
-# ---------------------------------------------------------------------------------------------------------
 def kl_reference_point(kl_policy_logps: torch.Tensor, kl_ref_logps: torch.Tensor, accelerator=None) -> torch.Tensor:
     """z0 = max(0, mean over the mismatched pairs (x, y') of log pi(y'|x) - log pi_ref(y'|x)), (B,) -> ().
     Detached (no gradient flows through the reference point) and averaged over every process's batch."""
@@ -162,9 +156,7 @@ def kl_reference_point(kl_policy_logps: torch.Tensor, kl_ref_logps: torch.Tensor
 
 def kto_losses(rewards: torch.Tensor, z0: torch.Tensor, desirable: torch.Tensor, beta: float,
                desirable_weight: float, undesirable_weight: float) -> torch.Tensor:
-    """Per-example KTO loss, (B,) -> (B,), with r = log pi(y|x) - log pi_ref(y|x):
-    desirable:   lambda_D * (1 - sigmoid(beta * (r - z0)))
-    undesirable: lambda_U * (1 - sigmoid(beta * (z0 - r)))"""
+    """Per-example KTO loss (B,) -> (B,) of the rewards r = log pi(y|x) - log pi_ref(y|x) (module docstring)."""
     desirable_losses = desirable_weight * (1 - torch.sigmoid(beta * (rewards - z0)))
     undesirable_losses = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rewards)))
     return torch.where(desirable, desirable_losses, undesirable_losses)
@@ -187,23 +179,22 @@ def loss_weights(n_desirable: int, n_undesirable: int, desirable_weight: Optiona
     return desirable_weight, undesirable_weight
 
 
-def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float, undesirable_weight: float) -> Optional[str]:
+def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
+                  undesirable_weight: float) -> Optional[str]:
     """The KTO paper (and TRL) advise lambda_D * n_D / (lambda_U * n_U) in [1, 4/3]; a warning text when outside."""
     if n_desirable == 0 or n_undesirable == 0:
-        return f"the training data has {n_desirable} desirable and {n_undesirable} undesirable examples; KTO learns from both"
-    ratio = desirable_weight * n_desirable / (undesirable_weight * n_undesirable)
-    if 1.0 - 1e-9 <= ratio <= 4 / 3 + 1e-9:  # derived weights give 1 up to float rounding
+        return (f"the training data has {n_desirable} desirable and {n_undesirable} undesirable examples; "
+                "KTO learns from both")
+    d, u = desirable_weight * n_desirable, undesirable_weight * n_undesirable
+    if 1.0 - 1e-9 <= d / u <= 4 / 3 + 1e-9:  # derived weights give 1 up to float rounding
         return None
-    return (f"desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = {ratio:.3f} is outside the "
+    return (f"desirable_weight * n_desirable / (undesirable_weight * n_undesirable) = {d / u:.3f} is outside the "
             f"recommended [1, 4/3] ({n_desirable} desirable, {n_undesirable} undesirable): use EITHER "
-            f"--desirable_weight in [{undesirable_weight * n_undesirable / n_desirable:.2f}, "
-            f"{undesirable_weight * n_undesirable * 4 / 3 / n_desirable:.2f}] OR --undesirable_weight in "
-            f"[{desirable_weight * n_desirable * 3 / 4 / n_undesirable:.2f}, {desirable_weight * n_desirable / n_undesirable:.2f}]")
+            f"--desirable_weight in [{u / n_desirable:.2f}, {u * 4 / 3 / n_desirable:.2f}] OR --undesirable_weight "
+            f"in [{d * 3 / 4 / n_undesirable:.2f}, {d / n_undesirable:.2f}]")
 
 
-# ---------------------------------------------------------------------------------------------------------
 # Data: unpaired examples, fixed micro-batches with mismatched (prompt, other completion) pairs
-# ---------------------------------------------------------------------------------------------------------
 def to_unpaired(dataset, name: str):
     """An unpaired dataset (prompt, completion, label: bool) as is; a paired one (prompt, chosen, rejected)
     becomes two rows per pair: (prompt, chosen, True) and (prompt, rejected, False)."""
@@ -231,11 +222,13 @@ def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: in
     for row in dataset:
         prompt = ru.render_prompt(tokenizer, row["prompt"])
         completion = ru.render_completion(tokenizer, row["prompt"], row["completion"])
-        prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length, max_length)
+        prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
+                                                                   max_length)
         if not prompt_ids or not completion_ids:
             dropped += 1
             continue
-        examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids, label=bool(row["label"])))
+        examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids,
+                             label=bool(row["label"])))
     if not examples:
         raise UserError(f"dataset {name!r}: every row was emptied by truncation (max_length {max_length})")
     return examples, dropped
@@ -279,9 +272,7 @@ def collate(group: list, pad_token_id: int) -> dict:
     return batch
 
 
-# ---------------------------------------------------------------------------------------------------------
 # ALGO LOGIC: log-probs of own and mismatched completions, one KTO micro-batch, evaluation
-# ---------------------------------------------------------------------------------------------------------
 def joint_forward(args) -> bool:
     """Score both halves of a micro-batch (own and mismatched completions of the same prompts) in ONE forward,
     each prompt encoded once, the mismatched half's gradient discarded? Per example that costs 3 (Lq + 2R) token
@@ -331,22 +322,21 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
     device = accelerator.device
     query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]  # (2B, T)
     desirable = batch["desirable"].to(device)
-    B = desirable.shape[0]
     # log pi(y|x) of each example's own completion, with gradient, and log pi(y'|x) of its mismatched pair
     # (x_k, y_{k-1}), without; the reference's the same way (unless precomputed)
     policy_logprobs = functools.partial(pc.response_logprobs, policy)
-    all_policy_logps = completion_logprob_sums(policy_logprobs, query_responses, ctx, pad_token_id, joint)
-    policy_logps, kl_policy_logps = all_policy_logps[:B], all_policy_logps[B:].detach()
+    policy_logps, kl_policy_logps = completion_logprob_sums(policy_logprobs, query_responses, ctx, pad_token_id,
+                                                            joint).chunk(2)
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
                      else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad_token_id, joint))
-    ref_logps, kl_ref_logps = all_ref_logps[:B], all_ref_logps[B:]
-    # z0 = max(0, mean log-ratio of the mismatched pairs), then r = log pi(y|x) - log pi_ref(y|x) and the loss
+    ref_logps, kl_ref_logps = all_ref_logps.chunk(2)
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()
     undesirable = ~desirable
     r, logps = args.beta * rewards.detach(), policy_logps.detach()  # logged rewards are beta * r, as TRL and dpo.py
-    sums = {"loss": loss.detach(), "kl": z0, "count/desirable": desirable.sum().float(), "count/undesirable": undesirable.sum().float(),
+    sums = {"loss": loss.detach(), "kl": z0,
+            "count/desirable": desirable.sum().float(), "count/undesirable": undesirable.sum().float(),
             "rewards/chosen": (r * desirable).sum(), "rewards/rejected": (r * undesirable).sum(),
             "logps/chosen": (logps * desirable).sum(), "logps/rejected": (logps * undesirable).sum()}
     return loss, sums
@@ -357,9 +347,12 @@ def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") ->
     rewards and logps over the desirable (chosen) or undesirable (rejected) examples of all processes."""
     keys = sorted(sums)
     totals = torch.stack([sums[k].float() for k in keys])
-    t = dict(zip(keys, (accelerator.reduce(totals, reduction="sum") if accelerator.num_processes > 1 else totals).tolist()))
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, reduction="sum")
+    t = dict(zip(keys, totals.tolist()))
     n = n_batches * accelerator.num_processes
-    out = {"loss": t["loss"] / n, "kl": t["kl"] / n, "count/desirable": t["count/desirable"], "count/undesirable": t["count/undesirable"]}
+    out = {"loss": t["loss"] / n, "kl": t["kl"] / n, "count/desirable": t["count/desirable"],
+           "count/undesirable": t["count/undesirable"]}
     for name, count in (("chosen", t["count/desirable"]), ("rejected", t["count/undesirable"])):
         if count > 0:  # a batch without desirable (or undesirable) examples has no mean for them
             out[f"rewards/{name}"], out[f"logps/{name}"] = t[f"rewards/{name}"] / count, t[f"logps/{name}"] / count
@@ -369,10 +362,11 @@ def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") ->
 
 
 @torch.no_grad()
-def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args: Args, accelerator, joint: bool):
-    """(metrics, samples): the KTO metrics of held-out micro-batches (len // processes on each, the rest left out)
-    and eval/gold_score of greedy completions of held-out prompts (padded shares: only the first n_real count);
-    samples = a few prompt/response rows."""
+def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args: Args, accelerator, joint: bool,
+             logger, step: int):
+    """The KTO metrics of held-out micro-batches (len // processes on each, the rest left out) and eval/gold_score
+    of greedy completions of held-out prompts (padded shares: only the first n_real count); a few prompt/response
+    rows are logged as eval/samples."""
     world, pad = accelerator.num_processes, tokenizer.pad_token_id
     policy.eval()
     n_batches, total = len(eval_groups) // world, {}
@@ -395,7 +389,8 @@ def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, arg
                 row["gold_score"] = round(score, 4)
             metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(gold)}, len(gold)))
     policy.train()
-    return metrics, samples[:4]
+    logger.log_samples("eval/samples", samples[:4], step)
+    return metrics
 
 
 def main():
@@ -407,18 +402,21 @@ def main():
     if args.learning_rate <= 0 or args.num_train_epochs <= 0 or not 0 <= args.warmup_ratio < 1:
         raise UserError("--learning_rate and --num_train_epochs must be > 0 and --warmup_ratio in [0, 1)")
     if args.per_device_train_batch_size < 2 or args.per_device_eval_batch_size < 2:
-        raise UserError("--per_device_train_batch_size and --per_device_eval_batch_size must be >= 2 (KL pairs are built in the batch)")
-    if args.gradient_accumulation_steps < 1 or any(n is not None and n < 1 for n in (args.max_steps, args.max_prompt_length)):
+        raise UserError("--per_device_train_batch_size and --per_device_eval_batch_size must be >= 2 "
+                        "(KL pairs are built in the batch)")
+    if any(n is not None and n < 1 for n in (args.gradient_accumulation_steps, args.max_steps, args.max_prompt_length)):
         raise UserError("--gradient_accumulation_steps, --max_steps and --max_prompt_length must be >= 1")
     dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     world = accelerator.num_processes
-    batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * world  # examples per optimizer step
+    groups_per_step = world * args.gradient_accumulation_steps
+    batch_size = args.per_device_train_batch_size * groups_per_step  # examples per optimizer step
     ru.seed_everything(args.seed, accelerator.process_index)
 
     # 1. data: unpaired train and held-out examples, lengths fitted to the model's positions (before any model
     # loads), fixed micro-batches with mismatched pairs, eval prompts, the class weights
     tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    pad = tokenizer.pad_token_id
     train_data = to_unpaired(ru.load_unpaired_dataset(dataset_name, "train"), dataset_name)
     eval_data = to_unpaired(ru.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
     eval_data = eval_data.select(range(min(args.num_eval_examples or len(eval_data), len(eval_data))))
@@ -426,26 +424,27 @@ def main():
     if args.num_eval_prompts > 0:
         prompt_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
         ru.require_columns(prompt_data, ["prompt"], dataset_name)
-        prompts = prompt_data.select(range(min(args.num_eval_prompts, len(prompt_data))))["prompt"]
-        gen_prompts = [tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False)["input_ids"] for p in prompts]
+        gen_prompts = ru.tokenize_prompts(tokenizer, prompt_data["prompt"][:args.num_eval_prompts])
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "max_length", positions, f"the model has {positions} positions")
     if args.max_prompt_length is None:  # the longest prompt in the data
         texts = {ru.render_prompt(tokenizer, p) for data in (train_data, eval_data) for p in data["prompt"]}
-        args.max_prompt_length = max(map(len, tokenizer(list(texts), add_special_tokens=False)["input_ids"] + gen_prompts))
-    ru.fit_length(args, "max_prompt_length", args.max_length - 1, f"one completion token of --max_length {args.max_length}")
+        ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+        args.max_prompt_length = max(len(prompt_ids) for prompt_ids in ids + gen_prompts)
+    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
+                  f"one completion token of --max_length {args.max_length}")
     ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
                   f"the model has {positions} positions and prompts up to --max_prompt_length {args.max_prompt_length}")
     gen_prompts = [ids[-args.max_prompt_length:] for ids in gen_prompts]
     examples, dropped = tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
-    eval_examples, eval_dropped = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
+    eval_examples, eval_dropped = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length,
+                                                    dataset_name)
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     eval_groups = make_kl_groups(eval_examples, args.per_device_eval_batch_size, args.seed, args.max_length)
-    groups_per_step = world * args.gradient_accumulation_steps
     steps_per_epoch = len(groups) // groups_per_step
     if steps_per_epoch == 0 or len(eval_groups) < world:
-        raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not fill one "
-                        f"batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
+        raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not "
+                        f"fill one batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
     scorer = ru.gold_scorer(dataset_name)
     n_desirable = sum(e["label"] for e in examples)
     n_undesirable = len(examples) - n_desirable
@@ -453,53 +452,48 @@ def main():
                                                                   args.undesirable_weight)
     advice = weight_advice(n_desirable, n_undesirable, args.desirable_weight, args.undesirable_weight)
     accelerator.print(f"loss weights: desirable {args.desirable_weight:.4g}, undesirable {args.undesirable_weight:.4g} "
-                      f"({n_desirable} desirable, {n_undesirable} undesirable examples)" + (f"\nwarning: {advice}" if advice else ""))
+                      f"({n_desirable} desirable, {n_undesirable} undesirable examples)"
+                      + (f"\nwarning: {advice}" if advice else ""))
     joint = joint_forward(args)
     total_steps = max(1, int(args.num_train_epochs * steps_per_epoch))  # the schedule's length
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
-    policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
+    policy = pc.load_policy(policy_path, tokenizer, args)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    # KTO has no reference-free mode: z0 and r are log-ratios against pi_ref, without it the KL term is meaningless
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-    from transformers import get_scheduler
-
     # not prepared (accelerate would step it once per process); checkpoints carry its state as JSON
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     if args.precompute_ref_logprobs:
         # only the micro-batches that steps 0 .. total_steps - 1 visit (all of them unless --max_steps cuts the run)
         used = sorted({g for s in range(total_steps) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
-        precompute_reference([groups[g] for g in used], reference, tokenizer.pad_token_id, accelerator, joint)
-        precompute_reference(eval_groups, reference, tokenizer.pad_token_id, accelerator, joint)
+        precompute_reference([groups[g] for g in used], reference, pad, accelerator, joint)
+        precompute_reference(eval_groups, reference, pad, accelerator, joint)
         if reference.mode == "copy":
             reference.free()
 
     # TRY NOT TO MODIFY: run folder, logger, resume
     output_dir = ru.output_dir(args, dataset_name, accelerator)
-    step, skipped = 0, 0
-    if args.resume_from:
-        state = ru.load_checkpoint(accelerator, args.resume_from, scheduler)
-        step, skipped = state["step"], state.get("nonfinite_skipped", 0)
+    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=step if args.resume_from else None)
 
     def evaluate_and_log(step: int) -> None:
-        metrics, samples = evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, joint)
-        logger.log(metrics, step=step)
-        logger.log_samples("eval/samples", samples, step)
+        logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, joint,
+                            logger, step), step=step)
 
     if not args.resume_from:
         logger.log({"data/train_examples": len(examples), "data/desirable": n_desirable, "data/dropped": dropped,
                     "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped,
-                    "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight}, step=0)
+                    "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight},
+                   step=0)
         evaluate_and_log(0)
     stop = ru.StopSignal()
-    pad = tokenizer.pad_token_id
     policy.train()
 
     # 3. training loop: one optimizer step = gradient_accumulation_steps micro-batches on every process
@@ -512,22 +506,23 @@ def main():
             with accelerator.accumulate(policy):
                 loss, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint)
                 accelerator.backward(loss)
-                total = {k: total.get(k, 0) + v for k, v in sums.items()}
-                if accelerator.sync_gradients:
-                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
-                    metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
-                    if grad_norm is not None:
-                        metrics["grad_norm"] = float(grad_norm)
-                    if ru.all_finite(accelerator, metrics["loss"], grad_norm):
-                        optimizer.step()
-                    elif args.skip_nonfinite:
-                        skipped += 1
-                    else:
-                        ru.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                                           {"step": step, "nonfinite_skipped": skipped}, scheduler)
-                        raise UserError(f"non-finite loss {metrics['loss']} / grad norm {metrics.get('grad_norm')} at step {step + 1}; "
-                                        f"the state before it is in {output_dir}/checkpoint-nonfinite (or pass --skip_nonfinite)")
-                    optimizer.zero_grad()
+            total = {k: total.get(k, 0) + v for k, v in sums.items()}
+        # the last micro-batch synchronised the gradients: clip, check, step
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
+        if grad_norm is not None:
+            metrics["grad_norm"] = float(grad_norm)
+        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
+            optimizer.step()
+        elif args.skip_nonfinite:
+            skipped += 1
+        else:
+            ru.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
+                               {"step": step, "nonfinite_skipped": skipped}, scheduler)
+            raise UserError(f"non-finite loss {metrics['loss']} / grad norm {metrics.get('grad_norm')} at step "
+                            f"{step + 1}; the state before it is in {output_dir}/checkpoint-nonfinite "
+                            "(or pass --skip_nonfinite)")
+        optimizer.zero_grad()
         scheduler.step()
         step += 1
         # TRY NOT TO MODIFY: logging, evaluation, checkpoints, stop signal (at the last step: finish normally)

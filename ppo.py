@@ -139,7 +139,7 @@ ALIAS_DEFAULTS = {
 
 def validate(args: Args, num_processes: int):
     """Check hyper-parameters and derive every batch size once (local_ = per process): returns
-    (local_mini_batch_size, local_batch_size, batch_size, num_total_batches)."""
+    (local_batch_size, batch_size, num_total_batches)."""
     for name in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "total_episodes",
                  "response_length", "temperature", "num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value",
                  "kl_horizon", "local_rollout_forward_batch_size", "num_eval_prompts", "max_grad_norm"):
@@ -154,13 +154,12 @@ def validate(args: Args, num_processes: int):
     for name in ("kl_target", "max_steps", "max_prompt_length"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise UserError(f"--{name} must be > 0 when given, got {getattr(args, name)}")
-    local_mini_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    local_batch_size = local_mini_batch_size * args.num_mini_batches
+    local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * num_processes
     num_total_batches = math.ceil(args.total_episodes / batch_size)
     if args.max_steps is not None:
         num_total_batches = min(num_total_batches, args.max_steps)
-    return local_mini_batch_size, local_batch_size, batch_size, num_total_batches
+    return local_batch_size, batch_size, num_total_batches
 
 
 # ALGO LOGIC: the pieces a researcher changes, each tested in tests/test_ppo.py
@@ -171,9 +170,8 @@ def per_token_rewards(logprobs, ref_logprobs, scores, response_mask, kl_coef: fl
     Returns (rewards, non_score_reward, kl), all (B, R) and zero on padding."""
     kl = (logprobs - ref_logprobs) * response_mask
     non_score_reward = -kl_coef * kl
-    last_index = pc.last_token_index(response_mask)  # (B,)
     rewards = non_score_reward.clone()
-    rewards[torch.arange(rewards.shape[0], device=rewards.device), last_index] += scores
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), pc.last_token_index(response_mask)] += scores
     return rewards, non_score_reward, kl
 
 
@@ -190,13 +188,11 @@ def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
     rewards, values: (B, R); response_mask: (B, R) bool. Padding after a response gets zero reward and value,
     so nothing leaks across the end of a response. Returns (advantages, returns), (B, R), zero on padding."""
     rewards, values = rewards * response_mask, values * response_mask
-    last_gae = torch.zeros_like(rewards[:, 0])
-    advantages_reversed = []
-    R = rewards.shape[1]
-    for t in reversed(range(R)):
-        next_values = values[:, t + 1] if t < R - 1 else torch.zeros_like(values[:, t])
-        delta = rewards[:, t] + gamma * next_values - values[:, t]
-        last_gae = delta + gamma * lam * last_gae
+    next_values = torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    deltas = rewards + gamma * next_values - values  # TD errors, (B, R)
+    last_gae, advantages_reversed = torch.zeros_like(rewards[:, 0]), []
+    for t in reversed(range(rewards.shape[1])):
+        last_gae = deltas[:, t] + gamma * lam * last_gae
         advantages_reversed.append(last_gae)
     advantages = torch.stack(advantages_reversed[::-1], 1) * response_mask
     return advantages, (advantages + values) * response_mask
@@ -234,17 +230,13 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
     return pg_loss, vf_loss, stats
 
 
-class KLController:
-    """The KL coefficient: fixed when `target` is None, else adapted as in Ziegler et al. 2019:
-    kl_coef *= 1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon."""
-
-    def __init__(self, init_kl_coef: float, target: Optional[float], horizon: int):
-        self.value, self.target, self.horizon = init_kl_coef, target, horizon
-
-    def update(self, current_kl: float, n_episodes: int) -> None:
-        if self.target is not None:
-            proportional_error = float(np.clip(current_kl / self.target - 1, -0.2, 0.2))
-            self.value *= 1 + proportional_error * n_episodes / self.horizon
+def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
+    """The next KL coefficient: unchanged when `target` is None, else adapted as in Ziegler et al. 2019:
+    kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon)."""
+    if target is None:
+        return kl_coef
+    proportional_error = float(np.clip(current_kl / target - 1, -0.2, 0.2))
+    return kl_coef * (1 + proportional_error * n_episodes / horizon)
 
 
 class PolicyAndValue(nn.Module):
@@ -264,9 +256,9 @@ class PolicyAndValue(nn.Module):
 
 # TRY NOT TO MODIFY: evaluation and data-order plumbing
 @torch.no_grad()
-def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold):
+def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, logger, step):
     """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference.
-    Returns (metrics: eval/* means over every process's prompts, samples: up to 4 rows of this process's)."""
+    Logs up to 4 of this process's rows as eval/samples; returns eval/* means over every process's prompts."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
     prompts, n_real = ru.even_share(eval_prompts, accelerator)  # padded: every process makes the same calls
@@ -289,14 +281,14 @@ def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, acce
         columns["eval/eos_rate"].append((responses == eos).any(1).float())
         texts += [(tokenizer.decode(p, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True))
                   for p, r in zip(prompt_ids, responses.tolist())]
-    columns = {key: torch.cat(values)[:n_real] for key, values in columns.items()}  # only real prompts count
-    texts = texts[:n_real]
-    sums = {key: values.sum().item() for key, values in columns.items()}
+    texts = texts[:n_real]  # only real prompts count
+    sums = {key: torch.cat(values)[:n_real].sum().item() for key, values in columns.items()}
     if gold is not None:
         sums["eval/gold_score"] = float(np.sum([gold(p, c) for p, c in texts]))
     samples = [{"prompt": p, "completion": c, "score": round(s, 3)}
-               for (p, c), s in zip(texts[:4], columns["eval/scores"].tolist())]
-    return ru.global_means(accelerator, sums, n_real), samples
+               for (p, c), s in zip(texts[:4], torch.cat(columns["eval/scores"]).tolist())]
+    logger.log_samples("eval/samples", samples, step)
+    return ru.global_means(accelerator, sums, n_real)
 
 
 def batch_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> List[int]:
@@ -305,15 +297,15 @@ def batch_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> 
     first = (update - 1) * batch_size
     epochs = range(first // num_prompts, (first + batch_size - 1) // num_prompts + 1)
     order = [i for epoch in epochs for i in ru.epoch_permutation(num_prompts, seed, epoch)]
-    offset = first - epochs[0] * num_prompts
-    return order[offset:offset + batch_size]
+    return order[first - epochs[0] * num_prompts:][:batch_size]
 
 
 def main():
     # 1. arguments, batch sizes, accelerator, model and dataset names
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    local_mini_batch_size, local_batch_size, batch_size, num_total_batches = validate(args, accelerator.num_processes)
+    local_batch_size, batch_size, num_total_batches = validate(args, accelerator.num_processes)
+    chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
     dataset_name = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
@@ -322,7 +314,7 @@ def main():
 
     # 2. data: training and held-out prompts, tokenised; the response length fitted to the model's positions
     tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    train_data = ru.load_prompt_dataset(dataset_name, "train")  # an empty split is a UserError
+    train_data = ru.load_prompt_dataset(dataset_name, "train")
     eval_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
     for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
         ru.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
@@ -337,32 +329,29 @@ def main():
     # 3. models: policy (+LoRA), value model (from the reward model), frozen reference and reward model
     for path, what in ((reward_path, "reward model"), (value_path, "value model")):
         pc.check_same_vocab(tokenizer, pc.load_tokenizer(path, trust_remote_code=args.trust_remote_code), what)
-    policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
+    policy = pc.load_policy(policy_path, tokenizer, args)
     # the value model starts as the reward model, which was trained to read the last token only: its values at
     # earlier positions start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by
     # update 15); the clipped value loss absorbs this without a separate warm-up phase
     value_model = pc.load_scalar_model(value_path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         pc.enable_activation_checkpointing(value_model)
-    reference = pc.create_reference(
-        policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft, accelerator=accelerator, bf16=args.bf16,
-        ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
-        trust_remote_code=args.trust_remote_code)
+    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
+                                    ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_path, tokenizer, bf16=args.bf16,
                                                           trust_remote_code=args.trust_remote_code), accelerator)
 
-    # 4. optimizer over policy + value; the lr decays linearly once per update (stepped below, not prepared:
-    #    checkpoints carry it as JSON); resume; the run folder
+    # 4. one optimizer over policy + value; lr decays linearly per update (not prepared: checkpoints carry it as JSON)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0 - u / num_total_batches)
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    kl_ctl = KLController(args.kl_coef, args.kl_target, args.kl_horizon)
-    start_update = 1
+    kl_coef, start_update = args.kl_coef, 1
     if args.resume_from:
         state = ru.load_checkpoint(accelerator, args.resume_from, scheduler)
-        start_update, kl_ctl.value = state["step"] + 1, state["kl_coef"]
+        start_update, kl_coef = state["step"] + 1, state["kl_coef"]
     output_dir = ru.output_dir(args, dataset_name, accelerator)
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
@@ -370,17 +359,15 @@ def main():
                       f"{reference.mode} -> {output_dir}")
 
     def checkpoint(update: int, name: str) -> None:
-        ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_ctl.value},
-                           scheduler)
+        ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)
 
     # 5. evaluate the starting policy (step 0; a resumed run has done so already)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
     stop, skipped, start_time = ru.StopSignal(), 0, time.time()
     if start_update == 1:
-        metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold)
+        metrics = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, logger, 0)
         logger.log({**metrics, "episode": 0}, step=0)
-        logger.log_samples("eval/samples", samples, step=0)
 
     for update in range(start_update, num_total_batches + 1):
         indices = batch_indices(len(train_prompts), args.seed, update, batch_size)
@@ -390,65 +377,62 @@ def main():
         with torch.no_grad():
             # 6. generate responses (truncated after the first EOS)
             query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, generation_config,
-                                                     args.local_rollout_forward_batch_size, accelerator)
+                                                     chunk, accelerator)
             responses = query_responses[:, context_length:]  # (B, R)
             response_mask = responses != pad  # (B, R), True up to and including EOS
 
             # 7. log-probs and values before the update, reference log-probs, reward-model scores
             logprobs, values = [], []
-            for i in range(0, local_batch_size, args.local_rollout_forward_batch_size):
-                logits, value = model(query_responses[i:i + args.local_rollout_forward_batch_size], context_length,
-                                      pad, args.temperature)
-                logprobs.append(pc.selective_logprobs(logits, responses[i:i + args.local_rollout_forward_batch_size]))
+            for i in range(0, local_batch_size, chunk):
+                logits, value = model(query_responses[i:i + chunk], context_length, pad, args.temperature)
+                logprobs.append(pc.selective_logprobs(logits, responses[i:i + chunk]))
                 values.append(value)
             logprobs, values = torch.cat(logprobs) * response_mask, torch.cat(values) * response_mask  # (B, R)
-            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature,
-                                              args.local_rollout_forward_batch_size) * response_mask
+            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk)
+            ref_logprobs = ref_logprobs * response_mask
             scores = pc.get_reward(reward_model, query_responses, pad)  # (B,)
 
             # 8. rewards: missing-EOS penalty, KL penalty on every token, score at the last real token
             scores = penalise_missing_eos(scores, responses, eos, args.missing_eos_penalty)
-            rewards, non_score_reward, kl = per_token_rewards(logprobs, ref_logprobs, scores, response_mask,
-                                                              kl_ctl.value)
+            rewards, non_score_reward, kl = per_token_rewards(logprobs, ref_logprobs, scores, response_mask, kl_coef)
 
             # 9. advantages (GAE, whitened over the batch) and returns
             advantages, raw_advantages, returns = batch_advantages(rewards, values, response_mask, args.gamma,
                                                                    args.lam, whiten_rewards=args.whiten_rewards)
 
-        # 10. PPO epochs over shuffled mini-batches, micro-batches accumulated into one optimizer step
+        # 10. PPO epochs: each pass over the shuffled batch makes num_mini_batches optimizer steps, each accumulated
+        #     over gradient_accumulation_steps micro-batches of per_device_train_batch_size rows
         stats = {}
         for _ in range(args.num_ppo_epochs):
             permutation = torch.randperm(local_batch_size, device=accelerator.device)
-            for mini_start in range(0, local_batch_size, local_mini_batch_size):
-                for micro_start in range(mini_start, mini_start + local_mini_batch_size,
-                                         args.per_device_train_batch_size):
-                    mb = permutation[micro_start:micro_start + args.per_device_train_batch_size]
-                    with accelerator.accumulate(model):
-                        logits, vpred = model(query_responses[mb], context_length, pad, args.temperature)
-                        new_logprobs = pc.selective_logprobs(logits, responses[mb])
-                        pg_loss, vf_loss, mb_stats = ppo_losses(
-                            new_logprobs, logprobs[mb], advantages[mb], vpred, values[mb], returns[mb],
-                            response_mask[mb], args.cliprange, args.cliprange_value)
-                        loss = pg_loss + args.vf_coef * vf_loss
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            if ru.all_finite(accelerator, loss, grad_norm):
-                                optimizer.step()
-                            elif args.skip_nonfinite:
-                                skipped += 1
-                            else:
-                                checkpoint(update - 1, "checkpoint-nonfinite")
-                                norm = None if grad_norm is None else grad_norm.item()
-                                raise UserError(f"non-finite loss or gradient norm at update {update} (loss "
-                                                f"{loss.item()}, grad norm {norm}); weights before this optimizer "
-                                                "step saved to checkpoint-nonfinite")
-                            optimizer.zero_grad()
-                    with torch.no_grad():
-                        mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
-                            pc.entropy_from_logits(logits), response_mask[mb])})
-                        for key, value in mb_stats.items():
-                            stats.setdefault(key, []).append(value.item())
+            for start in range(0, local_batch_size, args.per_device_train_batch_size):
+                mb = permutation[start:start + args.per_device_train_batch_size]
+                with accelerator.accumulate(model):
+                    logits, vpred = model(query_responses[mb], context_length, pad, args.temperature)
+                    new_logprobs = pc.selective_logprobs(logits, responses[mb])
+                    pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
+                                                            values[mb], returns[mb], response_mask[mb],
+                                                            args.cliprange, args.cliprange_value)
+                    loss = pg_loss + args.vf_coef * vf_loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        if ru.all_finite(accelerator, loss, grad_norm):
+                            optimizer.step()
+                        elif args.skip_nonfinite:
+                            skipped += 1
+                        else:
+                            checkpoint(update - 1, "checkpoint-nonfinite")
+                            norm = None if grad_norm is None else grad_norm.item()
+                            raise UserError(f"non-finite loss or gradient norm at update {update} (loss {loss.item()}, "
+                                            f"grad norm {norm}); weights before this optimizer step saved to "
+                                            "checkpoint-nonfinite")
+                        optimizer.zero_grad()
+                with torch.no_grad():
+                    mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
+                        pc.entropy_from_logits(logits), response_mask[mb])})
+                    for key, value in mb_stats.items():
+                        stats.setdefault(key, []).append(value.item())
 
         # 11. logging, KL controller, lr schedule
         with torch.no_grad():
@@ -456,7 +440,7 @@ def main():
                 "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.sum(1).mean(),
                 "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
-                "objective/entropy": (-logprobs).sum(1).mean(), "objective/kl_coef": kl_ctl.value,
+                "objective/entropy": (-logprobs).sum(1).mean(), "objective/kl_coef": kl_coef,
                 **{key: float(np.mean(values_)) for key, values_ in stats.items()},
                 "val/mean": masked_mean(values, response_mask), "val/var": masked_var(values, response_mask),
                 "val/num_eos_tokens": (responses == eos).sum().float(),
@@ -469,17 +453,14 @@ def main():
             if args.skip_nonfinite:
                 metrics["nonfinite/skipped"] = skipped
             metrics = ru.reduce_metrics(accelerator, metrics)
-        kl_ctl.update(metrics["objective/kl"], batch_size)
+        kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target, args.kl_horizon)
         scheduler.step()
-        episodes_this_run = (update - start_update + 1) * batch_size
-        metrics["time/episodes_per_second"] = episodes_this_run / (time.time() - start_time)
+        metrics["time/episodes_per_second"] = (update - start_update + 1) * batch_size / (time.time() - start_time)
 
         # 12. evaluation, checkpoints, stop signal
         if (args.eval_steps > 0 and update % args.eval_steps == 0) or update == num_total_batches:
-            eval_metrics, samples = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator,
-                                             gold)
-            metrics.update(eval_metrics)
-            logger.log_samples("eval/samples", samples, step=update)
+            metrics.update(evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold,
+                                    logger, update))
         logger.log(metrics, step=update)
         accelerator.print(f"update {update}/{num_total_batches} score {metrics['objective/scores']:.3f} "
                           f"kl {metrics['objective/kl']:.3f}" + (f" eval/gold {metrics['eval/gold_score']:.3f}"

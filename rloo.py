@@ -150,8 +150,7 @@ def leave_one_out_baseline(rewards: torch.Tensor, rloo_k: int) -> torch.Tensor:
     """(P * k,) -> (P * k,) mean reward of the OTHER k-1 completions of the same prompt.
     Rows are grouped prompt by prompt (repeat_interleave order): rows [i*k, (i+1)*k) share prompt i."""
     grouped = rewards.view(-1, rloo_k)  # (P, k)
-    baseline = (grouped.sum(1, keepdim=True) - grouped) / (rloo_k - 1)
-    return baseline.reshape(-1)
+    return ((grouped.sum(1, keepdim=True) - grouped) / (rloo_k - 1)).reshape(-1)
 
 
 def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor,
@@ -162,8 +161,7 @@ def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: t
     rewards = -kl_coef * kl * response_mask
     last = pc.last_token_index(response_mask.bool())
     rewards[torch.arange(rewards.shape[0]), last] += scores
-    returns = rewards.flip(1).cumsum(1).flip(1)
-    return returns * response_mask
+    return rewards.flip(1).cumsum(1).flip(1) * response_mask
 
 
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, accelerator=None) -> torch.Tensor:
@@ -215,8 +213,7 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     loss = (pg_loss_max.sum(1) if pg_loss_max.dim() == 2 else pg_loss_max).mean()
     with torch.no_grad():
         stats = dict(clipfrac=pc.masked_mean((pg_losses_clipped > pg_losses).float(), mask.bool()),
-                     approxkl=pc.masked_mean(0.5 * log_ratio ** 2, mask.bool()),
-                     ratio=ratio[mask.bool()])
+                     approxkl=pc.masked_mean(0.5 * log_ratio ** 2, mask.bool()), ratio=ratio[mask.bool()])
     return loss, stats
 
 
@@ -230,11 +227,11 @@ def prompt_stream(start: int, count: int, num_prompts: int, seed: int) -> List[i
 
 
 @torch.no_grad()
-def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold):
+def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold, logger, step):
     """Greedy completions of the held-out (distinct: not shared) prompts: reward, KL to the reference (summed over the
     response, at the training temperature like objective/kl), length, EOS rate, gold score if the task has one.
     Every process runs an equal share (padded: only its first n_real rows count), so all make the same model calls.
-    Returns (metrics: means over all processes' prompts, samples: a few of this process's rows)."""
+    Logs a few of this process's rows as eval/samples; returns the metrics (means over all processes' prompts)."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
     chunk = args.local_rollout_forward_batch_size
@@ -258,15 +255,15 @@ def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval
         sums["response_length"] += mask[:real].sum().item()
         sums["eos_rate"] += (responses == eos).any(1)[:real].sum().item()
         for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
-            prompt_text = tokenizer.decode(query, skip_special_tokens=True)
-            completion_text = tokenizer.decode(response, skip_special_tokens=True)
-            row = dict(prompt=prompt_text, completion=completion_text, score=round(score, 4))
+            row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
+                       completion=tokenizer.decode(response, skip_special_tokens=True), score=round(score, 4))
             if gold is not None:
-                row["gold"] = gold(prompt_text, completion_text)
+                row["gold"] = gold(row["prompt"], row["completion"])
                 sums["gold_score"] += row["gold"]
             samples.append(row)
     means = ru.global_means(accelerator, sums, n_real)
-    return {f"eval/{k}": means[k] for k in sums}, samples[:args.num_samples_printed]
+    logger.log_samples("eval/samples", samples[:args.num_samples_printed], step)
+    return {f"eval/{k}": means[k] for k in sums}
 
 
 def main():
@@ -284,13 +281,10 @@ def main():
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
-    local_mini_batch_size = pc.exact_div(local_batch_size, args.num_mini_batches, "local_batch_size / num_mini_batches")
     local_prompts = pc.exact_div(local_batch_size, args.rloo_k, "local_batch_size (per_device_train_batch_size * "
                                  "gradient_accumulation_steps * num_mini_batches) / rloo_k")
     batch_size = local_batch_size * accelerator.num_processes
-    num_total_batches = math.ceil(args.total_episodes / batch_size)
-    if args.max_steps is not None:
-        num_total_batches = min(num_total_batches, args.max_steps)
+    num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
     chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
@@ -342,9 +336,8 @@ def main():
                               os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
     stop = ru.StopSignal()
     if state["step"] == 0:
-        metrics, samples = evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold)
-        logger.log_samples("eval/samples", samples, 0)
-        logger.log(metrics, step=0)
+        logger.log(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
+                            logger, 0), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
@@ -387,26 +380,23 @@ def main():
 
         # 9. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         policy.train()
-        losses, clipfracs, approxkls, ratios, skipped = [], [], [], [], 0
+        losses, stats, skipped = [], dict(clipfrac=[], approxkl=[], ratio=[]), 0
         for _ in range(args.num_ppo_epochs):
             # shuffled prompt by prompt, so a micro-batch holds whole groups and encodes each prompt once
             order = (torch.randperm(local_prompts, device=accelerator.device)[:, None] * args.rloo_k +
                      torch.arange(args.rloo_k, device=accelerator.device)).flatten()
-            for mini_start in range(0, local_batch_size, local_mini_batch_size):
+            for mini_batch in order.view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
                 mini_losses = []
-                for micro_start in range(mini_start, mini_start + local_mini_batch_size,
-                                         args.per_device_train_batch_size):
-                    mb = order[micro_start:micro_start + args.per_device_train_batch_size]
+                for mb in mini_batch:  # micro-batches of per_device_train_batch_size rows
                     with accelerator.accumulate(policy):
                         new_logprobs = pc.response_logprobs(policy, query_responses[mb], context_length, pad,
                                                             args.temperature, share_prompts=share)
-                        loss, stats = clipped_policy_loss(new_logprobs, logprobs[mb], advantages[mb],
-                                                          response_mask[mb], args.cliprange)
+                        loss, mb_stats = clipped_policy_loss(new_logprobs, logprobs[mb], advantages[mb],
+                                                             response_mask[mb], args.cliprange)
                         accelerator.backward(loss)
                         mini_losses.append(loss.detach())
-                        clipfracs.append(stats["clipfrac"])
-                        approxkls.append(stats["approxkl"])
-                        ratios.append(stats["ratio"])
+                        for key, value in mb_stats.items():
+                            stats[key].append(value)
                         if accelerator.sync_gradients:
                             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
                             if ru.all_finite(accelerator, torch.stack(mini_losses), grad_norm):
@@ -427,26 +417,23 @@ def main():
                      prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
 
         # 10. log, and evaluate every eval_steps steps and after the last
-        ratio = torch.cat(ratios)
-        metrics = {
+        ratio = torch.cat(stats["ratio"])
+        metrics = ru.reduce_metrics(accelerator, {
             "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
             "objective/non_score_reward": non_score_reward.mean(), "objective/rlhf_reward": rlhf_reward.mean(),
             "objective/entropy": (entropy * response_mask).sum(1).mean(),
             "objective/advantage_std": advantages[response_mask].std() if advantages.dim() == 2 else advantages.std(),
-            "loss/policy": torch.stack(losses).mean(), "policy/clipfrac": torch.stack(clipfracs).mean(),
-            "policy/approxkl": torch.stack(approxkls).mean(), "val/ratio": ratio.mean(),
+            "loss/policy": torch.stack(losses).mean(), "policy/clipfrac": torch.stack(stats["clipfrac"]).mean(),
+            "policy/approxkl": torch.stack(stats["approxkl"]).mean(), "val/ratio": ratio.mean(),
             "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
             "val/num_eos_tokens": (responses == eos).sum().float(),
             "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
-        }
-        metrics = ru.reduce_metrics(accelerator, metrics)
+        })
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            eval_metrics, samples = evaluate(args, accelerator, policy, reference, reward_model, tokenizer,
-                                             eval_prompts, gold)
-            logger.log_samples("eval/samples", samples, step)
-            metrics.update(eval_metrics)
+            metrics.update(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
+                                    logger, step))
         logger.log(metrics, step=step)
 
         # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then all exit cleanly)

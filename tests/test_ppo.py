@@ -11,8 +11,8 @@ from conftest import read_metrics
 from conftest import run_script as _run_script
 
 import run_utils as ru
-from ppo import (KLController, batch_advantages, batch_indices, compute_gae, penalise_missing_eos, per_token_rewards,
-                 ppo_losses)
+from ppo import (adaptive_kl_coef, batch_advantages, batch_indices, compute_gae, penalise_missing_eos,
+                 per_token_rewards, ppo_losses)
 
 PAD, EOS = 0, 1
 
@@ -97,16 +97,14 @@ def test_missing_eos_penalty():
 
 @pytest.mark.parametrize("current", [0.0, 3.0, 5.5, 6.0, 7.0, 20.0])
 def test_adaptive_kl_controller_formula(current):
-    ctl = KLController(0.1, target=6.0, horizon=10_000)
-    ctl.update(current, n_episodes=512)
+    kl_coef = adaptive_kl_coef(0.1, current, n_episodes=512, target=6.0, horizon=10_000)
     error = min(max(current / 6.0 - 1, -0.2), 0.2)
-    assert ctl.value == pytest.approx(0.1 * (1 + error * 512 / 10_000))
-    before = ctl.value
-    ctl.update(current, n_episodes=512)  # multiplicative, compounding
-    assert ctl.value == pytest.approx(before * (1 + error * 512 / 10_000))
-    fixed = KLController(0.1, target=None, horizon=10_000)  # --kl_target None: kl_coef stays as given
-    fixed.update(current, n_episodes=512)
-    assert fixed.value == 0.1
+    assert kl_coef == pytest.approx(0.1 * (1 + error * 512 / 10_000))
+    before = kl_coef
+    kl_coef = adaptive_kl_coef(kl_coef, current, n_episodes=512, target=6.0, horizon=10_000)  # compounding
+    assert kl_coef == pytest.approx(before * (1 + error * 512 / 10_000))
+    # --kl_target None: kl_coef stays as given
+    assert adaptive_kl_coef(0.1, current, n_episodes=512, target=None, horizon=10_000) == 0.1
 
 
 @pytest.mark.parametrize("whiten_rewards", [False, True])
