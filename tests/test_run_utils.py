@@ -3,6 +3,8 @@
 import json
 import os
 import socket
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -228,10 +230,13 @@ def _processes_worker(rank, port, results):
         sums, count = ({"x": 1.0 + 2.0 + 3.0}, 3) if rank == 0 else ({"x": 10.0}, 1)
         stop = ru.StopSignal()
         stop.received = "SIGTERM" if rank == 1 else None
+        if rank == 1:
+            time.sleep(1.2)  # its own clock would name another run folder
+        args = SimpleNamespace(output_dir=None, resume_from=None, exp_name="rloo", seed=1)
         results[rank] = (ru.global_means(accelerator, sums, count),
                          ru.all_finite(accelerator, 1.0, torch.tensor([2.0])),
                          ru.all_finite(accelerator, float("nan") if rank == 0 else 1.0, None),
-                         stop.agreed(accelerator))
+                         stop.agreed(accelerator), ru.output_dir(args, "toy", accelerator))
     finally:
         dist.destroy_process_group()
 
@@ -245,7 +250,8 @@ def test_global_means_and_agreement_over_two_processes():
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_processes_worker, args=(port, results), nprocs=2)
-        assert results[0] == results[1] == ({"x": 4.0}, True, False, True)
+        assert results[0] == results[1]  # the same folder name on both, from the main process's clock
+        assert results[0][:4] == ({"x": 4.0}, True, False, True) and results[0][4].startswith("runs/toy__rloo__1__")
     one = _Processes()
     assert ru.global_means(one, {"x": 6.0}, 3) == {"x": 2.0}
     assert ru.all_finite(one, 1.0, None) and not ru.all_finite(one, torch.tensor([1.0, float("inf")]))
@@ -253,8 +259,6 @@ def test_global_means_and_agreement_over_two_processes():
 
 
 def test_output_dir_resume_continues_in_place(tmp_path):
-    from types import SimpleNamespace
-
     args = SimpleNamespace(output_dir=None, resume_from=str(tmp_path / "runs" / "x" / "checkpoint-4"),
                            exp_name="rloo", seed=1)
     assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path / "runs" / "x")
