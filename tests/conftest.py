@@ -39,3 +39,19 @@ def run_script(script: str, *args: str, check: bool = True, threads: int = 2, ti
 def read_metrics(output_dir: str) -> list:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def run_two_processes(worker, *args) -> list:
+    """Spawn `worker(rank, port, results, *args)` in two processes (a free local port for their gloo group);
+    returns [results[0], results[1]], what each rank put in the shared `results` dict."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(worker, args=(port, results, *args), nprocs=2)
+        return [results[0], results[1]]

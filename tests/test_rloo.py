@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import policy_common as pc
 import run_utils as ru
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_two_processes
 from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, prompt_stream, rloo_advantages,
                   token_level_returns)
 
@@ -123,18 +123,8 @@ def _whiten_worker(rank, port, results):
 
 
 def test_normalized_advantages_use_the_global_batch_over_two_processes():
-    import socket
-
-    import torch.multiprocessing as mp
-
     scores, kl, mask = global_batch()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_whiten_worker, args=(port, results), nprocs=2)
-        per_process = [results[0], results[1]]
+    per_process = run_two_processes(_whiten_worker)
     for i, token_level in enumerate((False, True)):
         one_process = rloo_advantages(scores, kl, mask, 0.1, 2, token_level_kl=token_level, normalize=True)[0]
         two_processes = torch.cat([per_process[0][i], per_process[1][i]])

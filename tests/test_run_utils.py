@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import time
 from types import SimpleNamespace
 
@@ -12,6 +11,7 @@ from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
 
 import policy_common as pc
 import run_utils as ru
+from conftest import run_two_processes
 from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 
 # --------------------------------------------------------------------------------------------- saving
@@ -242,16 +242,9 @@ def _processes_worker(rank, port, results):
 
 
 def test_global_means_and_agreement_over_two_processes():
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with mp.Manager() as manager:
-        results = manager.dict()
-        mp.spawn(_processes_worker, args=(port, results), nprocs=2)
-        assert results[0] == results[1]  # the same folder name on both, from the main process's clock
-        assert results[0][:4] == ({"x": 4.0}, True, False, True) and results[0][4].startswith("runs/toy__rloo__1__")
+    results = run_two_processes(_processes_worker)
+    assert results[0] == results[1]  # the same folder name on both, from the main process's clock
+    assert results[0][:4] == ({"x": 4.0}, True, False, True) and results[0][4].startswith("runs/toy__rloo__1__")
     one = _Processes()
     assert ru.global_means(one, {"x": 6.0}, 3) == {"x": 2.0}
     assert ru.all_finite(one, 1.0, None) and not ru.all_finite(one, torch.tensor([1.0, float("inf")]))
