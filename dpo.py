@@ -443,10 +443,8 @@ def main() -> None:
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-nonfinite",
-                               {"step": step, "nonfinite_skipped": skipped}, scheduler)
-            raise UserError(f"non-finite loss ({metrics['loss']}) or grad norm ({metrics.get('grad_norm')}) at step "
-                            f"{step + 1}; last good state saved to {output_dir}/checkpoint-nonfinite")
+            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
         metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
                         "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
                         "time/pairs_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})

@@ -517,11 +517,8 @@ def main():
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            ru.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                               {"step": step, "nonfinite_skipped": skipped}, scheduler)
-            raise UserError(f"non-finite loss {metrics['loss']} / grad norm {metrics.get('grad_norm')} at step "
-                            f"{step + 1}; the state before it is in {output_dir}/checkpoint-nonfinite "
-                            "(or pass --skip_nonfinite)")
+            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
         optimizer.zero_grad()
         scheduler.step()
         step += 1

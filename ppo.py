@@ -422,11 +422,9 @@ def main():
                         elif args.skip_nonfinite:
                             skipped += 1
                         else:
-                            checkpoint(update - 1, "checkpoint-nonfinite")
-                            norm = None if grad_norm is None else grad_norm.item()
-                            raise UserError(f"non-finite loss or gradient norm at update {update} (loss {loss.item()}, "
-                                            f"grad norm {norm}); weights before this optimizer step saved to "
-                                            "checkpoint-nonfinite")
+                            before = {"step": update - 1, "kl_coef": kl_coef}
+                            ru.stop_on_nonfinite(accelerator, output_dir, update, before, scheduler, loss=loss,
+                                                 grad_norm=grad_norm)
                         optimizer.zero_grad()
                 with torch.no_grad():
                     mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(

@@ -405,11 +405,8 @@ def main():
                                 skipped += 1
                             else:
                                 optimizer.zero_grad()
-                                ru.save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"),
-                                                   dict(state), scheduler)
-                                raise pc.UserError(f"non-finite loss or gradient norm at step {step} (loss "
-                                                   f"{loss.item()}, grad norm {grad_norm}): state before it saved "
-                                                   "to checkpoint-nonfinite (--skip_nonfinite skips such steps)")
+                                ru.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
+                                                     loss=loss, grad_norm=grad_norm)
                             scheduler.step()
                             optimizer.zero_grad()
                 losses += mini_losses

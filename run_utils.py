@@ -534,6 +534,15 @@ def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None) -
     accelerator.wait_for_everyone()
 
 
+def stop_on_nonfinite(accelerator, output_dir: str, step: int, state: dict, scheduler=None, **values) -> None:
+    """Write `state` (the one before this step) to <output_dir>/checkpoint-nonfinite and stop with one line naming
+    the step and `values` (e.g. loss, grad norm). Every process calls it together, after `all_finite` said no."""
+    save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"), state, scheduler)
+    shown = ", ".join(f"{name.replace('_', ' ')} {_to_float(value)}" for name, value in values.items())
+    raise UserError(f"non-finite {shown} at step {step}; the state before it is in {output_dir}/checkpoint-nonfinite "
+                    "(--skip_nonfinite skips such steps)")
+
+
 def load_checkpoint(accelerator, path: str, scheduler=None) -> dict:
     """Restore what `save_checkpoint` wrote (into the prepared model/optimizer and `scheduler`); returns its
     `extra_state`. Tensors load through safetensors / torch.load(weights_only=True) inside accelerate."""
