@@ -291,15 +291,6 @@ def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, acce
     return ru.global_means(accelerator, sums, n_real)
 
 
-def batch_indices(num_prompts: int, seed: int, update: int, batch_size: int) -> List[int]:
-    """Indices of the prompts of update `update` (1-based): the next `batch_size` positions of the data order
-    (ru.epoch_permutation, one per pass), so the data position is a function of the update (exact resume)."""
-    first = (update - 1) * batch_size
-    epochs = range(first // num_prompts, (first + batch_size - 1) // num_prompts + 1)
-    order = [i for epoch in epochs for i in ru.epoch_permutation(num_prompts, seed, epoch)]
-    return order[first - epochs[0] * num_prompts:][:batch_size]
-
-
 def main():
     # 1. arguments, batch sizes, accelerator, model and dataset names
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
@@ -370,7 +361,8 @@ def main():
         logger.log({**metrics, "episode": 0}, step=0)
 
     for update in range(start_update, num_total_batches + 1):
-        indices = batch_indices(len(train_prompts), args.seed, update, batch_size)
+        # this process's slice of the update's batch_size positions of the data order (a function of the update)
+        indices = ru.data_positions(len(train_prompts), args.seed, (update - 1) * batch_size, batch_size)
         indices = indices[accelerator.process_index * local_batch_size:][:local_batch_size]
         queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
         context_length = queries.shape[1]  # queries: (B, Lq)

@@ -218,14 +218,6 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 
 
 # TRY NOT TO MODIFY: data order and evaluation
-def prompt_stream(start: int, count: int, num_prompts: int, seed: int) -> List[int]:
-    """Dataset indices at positions start..start+count of an endless stream of prompts: pass `epoch` over the data
-    visits them in ru.epoch_permutation order. A position is all a checkpoint needs to resume the same order."""
-    epochs = range(start // num_prompts, (start + count - 1) // num_prompts + 1)  # the passes these positions touch
-    stream = [i for epoch in epochs for i in ru.epoch_permutation(num_prompts, seed, epoch)]
-    return stream[start - epochs[0] * num_prompts:][:count]
-
-
 @torch.no_grad()
 def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold, logger, step):
     """Greedy completions of the held-out (distinct: not shared) prompts: reward, KL to the reference (summed over the
@@ -343,8 +335,8 @@ def main():
     while state["step"] < num_total_batches:
         step = state["step"] + 1
         # 6. generate: this process's local_prompts prompts of the stream, each repeated rloo_k times in a row
-        indices = prompt_stream(state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts,
-                                len(train_prompts), args.seed)
+        indices = ru.data_positions(len(train_prompts), args.seed,
+                                    state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts)
         queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
         queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
         context_length = queries.shape[1]

@@ -340,6 +340,14 @@ def epoch_permutation(num_items: int, seed: int, epoch: int) -> List[int]:
     return torch.randperm(num_items, generator=generator).tolist()
 
 
+def data_positions(num_items: int, seed: int, start: int, count: int) -> List[int]:
+    """Item indices at positions start..start+count of the endless stream that visits the data pass after pass,
+    each pass in `epoch_permutation` order. A position is all a checkpoint needs to resume the same order."""
+    epochs = range(start // num_items, (start + count - 1) // num_items + 1)  # the passes these positions touch
+    stream = [i for epoch in epochs for i in epoch_permutation(num_items, seed, epoch)]
+    return stream[start - epochs[0] * num_items:][:count]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Processes: even shares, global means, agreement. Each function here is called by every process the same
 # number of times (once per step or evaluation), so the collectives inside always match.

@@ -11,7 +11,7 @@ from conftest import read_metrics
 from conftest import run_script as _run_script
 
 import run_utils as ru
-from ppo import (adaptive_kl_coef, batch_advantages, batch_indices, compute_gae, penalise_missing_eos,
+from ppo import (adaptive_kl_coef, batch_advantages, compute_gae, penalise_missing_eos,
                  per_token_rewards, ppo_losses)
 
 PAD, EOS = 0, 1
@@ -134,9 +134,10 @@ def test_batch_indices_follow_the_shared_data_order():
     across pass boundaries."""
     num_prompts, batch_size, seed = 10, 4, 3
     order = [i for epoch in range(3) for i in ru.epoch_permutation(num_prompts, seed, epoch)]
-    read = [i for update in range(1, 8) for i in batch_indices(num_prompts, seed, update, batch_size)]
+    read = [i for update in range(1, 8) for i in ru.data_positions(num_prompts, seed, (update - 1) * batch_size,
+                                                                   batch_size)]
     assert read == order[:28]
-    assert batch_indices(num_prompts, seed, 6, batch_size) == order[20:24]  # a resumed run starts at its position
+    assert ru.data_positions(num_prompts, seed, 5 * batch_size, batch_size) == order[20:24]  # resume at update 6
 
 
 def test_ppo_losses_against_elementwise_definition():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import policy_common as pc
 import run_utils as ru
 from conftest import read_metrics, run_script, run_two_processes
-from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, prompt_stream, rloo_advantages,
+from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
                   token_level_returns)
 
 REQUIRED_TRAIN_METRICS = [
@@ -211,15 +211,6 @@ def test_policy_loss_token_level_sums_tokens():
     advantages = torch.tensor([[1.0, 1.0, 5.0]])
     loss, _ = clipped_policy_loss(new, old, advantages, mask, 0.2)
     torch.testing.assert_close(loss, torch.tensor(-(1.0 + 1.2)))  # token 2 is masked out
-
-
-def test_prompt_stream_is_a_seeded_permutation_per_pass():
-    first = prompt_stream(0, 10, 10, seed=1)
-    assert sorted(first) == list(range(10))
-    assert first == ru.epoch_permutation(10, 1, 0)  # the data order every script shares
-    assert prompt_stream(25, 3, 10, seed=1) == ru.epoch_permutation(10, 1, 2)[5:8]
-    assert prompt_stream(3, 12, 10, seed=1) == (first + prompt_stream(10, 10, 10, seed=1))[3:15]
-    assert prompt_stream(0, 10, 10, seed=2) != first
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -199,6 +199,15 @@ def test_epoch_permutation_is_seeded_per_epoch():
     assert ru.epoch_permutation(50, seed=1, epoch=1) != ru.epoch_permutation(50, seed=2, epoch=0)  # no seed+epoch aliasing
 
 
+def test_data_positions_read_the_permutations_pass_after_pass():
+    first = ru.data_positions(10, seed=1, start=0, count=10)
+    assert sorted(first) == list(range(10))
+    assert first == ru.epoch_permutation(10, 1, 0)  # the data order every script shares
+    assert ru.data_positions(10, seed=1, start=25, count=3) == ru.epoch_permutation(10, 1, 2)[5:8]
+    assert ru.data_positions(10, 1, 3, 12) == (first + ru.data_positions(10, 1, 10, 10))[3:15]
+    assert ru.data_positions(10, seed=2, start=0, count=10) != first
+
+
 class _Processes:
     """What ru needs of an Accelerator, for one process out of `num_processes` (no collectives)."""
 
