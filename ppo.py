@@ -3,17 +3,23 @@
 # Ziegler et al. 2019 (adaptive KL controller).
 #   python ppo.py                                  # the offline toy task on a CPU, a few minutes
 #   accelerate launch ppo.py --model pythia-1b     # TL;DR with the published Pythia SFT and reward models
+# The reward: a reward model and/or reward functions, weighted (rewards.py), at the last token of the response.
+# Metrics (metrics.jsonl, a row per update): objective/* (scores, kl, non_score_reward, rlhf_reward, entropy, kl_coef),
+# reward/<source>/mean and /std (each reward source on its own, before weights and penalty), loss/policy, loss/value,
+# policy/*, val/*, adv/*, returns/mean, lr, episode; eval/* (greedy, held-out prompts): scores, kl, response_length,
+# eos_rate, reward/<source>/*, gold_score (when the task has a ground-truth scorer).
 import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 import policy_common as pc
+import rewards as rw
 import run_utils as ru
 from policy_common import UserError, masked_mean, masked_var, masked_whiten
 
@@ -30,9 +36,15 @@ class Args:
     ref_model: Optional[str] = None
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     reward_model: Optional[str] = None
-    """reward model: alias, hub id or local folder; None = the one paired with --model"""
+    """reward model: alias, hub id or local folder; None = the one paired with --model (none with --reward_funcs)"""
+    reward_model_input: Optional[Literal["tokens", "text"]] = None
+    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
+    reward_funcs: Optional[List[str]] = None
+    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
+    reward_weights: Optional[List[float]] = None
+    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
     value_model: Optional[str] = None
-    """initialisation of the value model (None = the reward model, as in Ouyang et al. 2022)"""
+    """value model's start; None = the reward model if it reads tokens (Ouyang et al.), else the policy + a new head"""
     dataset: Optional[str] = None
     """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
     eval_split: str = "test"
@@ -256,16 +268,18 @@ class PolicyAndValue(nn.Module):
 
 # TRY NOT TO MODIFY: evaluation and data-order plumbing
 @torch.no_grad()
-def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, logger, step):
+def evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args, accelerator, gold, logger,
+             step):
     """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference.
     Logs up to 4 of this process's rows as eval/samples; returns eval/* means over every process's prompts."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    prompts, n_real = ru.even_share(eval_prompts, accelerator)  # padded: every process makes the same calls
+    share, n_real = ru.even_share(range(len(eval_prompts)), accelerator)  # padded: every process makes the same calls
     columns = {"eval/scores": [], "eval/kl": [], "eval/response_length": [], "eval/eos_rate": []}  # (b,) each
-    texts = []
-    for i in range(0, len(prompts), args.local_rollout_forward_batch_size):
-        prompt_ids = prompts[i:i + args.local_rollout_forward_batch_size]
+    texts, source_scores = [], []
+    for i in range(0, len(share), args.local_rollout_forward_batch_size):
+        indices = share[i:i + args.local_rollout_forward_batch_size]
+        prompt_ids = [eval_prompts[j] for j in indices]
         queries = pc.pad_sequences(prompt_ids, pad, "left").to(accelerator.device)  # (b, Lq)
         context_length = queries.shape[1]
         query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, config, len(prompt_ids),
@@ -275,7 +289,10 @@ def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, acce
         logits, _ = model(query_responses, context_length, pad, args.temperature)
         logprobs = pc.selective_logprobs(logits, responses)
         ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-        columns["eval/scores"].append(pc.get_reward(reward_model, query_responses, pad))
+        scores, per_source = reward_sources(query_responses, context_length, [eval_rows[j] for j in indices],
+                                            accelerator)  # (b,), (b, sources)
+        columns["eval/scores"].append(scores)
+        source_scores.append(per_source)
         columns["eval/kl"].append(((logprobs - ref_logprobs) * response_mask).sum(1))
         columns["eval/response_length"].append(response_mask.sum(1).float())
         columns["eval/eos_rate"].append((responses == eos).any(1).float())
@@ -288,7 +305,8 @@ def evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, acce
     samples = [{"prompt": p, "completion": c, "score": round(s, 3)}
                for (p, c), s in zip(texts[:4], torch.cat(columns["eval/scores"]).tolist())]
     logger.log_samples("eval/samples", samples, step)
-    return ru.global_means(accelerator, sums, n_real)
+    return {**ru.global_means(accelerator, sums, n_real),
+            **reward_sources.metrics(torch.cat(source_scores)[:n_real], accelerator, prefix="eval/reward/")}
 
 
 def main():
@@ -300,8 +318,6 @@ def main():
     ru.seed_everything(args.seed, accelerator.process_index)
     dataset_name = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
-    reward_path = ru.resolve_reward_model(args.reward_model or ru.default_reward_model(args.model))
-    value_path = ru.resolve_reward_model(args.value_model) if args.value_model is not None else reward_path
 
     # 2. data: training and held-out prompts, tokenised; the response length fitted to the model's positions
     tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
@@ -310,28 +326,34 @@ def main():
     for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
         ru.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
     train_prompts = ru.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
+    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
+    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
+    eval_rows = eval_data.to_list()
     longest_prompt = max(len(p) for p in train_prompts + eval_prompts)
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "response_length", None if positions is None else positions - longest_prompt,
                   f"the longest prompt ({longest_prompt} tokens) in the model's {positions} positions")
     gold = ru.gold_scorer(dataset_name)
 
-    # 3. models: policy (+LoRA), value model (from the reward model), frozen reference and reward model
-    for path, what in ((reward_path, "reward model"), (value_path, "value model")):
-        pc.check_same_vocab(tokenizer, pc.load_tokenizer(path, trust_remote_code=args.trust_remote_code), what)
+    # 3. models: reward sources (a frozen reward model and/or functions: rewards.py), policy (+LoRA), value model,
+    #    frozen reference
+    reward_sources = rw.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
+    if args.value_model is not None:
+        value_path = ru.resolve_reward_model(args.value_model)
+        pc.check_same_vocab(tokenizer, pc.load_tokenizer(value_path, trust_remote_code=args.trust_remote_code),
+                            "value model")
+    else:  # a value model reads the policy's token ids: the reward model's weights only if it does too
+        value_path = reward_sources.path if reward_sources.mode == "tokens" and reward_sources.path else policy_path
     policy = pc.load_policy(policy_path, tokenizer, args)
-    # the value model starts as the reward model, which was trained to read the last token only: its values at
-    # earlier positions start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by
-    # update 15); the clipped value loss absorbs this without a separate warm-up phase
+    # a value model from the reward model was trained to read the last token only: its values at earlier positions
+    # start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by update 15); the
+    # clipped value loss absorbs this without a separate warm-up phase. From the policy, its scalar head is new.
     value_model = pc.load_scalar_model(value_path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         pc.enable_activation_checkpointing(value_model)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-    reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_path, tokenizer, bf16=args.bf16,
-                                                          trust_remote_code=args.trust_remote_code), accelerator)
 
     # 4. one optimizer over policy + value; lr decays linearly per update (not prepared: checkpoints carry it as JSON)
     model = PolicyAndValue(policy, value_model)
@@ -357,7 +379,8 @@ def main():
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
     stop, skipped, start_time = ru.StopSignal(), 0, time.time()
     if start_update == 1:
-        metrics = evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold, logger, 0)
+        metrics = evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args, accelerator,
+                           gold, logger, 0)
         logger.log({**metrics, "episode": 0}, step=0)
 
     for update in range(start_update, num_total_batches + 1):
@@ -373,7 +396,7 @@ def main():
             responses = query_responses[:, context_length:]  # (B, R)
             response_mask = responses != pad  # (B, R), True up to and including EOS
 
-            # 7. log-probs and values before the update, reference log-probs, reward-model scores
+            # 7. log-probs and values before the update, reference log-probs, rewards
             logprobs, values = [], []
             for i in range(0, local_batch_size, chunk):
                 logits, value = model(query_responses[i:i + chunk], context_length, pad, args.temperature)
@@ -382,7 +405,11 @@ def main():
             logprobs, values = torch.cat(logprobs) * response_mask, torch.cat(values) * response_mask  # (B, R)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk)
             ref_logprobs = ref_logprobs * response_mask
-            scores = pc.get_reward(reward_model, query_responses, pad)  # (B,)
+            rows = [train_data[i] for i in indices]  # the dataset row of each completion
+            with ru.checkpoint_on_error(rw.RewardFunctionError, accelerator, output_dir,
+                                        {"step": update - 1, "kl_coef": kl_coef}, scheduler):
+                scores, source_scores = reward_sources(query_responses, context_length, rows,
+                                                       accelerator)  # (B,), (B, sources)
 
             # 8. rewards: missing-EOS penalty, KL penalty on every token, score at the last real token
             scores = penalise_missing_eos(scores, responses, eos, args.missing_eos_penalty)
@@ -443,14 +470,15 @@ def main():
             if args.skip_nonfinite:
                 metrics["nonfinite/skipped"] = skipped
             metrics = ru.reduce_metrics(accelerator, metrics)
+            metrics.update(reward_sources.metrics(source_scores, accelerator))
         kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target, args.kl_horizon)
         scheduler.step()
         metrics["time/episodes_per_second"] = (update - start_update + 1) * batch_size / (time.time() - start_time)
 
         # 12. evaluation, checkpoints, stop signal
         if (args.eval_steps > 0 and update % args.eval_steps == 0) or update == num_total_batches:
-            metrics.update(evaluate(model, reference, reward_model, tokenizer, eval_prompts, args, accelerator, gold,
-                                    logger, update))
+            metrics.update(evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args,
+                                    accelerator, gold, logger, update))
         logger.log(metrics, step=update)
         accelerator.print(f"update {update}/{num_total_batches} score {metrics['objective/scores']:.3f} "
                           f"kl {metrics['objective/kl']:.3f}" + (f" eval/gold {metrics['eval/gold_score']:.3f}"

@@ -3,15 +3,17 @@
 # (https://huggingface.co/docs/trl/rloo_trainer, "Benchmark experiments").
 #   python rloo.py                                  # toy task, CPU, about a minute
 #   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
-# Per step: sample rloo_k completions per prompt, score them (reward model, minus missing_eos_penalty without EOS),
+# Per step: sample rloo_k completions per prompt, score them (reward model and/or reward functions, weighted: see
+# rewards.py; minus missing_eos_penalty without EOS),
 # subtract kl_coef * KL(policy || reference), take advantage = reward - mean reward of the prompt's other k-1
 # completions, and step on the clipped REINFORCE loss (one epoch, one mini-batch by default = plain REINFORCE).
 # Metrics (metrics.jsonl, a row per step): objective/scores (reward after the EOS penalty), objective/kl (sequence
 # KL to the reference, per the chosen estimator), objective/non_score_reward (-kl_coef * kl), objective/rlhf_reward
 # (their sum: what is maximised), objective/entropy (summed over the response), objective/advantage_std, loss/policy,
 # policy/clipfrac, policy/approxkl (old vs new policy), val/ratio (+ val/ratio_var), val/num_eos_tokens,
-# val/response_length, nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy, held-out prompts):
-# scores, kl, response_length, eos_rate, gold_score (when the task has a ground-truth scorer).
+# val/response_length, reward/<source>/mean and /std (each reward source on its own, before weights and penalty),
+# nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy, held-out prompts): scores, kl,
+# response_length, eos_rate, reward/<source>/*, gold_score (when the task has a ground-truth scorer).
 import math
 import os
 import time
@@ -22,6 +24,7 @@ import torch
 
 import policy_common as pc
 import prompt_sharing as ps
+import rewards as rw
 import run_utils as ru
 
 
@@ -36,7 +39,13 @@ class Args:
     ref_model: Optional[str] = None
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
     reward_model: Optional[str] = None
-    """reward model: alias, hub id or local folder; None = the one paired with --model"""
+    """reward model: alias, hub id or local folder; None = the one paired with --model (none with --reward_funcs)"""
+    reward_model_input: Optional[Literal["tokens", "text"]] = None
+    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
+    reward_funcs: Optional[List[str]] = None
+    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
+    reward_weights: Optional[List[float]] = None
+    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
     dataset: Optional[str] = None
     """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
     eval_split: str = "test"
@@ -219,7 +228,8 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 
 # TRY NOT TO MODIFY: data order and evaluation
 @torch.no_grad()
-def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold, logger, step):
+def evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows, gold, logger,
+             step):
     """Greedy completions of the held-out (distinct: not shared) prompts: reward, KL to the reference (summed over the
     response, at the training temperature like objective/kl), length, EOS rate, gold score if the task has one.
     Every process runs an equal share (padded: only its first n_real rows count), so all make the same model calls.
@@ -227,21 +237,23 @@ def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
     chunk = args.local_rollout_forward_batch_size
-    share, n_real = ru.even_share(eval_prompts, accelerator)
-    sums, samples = dict(scores=0.0, kl=0.0, response_length=0.0, eos_rate=0.0), []
+    share, n_real = ru.even_share(range(len(eval_prompts)), accelerator)  # indices of the prompts
+    sums, samples, source_scores = dict(scores=0.0, kl=0.0, response_length=0.0, eos_rate=0.0), [], []
     if gold is not None:
         sums["gold_score"] = 0.0
     policy.eval()
     for i in range(0, len(share), chunk):
         real = max(0, min(chunk, n_real - i))  # rows of this chunk that count; the rest only pad the share
-        queries = pc.pad_sequences(share[i:i + chunk], pad, "left").to(accelerator.device)  # (b, Lq)
+        queries = pc.pad_sequences([eval_prompts[j] for j in share[i:i + chunk]], pad, "left").to(accelerator.device)
         context_length = queries.shape[1]
         query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, accelerator)
         responses = query_responses[:, context_length:]  # (b, R)
         mask = responses != pad
         logprobs = pc.response_logprobs(policy, query_responses, context_length, pad, args.temperature)
         ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-        scores = pc.get_reward(reward_model, query_responses, pad)  # (b,)
+        scores, per_source = reward_sources(query_responses, context_length, [eval_rows[j] for j in share[i:i + chunk]],
+                                     accelerator)  # (b,), (b, sources)
+        source_scores.append(per_source[:real])
         sums["scores"] += scores[:real].sum().item()
         sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
         sums["response_length"] += mask[:real].sum().item()
@@ -255,7 +267,8 @@ def evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval
             samples.append(row)
     means = ru.global_means(accelerator, sums, n_real)
     logger.log_samples("eval/samples", samples[:args.num_samples_printed], step)
-    return {f"eval/{k}": means[k] for k in sums}
+    return {**{f"eval/{k}": means[k] for k in sums},
+            **reward_sources.metrics(torch.cat(source_scores), accelerator, prefix="eval/reward/")}
 
 
 def main():
@@ -281,11 +294,9 @@ def main():
     chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 2. tokenizer, shared by policy, reference and reward model (checked)
+    # 2. tokenizer of the policy and its reference (a reward model may have its own: rewards.py)
     policy_path = ru.resolve_model(args.model)
-    reward_path = ru.resolve_reward_model(args.reward_model or ru.default_reward_model(args.model))
     tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    pc.check_same_vocab(tokenizer, pc.load_tokenizer(reward_path, trust_remote_code=args.trust_remote_code))
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     # 3. data and lengths: prompts tokenised once; completions must fit in the model's positions after a prompt
@@ -295,7 +306,8 @@ def main():
     ru.require_columns(train_data, ["prompt"], dataset_name)
     ru.require_columns(eval_data, ["prompt"], dataset_name)
     train_prompts = ru.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"][:args.num_eval_prompts], args.max_prompt_length)
+    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
+    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
     if args.max_prompt_length is None:
         args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
     positions = ru.model_positions(policy_path, args.trust_remote_code)
@@ -307,13 +319,13 @@ def main():
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
     output_dir = ru.output_dir(args, dataset_name, accelerator)
 
-    # 4. models: policy (+LoRA), frozen reference, frozen reward model
+    # 4. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
     policy = pc.load_policy(policy_path, tokenizer, args)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-    reward_model = pc.prepare_frozen(pc.load_scalar_model(reward_path, tokenizer, bf16=args.bf16,
-                                                          trust_remote_code=args.trust_remote_code), accelerator)
+    reward_sources = rw.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
+    eval_rows = eval_data.to_list()
 
     # 5. optimizer, linear decay per optimizer step, checkpointable state
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -328,8 +340,8 @@ def main():
                               os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
     stop = ru.StopSignal()
     if state["step"] == 0:
-        logger.log(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
-                            logger, 0), step=0)
+        logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
+                            gold, logger, 0), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
@@ -348,15 +360,18 @@ def main():
 
         # 7. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
         with torch.no_grad():
-            logprobs, entropy, scores = [], [], []
+            logprobs, entropy = [], []
             for i in range(0, local_batch_size, chunk):
                 query_response = query_responses[i:i + chunk]
                 logits = pc.forward_logits(policy, query_response, context_length, pad, args.temperature,
                                            share_prompts=share)
                 logprobs.append(pc.selective_logprobs(logits, query_response[:, context_length:]))
                 entropy.append(pc.entropy_from_logits(logits))
-                scores.append(pc.get_reward(reward_model, query_response, pad, context_length, share_prompts=share))
-            logprobs, entropy, scores = torch.cat(logprobs), torch.cat(entropy), torch.cat(scores)  # (B, R) x2, (B,)
+            logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)  # (B, R) each
+            rows = [train_data[i] for i in indices for _ in range(args.rloo_k)]  # the dataset row of each completion
+            with ru.checkpoint_on_error(rw.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
+                scores, source_scores = reward_sources(query_responses, context_length, rows, accelerator, chunk,
+                                                share_prompts=share)  # (B,), (B, sources)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk,
                                               share_prompts=share)
             logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
@@ -418,11 +433,12 @@ def main():
             "val/num_eos_tokens": (responses == eos).sum().float(),
             "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
         })
+        metrics.update(reward_sources.metrics(source_scores, accelerator))
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(evaluate(args, accelerator, policy, reference, reward_model, tokenizer, eval_prompts, gold,
-                                    logger, step))
+            metrics.update(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts,
+                                    eval_rows, gold, logger, step))
         logger.log(metrics, step=step)
 
         # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then all exit cleanly)

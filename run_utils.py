@@ -129,13 +129,17 @@ def fit_length(args, flag: str, room: Optional[int], why: str) -> int:
     return room
 
 
+def model_config(name: str, trust_remote_code: bool = False):
+    """The config of the model `name` (hub id or folder), without loading weights."""
+    from transformers import AutoConfig
+
+    return pc._from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
+
+
 def model_positions(name: str, trust_remote_code: bool = False) -> Optional[int]:
     """How many positions the model `name` (hub id or folder) attends to, from its config (no weights loaded):
     max_position_embeddings, or None when the config sets no limit."""
-    from transformers import AutoConfig
-
-    config = pc._from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
-    return getattr(config, "max_position_embeddings", None)
+    return getattr(model_config(name, trust_remote_code), "max_position_embeddings", None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -391,8 +395,9 @@ def config_dict(args) -> dict:
 
 class MetricsLogger:
     """Append one JSON object per `log` call to `<output_dir>/metrics.jsonl` (always), and send the same
-    metrics to wandb when `track` is on. Only the main process writes; others are no-ops. The wandb API
-    key is never written anywhere by this class."""
+    metrics to wandb when `track` is on. Only the main process writes; others are no-ops. Nothing is written
+    before the first row (args.json and the folder come with it), so a run that fails before its first
+    evaluation leaves no run folder. The wandb API key is never written anywhere by this class."""
 
     def __init__(self, output_dir: str, args, is_main_process: bool = True, track: bool = False,
                  wandb_project: str = "policy-rlhf", run_name: Optional[str] = None,
@@ -400,10 +405,9 @@ class MetricsLogger:
         """A fresh run refuses an output folder that already holds metrics (it is never overwritten); a
         resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
         self.active, self.track = is_main_process, track and is_main_process
-        self.path = os.path.join(output_dir, "metrics.jsonl")
-        if not self.active:
-            return
-        if os.path.exists(self.path):
+        self.output_dir, self.path, self.started = output_dir, os.path.join(output_dir, "metrics.jsonl"), False
+        self.config, self.wandb_project, self.run_name = config_dict(args), wandb_project, run_name
+        if self.active and os.path.exists(self.path):
             if resume_step is None:
                 raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
                                 "or pass --resume_from")
@@ -411,19 +415,25 @@ class MetricsLogger:
                 rows = [line for line in f if json.loads(line)["step"] <= resume_step]
             with open(self.path, "w") as f:
                 f.writelines(rows)
-        os.makedirs(output_dir, exist_ok=True)
-        config = config_dict(args)
-        with open(os.path.join(output_dir, "args.json"), "w") as f:
-            json.dump(config, f, indent=2, default=str)
+
+    def _start(self) -> None:
+        """Create the folder, write args.json, start wandb: once, at the first row."""
+        if self.started:
+            return
+        self.started = True
+        os.makedirs(self.output_dir, exist_ok=True)
+        with open(os.path.join(self.output_dir, "args.json"), "w") as f:
+            json.dump(self.config, f, indent=2, default=str)
         if self.track:
             import wandb
 
-            wandb.init(project=wandb_project, name=run_name, config=config, dir=output_dir)
+            wandb.init(project=self.wandb_project, name=self.run_name, config=self.config, dir=self.output_dir)
             wandb.run.log_code(".", include_fn=lambda p: p.endswith(".py"))
 
     def log(self, metrics: Dict[str, float], step: int) -> None:
         if not self.active:
             return
+        self._start()
         row = {"step": step, **{k: _to_float(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -441,10 +451,11 @@ class MetricsLogger:
         if self.track and rows:
             import wandb
 
+            self._start()
             wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
 
     def close(self) -> None:
-        if self.track:
+        if self.track and self.started:
             import wandb
 
             wandb.finish()
@@ -549,6 +560,21 @@ def stop_on_nonfinite(accelerator, output_dir: str, step: int, state: dict, sche
     shown = ", ".join(f"{name.replace('_', ' ')} {_to_float(value)}" for name, value in values.items())
     raise UserError(f"non-finite {shown} at step {step}; the state before it is in {output_dir}/checkpoint-nonfinite "
                     "(--skip_nonfinite skips such steps)")
+
+
+@contextlib.contextmanager
+def checkpoint_on_error(error_type, accelerator, output_dir: str, state: dict, scheduler=None):
+    """Run the block; if it raises `error_type` (an error every process raises together, e.g. a reward function's),
+    first keep the finished steps: `state` (that of the last finished step, `state["step"]` > 0) goes to
+    <output_dir>/checkpoint-<step>, named in a note, then the error propagates."""
+    try:
+        yield
+    except error_type:
+        if state["step"] > 0:
+            path = os.path.join(output_dir, f"checkpoint-{state['step']}")
+            save_checkpoint(accelerator, path, state, scheduler)
+            accelerator.print(f"note: the {state['step']} finished step(s) are in {path} (--resume_from it)")
+        raise
 
 
 def load_checkpoint(accelerator, path: str, scheduler=None) -> dict:

@@ -13,7 +13,8 @@ What gets built (deterministically from a seed, cached under $TOY_TASK_CACHE or 
   lazy copy of the prompt's letters, some sorted, some sorted with a mistake), so it writes task-shaped but
   mediocre completions: greedy decoding mostly copies, samples are sometimes right.
 - reward/: a GPTNeoXForSequenceClassification (one label), initialised from the SFT weights and trained on
-  gold-labelled pairs of the SFT policy's own samples. It is a learned proxy: it can be over-optimised.
+  gold-labelled pairs of the SFT policy's own samples, each text ended with EOS and scored there (its config
+  records `reward_model_input: "tokens"`, which the RL scripts follow). A learned proxy: it can be over-optimised.
 - datasets (save_to_disk, train/test splits): prompt/ (`prompt`), preference/ (`prompt`, `chosen`,
   `rejected`) and unpaired/ (`prompt`, `completion`, `label`: gold >= 0.75). prompt/test is the fixed
   held-out evaluation set.
@@ -34,7 +35,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-BUILDER_VERSION = 2  # bump whenever the build or anything it calls (generation, training) changes
+BUILDER_VERSION = 3  # bump whenever the build or anything it calls (generation, training) changes
 LETTERS = list("abcdefghijkl")
 MIN_LETTERS, MAX_LETTERS = 3, 6
 MAX_NEW_TOKENS = MAX_LETTERS + 2  # room for an answer, its EOS and one mistake
@@ -280,6 +281,7 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     pref_test, samples_test = _make_pairs(sft, tokenizer, test_prompts)
     log(f"pairs sampled ({time.time() - t0:.0f}s)")
     reward = _train_reward(os.path.join(root, "sft"), tokenizer, pref_train, steps=500, batch_size=32, rng=rng)
+    reward.config.reward_model_input = "tokens"  # trained reading token ids with EOS appended (see rewards.py)
     reward.save_pretrained(os.path.join(root, "reward"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(root, "reward"))
     rm_accuracy = _pair_accuracy(reward, tokenizer, pref_test)

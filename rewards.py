@@ -1,0 +1,324 @@
+"""Where the reward of a completion comes from: a reward model, reward functions, or both, weighted. Shared by the
+RL scripts (rloo.py, ppo.py); nothing here is algorithm logic: a script asks for one number per completion, and
+logs the parts. Imports go one way: scripts -> rewards -> run_utils -> policy_common.
+
+How the reward model reads a completion (`--reward_model_input`):
+  tokens  the policy's token ids of prompt + completion, EOS included, scored at the last non-pad token: the
+          convention of reward models trained with EOS appended (the TL;DR reward models of Huang et al. 2024,
+          this project's toy reward model, TRL's RewardTrainer). Needs the policy's vocabulary.
+  text    prompt and completion decoded (special tokens skipped) and concatenated (conversational data: the
+          prompt's messages plus the completion as the assistant's, through the reward model's chat template),
+          re-tokenised by the reward model's own tokenizer without special tokens, right-padded, scored at the last
+          token: the convention of TRL's RLOO and GRPO trainers. Any tokenizer; the reward model never sees EOS.
+  Default: what the reward model's config records (`reward_model_input`, written by this project when it trains
+  one), else tokens when it shares the policy's vocabulary, else text. Read at a position it was never trained
+  on, a reward model returns noise, silently: see README "Rewards".
+
+Reward functions (`--reward_funcs`): `gold` (the dataset's ground-truth scorer, where it has one: the toy task),
+`path/to/file.py:function` or `package.module:function`, called as TRL calls them, by keyword:
+    fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list of float or None
+`prompts` are the dataset's prompts (text, or messages), `completions` the decoded completions (text, or
+[{"role": "assistant", "content": text}] for conversational data), `completion_ids` their token ids (EOS
+included), `columns` the dataset's other columns for those rows (e.g. answer=[...]). A function without **kwargs
+is given only the arguments it names. None means "this function does not score this row": it adds nothing to the
+row's reward and is left out of its reward/<name> statistics. A function is code the user named on the command
+line; nothing is ever loaded from a dataset or a hub repository as code.
+
+The reward of a row = sum over sources of weight * score (`--reward_weights`: the reward model first, then each
+function in order; 1.0 each by default).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import os
+from typing import Callable, Dict, Optional, Sequence
+
+import torch
+
+import policy_common as pc
+import run_utils as ru
+from policy_common import UserError
+
+BUILTINS = ("gold",)
+REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metrics
+
+
+class RewardFunctionError(UserError):
+    """A reward function raised or returned something unusable (every process raises it together)."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reward functions: loading by name, calling, checking what comes back
+# ---------------------------------------------------------------------------------------------------------
+class RewardFunction:
+    """A user's reward function and what its signature accepts: `name` (for metrics and errors), `fn`,
+    `takes_kwargs` (has **kwargs: gets every column), `named` (keyword arguments it names), `required` (those
+    without a default: the data must supply them)."""
+
+    def __init__(self, name: str, fn: Callable):
+        try:
+            parameters = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            raise UserError(f"reward function {name!r} has no inspectable signature") from None
+        self.name, self.fn = name, fn
+        self.takes_kwargs = any(p.kind == p.VAR_KEYWORD for p in parameters)
+        keyword = [p for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        self.named = {p.name for p in keyword}
+        self.required = [p.name for p in keyword if p.default is p.empty]
+        if "completions" not in self.named and not self.takes_kwargs:
+            raise UserError(f"reward function {name!r} must take completions= (signature: "
+                            "fn(prompts, completions, **columns) -> list of float or None)")
+
+
+def load_reward_function(spec: str, dataset: str) -> RewardFunction:
+    """`gold` | `path/to/file.py:function` | `package.module:function` -> RewardFunction. Anything that cannot be
+    found or imported is a UserError here, at start-up."""
+    if spec == "gold":
+        scorer = ru.gold_scorer(dataset)
+        if scorer is None:
+            raise UserError(f"--reward_funcs gold: dataset {dataset!r} has no ground-truth scorer (the toy task has "
+                            "one); name a function as path/to/file.py:function or package.module:function")
+
+        def gold(prompts, completions, **columns):
+            return [scorer(prompt, completion) for prompt, completion in zip(prompts, completions)]
+
+        return RewardFunction("gold", gold)
+    where, _, attribute = spec.rpartition(":")
+    if not where or not attribute:
+        raise UserError(f"--reward_funcs {spec!r}: not a built-in ({', '.join(BUILTINS)}), nor "
+                        "path/to/file.py:function or package.module:function")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise UserError(f"--reward_funcs {spec!r}: file {where!r} not found")
+        module_spec = importlib.util.spec_from_file_location(f"reward_funcs_{os.path.basename(where)[:-3]}", where)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise UserError(f"--reward_funcs {spec!r}: importing {where!r} raised {type(e).__name__}: "
+                            f"{pc._first_line(e)}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise UserError(f"--reward_funcs {spec!r}: cannot import {where!r} ({type(e).__name__}: "
+                            f"{pc._first_line(e)})") from None
+    fn = getattr(module, attribute, None)
+    if not callable(fn):
+        raise UserError(f"--reward_funcs {spec!r}: {where!r} has no function {attribute!r}")
+    return RewardFunction(attribute, fn)
+
+
+def _short(value, width: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -> tuple:
+    """Call `function` on a batch (`arguments`: prompts, completions, completion_ids and the data columns, one list
+    entry per row). Returns (values, None): a float or None per row; or (None, message) naming the function and the
+    first bad row when it raises, returns the wrong number of values, or a value that is not a finite number."""
+    if not function.takes_kwargs:
+        arguments = {k: v for k, v in arguments.items() if k in function.named}
+    n = len(arguments["completions"]) if "completions" in arguments else len(next(iter(arguments.values())))
+
+    def row(i: int) -> str:
+        prompt = arguments.get("prompts", [None] * n)[i]
+        return f"row {i} (prompt {_short(prompt)}, completion {_short(arguments['completions'][i])})"
+
+    try:
+        values = function.fn(**arguments)
+    except Exception as e:
+        first = next((i for i in range(n) if _raises(function, {k: v[i:i + 1] for k, v in arguments.items()})), None)
+        where = "" if first is None else f" on {row(first)}"
+        return None, f"reward function {function.name!r} raised {type(e).__name__}: {pc._first_line(e)}{where}"
+    try:
+        values = list(values)
+    except TypeError:
+        return None, f"reward function {function.name!r} returned {type(values).__name__}, not a list of {n} values"
+    if len(values) != n:
+        return None, f"reward function {function.name!r} returned {len(values)} values for {n} rows"
+    out = []
+    for i, value in enumerate(values):
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(float(value))):
+            return None, (f"reward function {function.name!r} returned {_short(value, 30)} for {row(i)}: not a finite "
+                          "number (None means: not scored)")
+        out.append(None if value is None else float(value))
+    return out, None
+
+
+def _raises(function: RewardFunction, arguments: Dict[str, list]) -> bool:
+    try:
+        function.fn(**arguments)
+    except Exception:
+        return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The reward sources of a run, combined
+# ---------------------------------------------------------------------------------------------------------
+class Rewards:
+    """The run's reward sources: an optional frozen reward model (read per `mode`: "tokens" or "text"), reward
+    functions, one weight per source. `names` are the sources' metric names, reward model first."""
+
+    def __init__(self, tokenizer, reward_model=None, reward_tokenizer=None, mode: str = "tokens",
+                 functions: Sequence[RewardFunction] = (), weights: Optional[Sequence[float]] = None,
+                 path: Optional[str] = None):
+        self.tokenizer, self.reward_model, self.reward_tokenizer = tokenizer, reward_model, reward_tokenizer
+        self.mode, self.path = mode, path  # path: where the reward model was loaded from
+        self.functions = list(functions)
+        names = ([REWARD_MODEL] if reward_model is not None else []) + [f.name for f in self.functions]
+        self.names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
+        if not self.names:
+            raise UserError("no reward: give a --reward_model, --reward_funcs, or both")
+        weights = [1.0] * len(self.names) if weights is None else list(weights)
+        if len(weights) != len(self.names):
+            raise UserError(f"--reward_weights has {len(weights)} value(s) for {len(self.names)} reward source(s) "
+                            f"({', '.join(self.names)})")
+        self.weights = torch.tensor(weights, dtype=torch.float32)
+
+    @torch.no_grad()
+    def __call__(self, query_responses: torch.Tensor, context_length: int, rows: Sequence[dict], accelerator=None,
+                 chunk_size: Optional[int] = None, share_prompts: bool = False):
+        """Score B completions. query_responses (B, T) = [left-padded query | response, right-padded];
+        `rows` the B dataset rows (dicts with `prompt` and any other columns) the queries came from.
+        Returns (scores (B,), per_source (B, S)): per_source holds each source's score, NaN where a function
+        returned None; scores = sum over sources of weight * score, NaNs left out (0 for a row no source scored).
+        With reward functions every process must call this together (their failure is agreed: one all-reduce)."""
+        responses = query_responses[:, context_length:]
+        columns = []
+        if self.reward_model is not None:
+            columns.append(self._model_scores(query_responses, context_length, rows, chunk_size, share_prompts))
+        if self.functions:
+            arguments = self._arguments(responses, rows)
+            message = None
+            for function in self.functions:
+                values, message = call_reward_function(function, arguments)
+                if message is not None:
+                    break
+                columns.append(torch.tensor([math.nan if v is None else v for v in values]))
+            self._agree(message, accelerator)
+        per_source = torch.stack([c.float().to(query_responses.device) for c in columns], 1)  # (B, S)
+        scores = torch.nansum(per_source * self.weights.to(per_source.device), 1)  # (B,)
+        return scores, per_source
+
+    def _model_scores(self, query_responses, context_length, rows, chunk_size, share_prompts):
+        pad = self.tokenizer.pad_token_id
+        chunk = chunk_size or query_responses.shape[0]
+        if self.mode == "tokens":
+            return torch.cat([pc.get_reward(self.reward_model, query_responses[i:i + chunk], pad, context_length,
+                                            share_prompts) for i in range(0, query_responses.shape[0], chunk)])
+        texts = [self._text(query_response, context_length, row["prompt"])
+                 for query_response, row in zip(query_responses, rows)]
+        reward_pad, scores = self.reward_tokenizer.pad_token_id, []
+        for i in range(0, len(texts), chunk):
+            ids = [self.reward_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts[i:i + chunk]]
+            batch = pc.pad_sequences(ids, reward_pad, "right").to(query_responses.device)
+            scores.append(pc.get_reward(self.reward_model, batch, reward_pad))
+        return torch.cat(scores)
+
+    def _text(self, query_response: torch.Tensor, context_length: int, prompt) -> str:
+        """The text the reward model reads in `text` mode (see the module docstring)."""
+        pad = self.tokenizer.pad_token_id
+        query, response = query_response[:context_length], query_response[context_length:]
+        completion = self.tokenizer.decode(response[response != pad], skip_special_tokens=True)
+        if ru.is_conversational(prompt):
+            messages = list(prompt) + [{"role": "assistant", "content": completion}]
+            return self.reward_tokenizer.apply_chat_template(messages, tokenize=False)
+        return self.tokenizer.decode(query[query != pad], skip_special_tokens=True) + completion
+
+    def _arguments(self, responses: torch.Tensor, rows: Sequence[dict]) -> Dict[str, list]:
+        """The keyword arguments of a reward-function call for these rows (see the module docstring)."""
+        pad = self.tokenizer.pad_token_id
+        completion_ids = [response[response != pad].tolist() for response in responses]
+        completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
+        if ru.is_conversational(rows[0]["prompt"]):
+            completions = [[{"role": "assistant", "content": text}] for text in completions]
+        arguments = {column: [row[column] for row in rows] for column in rows[0] if column != "prompt"}
+        arguments.update(prompts=[row["prompt"] for row in rows], completions=completions,
+                         completion_ids=completion_ids)
+        return arguments
+
+    @staticmethod
+    def _agree(message: Optional[str], accelerator) -> None:
+        """Raise RewardFunctionError on every process when a reward function failed on any (one all-reduce), so
+        that no process is left waiting for the others in a collective."""
+        failed = torch.tensor([float(message is not None)])
+        if accelerator is not None and accelerator.num_processes > 1:
+            failed = accelerator.reduce(failed.to(accelerator.device), reduction="max").cpu()
+        if failed.item():
+            raise RewardFunctionError(message or "a reward function failed on another process (its error is above)")
+
+    def metrics(self, per_source: torch.Tensor, accelerator=None, prefix: str = "reward/") -> Dict[str, float]:
+        """{prefix<name>/mean, prefix<name>/std} of each source over every process's scored rows of `per_source`
+        (B, S) (one all-reduce; every process calls it together). A source that scored no row is left out."""
+        scored = ~per_source.isnan()
+        values = per_source.nan_to_num(0.0).double()
+        sums = torch.stack([values.sum(0), (values ** 2).sum(0), scored.sum(0).double()])  # (3, S)
+        if accelerator is not None and accelerator.num_processes > 1:
+            sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum")
+        out = {}
+        for (total, squares, count), name in zip(sums.T.tolist(), self.names):
+            if count > 0:
+                mean = total / count
+                out[f"{prefix}{name}/mean"] = mean
+                out[f"{prefix}{name}/std"] = math.sqrt(max(squares / count - mean ** 2, 0.0))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Start-up: the run's reward sources from its flags
+# ---------------------------------------------------------------------------------------------------------
+def reward_model_input(flag: Optional[str], recorded: Optional[str], same_vocabulary: bool, path: str) -> str:
+    """The reward model's input convention: `flag` if given (tokens needs the policy's vocabulary), else the one
+    recorded in its config, else tokens when it shares the policy's vocabulary, else text."""
+    mode = flag or recorded or ("tokens" if same_vocabulary else "text")
+    if mode not in ("tokens", "text"):
+        raise UserError(f"reward model {path!r} records reward_model_input {mode!r}; expected tokens or text")
+    if mode == "tokens" and not same_vocabulary:
+        why = "--reward_model_input tokens" if flag else f"reward model {path!r} records reward_model_input tokens"
+        raise UserError(f"{why}, but its tokenizer differs from the policy's: it cannot read the policy's token ids "
+                        "(--reward_model_input text re-tokenises the text, without EOS)")
+    return mode
+
+
+def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequence, accelerator) -> Rewards:
+    """The run's Rewards from the shared flags `--reward_model` (None = the one paired with --model, or none when
+    --reward_funcs are given), `--reward_model_input`, `--reward_funcs`, `--reward_weights`. Checks, at start-up,
+    that every column a function requires is in each of `datasets`, and that conversational data read as text
+    has a chat template. The reward model gets a pad token of its own if it has none (the policy's is untouched)."""
+    functions = [load_reward_function(spec, dataset) for spec in args.reward_funcs or []]
+    for function in functions:
+        supplied = {"prompts", "completions", "completion_ids"}
+        for data in datasets:
+            missing = [name for name in function.required if name not in supplied | set(data.column_names)]
+            if missing:
+                raise UserError(f"reward function {function.name!r} needs column(s) {missing}; dataset {dataset!r} "
+                                f"has {data.column_names}")
+    name = args.reward_model or (None if functions else ru.default_reward_model(model_alias))
+    if name is None:
+        if args.reward_model_input is not None:
+            raise UserError("--reward_model_input is given but there is no reward model")
+        return Rewards(tokenizer, functions=functions, weights=args.reward_weights)
+    path = ru.resolve_reward_model(name)
+    reward_tokenizer = pc.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    same_vocabulary = reward_tokenizer.get_vocab() == tokenizer.get_vocab()
+    recorded = getattr(ru.model_config(path, args.trust_remote_code), "reward_model_input", None)
+    mode = reward_model_input(args.reward_model_input, recorded, same_vocabulary, path)
+    if mode == "text" and ru.is_conversational(datasets[0][0]["prompt"]) and reward_tokenizer.chat_template is None:
+        raise UserError(f"conversational data read as text needs a chat template; reward model {path!r} has none")
+    model = pc.load_scalar_model(path, tokenizer if mode == "tokens" else reward_tokenizer, bf16=args.bf16,
+                                 trust_remote_code=args.trust_remote_code)
+    why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
+           else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
+    accelerator.print(f"reward model {path} reads {mode} ({why})")
+    return Rewards(tokenizer, pc.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions,
+                   args.reward_weights, path)
