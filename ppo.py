@@ -369,7 +369,7 @@ def main():
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
-                      f"{reference.mode} -> {output_dir}")
+                      f"{reference.mode}, value model from {value_path} -> {output_dir}")
 
     def checkpoint(update: int, name: str) -> None:
         ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)

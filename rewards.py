@@ -6,7 +6,7 @@ How the reward model reads a completion (`--reward_model_input`):
   tokens  the policy's token ids of prompt + completion, EOS included, scored at the last non-pad token: the
           convention of reward models trained with EOS appended (the TL;DR reward models of Huang et al. 2024,
           this project's toy reward model, TRL's RewardTrainer). Needs the policy's vocabulary.
-  text    prompt and completion decoded (special tokens skipped) and concatenated (conversational data: the
+  text    prompt + completion decoded to text (special tokens skipped; conversational data: the
           prompt's messages plus the completion as the assistant's, through the reward model's chat template),
           re-tokenised by the reward model's own tokenizer without special tokens, right-padded, scored at the last
           token: the convention of TRL's RLOO and GRPO trainers. Any tokenizer; the reward model never sees EOS.
@@ -228,12 +228,14 @@ class Rewards:
     def _text(self, query_response: torch.Tensor, context_length: int, prompt) -> str:
         """The text the reward model reads in `text` mode (see the module docstring)."""
         pad = self.tokenizer.pad_token_id
-        query, response = query_response[:context_length], query_response[context_length:]
-        completion = self.tokenizer.decode(response[response != pad], skip_special_tokens=True)
         if ru.is_conversational(prompt):
+            response = query_response[context_length:]
+            completion = self.tokenizer.decode(response[response != pad], skip_special_tokens=True)
             messages = list(prompt) + [{"role": "assistant", "content": completion}]
             return self.reward_tokenizer.apply_chat_template(messages, tokenize=False)
-        return self.tokenizer.decode(query[query != pad], skip_special_tokens=True) + completion
+        # decoded in one go: decoding prompt and completion apart can drop the space between them (word-level
+        # tokenizers decode " b c" as "b c")
+        return self.tokenizer.decode(query_response[query_response != pad], skip_special_tokens=True)
 
     def _arguments(self, responses: torch.Tensor, rows: Sequence[dict]) -> Dict[str, list]:
         """The keyword arguments of a reward-function call for these rows (see the module docstring)."""
@@ -313,7 +315,8 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     same_vocabulary = reward_tokenizer.get_vocab() == tokenizer.get_vocab()
     recorded = getattr(ru.model_config(path, args.trust_remote_code), "reward_model_input", None)
     mode = reward_model_input(args.reward_model_input, recorded, same_vocabulary, path)
-    if mode == "text" and ru.is_conversational(datasets[0][0]["prompt"]) and reward_tokenizer.chat_template is None:
+    conversational = bool(datasets) and ru.is_conversational(datasets[0][0]["prompt"])
+    if mode == "text" and conversational and reward_tokenizer.chat_template is None:
         raise UserError(f"conversational data read as text needs a chat template; reward model {path!r} has none")
     model = pc.load_scalar_model(path, tokenizer if mode == "tokens" else reward_tokenizer, bf16=args.bf16,
                                  trust_remote_code=args.trust_remote_code)

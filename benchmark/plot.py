@@ -28,7 +28,8 @@ from collections import defaultdict
 import numpy as np
 
 OFFLINE_UNIT = {"dpo": "pairs", "kto": "examples"}
-COLORS = {"rloo": "tab:blue", "ppo": "tab:orange", "dpo": "tab:green", "kto": "tab:red"}
+COLORS = {"rloo": "tab:blue", "ppo": "tab:orange", "dpo": "tab:green", "kto": "tab:red", "rloo-gold": "tab:purple",
+          "ppo-gold": "tab:brown"}
 
 
 def find_runs(root: str) -> list:
@@ -115,7 +116,7 @@ def group(runs: list) -> dict:
     by_algo = defaultdict(list)
     for run in runs:
         by_algo[run["algo"]].append(run)
-    order = [a for a in ("rloo", "ppo", "dpo", "kto") if a in by_algo] + sorted(a for a in by_algo if a not in COLORS)
+    order = [a for a in COLORS if a in by_algo] + sorted(a for a in by_algo if a not in COLORS)
     return {a: by_algo[a] for a in order}
 
 

@@ -1,6 +1,6 @@
 """Toy-task benchmark: every algorithm x several seeds at a fixed budget, one uniform evaluation, one table.
 
-    python benchmark/toy.py                       # rloo ppo dpo kto x seeds 1 2 3, ~25 min on 2 CPU cores
+    python benchmark/toy.py                       # rloo ppo dpo kto rloo-gold ppo-gold x seeds 1 2 3, ~8 min
     python benchmark/toy.py --algos rloo dpo --seeds 1 --max_steps 2 --num_eval_prompts 32   # a smoke run
 
 For each (algorithm, seed) it runs `python <algo>.py --output_dir RUNS/<algo>/seed<S> --seed S --save_steps N
@@ -34,7 +34,11 @@ for p in (ROOT, HERE):
 
 import numpy as np  # noqa: E402
 
-ALGOS = ("rloo", "ppo", "dpo", "kto")
+# Variants: a script run with other flags, tabled as an algorithm of its own (its --exp_name is the variant's name).
+# `-gold`: RL on the toy task's verifiable gold reward (--reward_funcs gold), no reward model: proxy reward model
+# and verifier side by side.
+VARIANTS = {"rloo-gold": ("rloo", ["--reward_funcs", "gold"]), "ppo-gold": ("ppo", ["--reward_funcs", "gold"])}
+ALGOS = ("rloo", "ppo", "dpo", "kto", *VARIANTS)
 # Checkpoint cadence (optimizer steps) of the uniform-evaluation curve: about 8 points over each default budget
 # (rloo 128 steps of 64 episodes, ppo 60 updates of 64 episodes, dpo 82 steps of 32 pairs, kto 256 steps of 32
 # examples on toy seed 0).
@@ -227,8 +231,11 @@ def main(argv=None):
                     continue
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-            cmd = [sys.executable, os.path.join(ROOT, f"{algo}.py"), "--output_dir", run_dir, "--seed", str(seed),
-                   "--save_steps", str(args.save_steps or SAVE_STEPS[algo])]
+            script, variant_flags = VARIANTS.get(algo, (algo, []))
+            cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--output_dir", run_dir, "--seed", str(seed),
+                   "--save_steps", str(args.save_steps or SAVE_STEPS[script])]
+            if algo in VARIANTS:
+                cmd += ["--exp_name", algo, *variant_flags]
             if args.max_steps:
                 cmd += ["--max_steps", str(args.max_steps)]
             if args.script_eval_prompts:
@@ -246,11 +253,11 @@ def main(argv=None):
             per_step = run_args["per_device_train_batch_size"] * run_args.get("gradient_accumulation_steps", 1)
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            if algo in ("rloo", "ppo"):
+            if script in ("rloo", "ppo"):
                 episodes = max((r.get("episode", 0) for r in rows), default=0)
-                budget = f"{steps} steps, {int(episodes)} {UNIT[algo]}"
+                budget = f"{steps} steps, {int(episodes)} {UNIT[script]}"
             else:
-                budget = f"{steps} steps x {per_step} {UNIT[algo]}"
+                budget = f"{steps} steps x {per_step} {UNIT[script]}"
             gold_rows = [r["eval/gold_score"] for r in rows if "eval/gold_score" in r]
             record = dict(algo=algo, seed=seed, command=" ".join(cmd[1:]), steps=steps, budget=budget,
                           num_eval_prompts=args.num_eval_prompts, points=points, final=points[-1], sft=sft,
@@ -264,7 +271,9 @@ def main(argv=None):
                    "`total_episodes`, one epoch of the toy preference / unpaired data for DPO / KTO)"
                    + (f", capped at --max_steps {args.max_steps}" if args.max_steps else "")
                    + "; checkpoints for the curves every " +
-                   ", ".join(f"{a} {args.save_steps or SAVE_STEPS[a]}" for a in args.algos) + " steps."
+                   ", ".join(f"{a} {args.save_steps or SAVE_STEPS[VARIANTS.get(a, (a,))[0]]}" for a in args.algos)
+                   + " steps." + "".join(f" {name}: {script}.py {' '.join(flags)}." for name, (script, flags)
+                                         in VARIANTS.items() if name in args.algos)
                    + (f" Extra flags: {extra}." if extra else ""))
     table = os.path.join(args.out, "toy.md")
     load = (f"; 1-min load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (other work on the "

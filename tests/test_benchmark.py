@@ -29,10 +29,11 @@ def assert_png(path):
 
 @pytest.fixture(scope="module")
 def tiny_benchmark(toy, tmp_path_factory):
-    """benchmark/toy.py on two algorithms x one seed, 2 steps each, checkpoints every step, small evaluations."""
+    """benchmark/toy.py on two algorithms x one seed, 2 steps each, checkpoints every step, small evaluations: DPO and
+    the rloo-gold variant (rloo.py --reward_funcs gold, no reward model)."""
     tmp = tmp_path_factory.mktemp("bench")
     runs, out = str(tmp / "runs"), str(tmp / "results")
-    run_script("benchmark/toy.py", "--algos", "rloo", "dpo", "--seeds", "1", "--max_steps", "2", "--save_steps", "1",
+    run_script("benchmark/toy.py", "--algos", "rloo-gold", "dpo", "--seeds", "1", "--max_steps", "2", "--save_steps", "1",
                "--num_eval_prompts", "16", "--script_eval_prompts", "8", "--runs_dir", runs, "--out", out, timeout=300)
     return runs, out
 
@@ -41,13 +42,14 @@ def test_toy_benchmark_writes_table_and_figures(tiny_benchmark):
     runs, out = tiny_benchmark
     with open(os.path.join(out, "toy.md")) as f:
         table = f.read()
-    rows = [line for line in table.splitlines() if line.startswith("| rloo |") or line.startswith("| dpo |")]
+    rows = [line for line in table.splitlines() if line.startswith("| rloo-gold |") or line.startswith("| dpo |")]
     assert len(rows) == 4, table  # summary row + per-run row for each algorithm
     assert "gold before" in table and "KL to SFT after" in table and "peak memory" in table
     assert "2 steps" in table  # the budget is reported
     for name in ("toy_curves.png", "toy_frontier.png"):
         assert_png(os.path.join(out, name))
-    for algo in ("rloo", "dpo"):
+    assert "rloo-gold: rloo.py --reward_funcs gold" in table
+    for algo in ("rloo-gold", "dpo"):
         with open(os.path.join(runs, algo, "seed1", "bench_eval.json")) as f:
             record = json.load(f)
         assert [p["step"] for p in record["points"]] == [0, 1, 2]  # SFT, checkpoint-1, final model
@@ -228,3 +230,13 @@ def test_judge_win_rate_with_a_local_fake_endpoint(tmp_path):
         server.shutdown()
     assert summary["win_rate"] == pytest.approx(0.75) and summary["judged"] == 4
     assert (tmp_path / "judged.json").exists() and (tmp_path / "judged.jsonl").exists()
+
+
+def test_reward_model_input_check_prefers_the_toy_models_training_convention(toy):
+    """The toy reward model was trained on texts ending with EOS: read that way it ranks held-out pairs better."""
+    proc = run_script("benchmark/reward_model_input.py", "--reward_model", "toy", "--dataset", "toy")
+    assert "-> --reward_model_input tokens" in proc.stdout and "its config records: tokens" in proc.stdout
+    import reward_model_input
+
+    result = reward_model_input.pair_accuracies(toy["reward"], "toy", "test", 512)
+    assert result["pairs"] > 100 and result["tokens"] > result["text"] + 0.05, result

@@ -393,7 +393,7 @@ def bad_reward_model(toy, tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     tok.add_tokens(["zzz"])
     tok.save_pretrained(path)
-    return ["--reward_model", path]
+    return ["--reward_model", path, "--reward_model_input", "tokens"]  # another vocabulary cannot read token ids
 
 
 def no_prompt_dataset(toy, tmp_path):
@@ -430,7 +430,7 @@ def empty_eval_split(toy, tmp_path):
     (empty_train_split, "data.json"),
     (empty_eval_split, "split 'test' is empty"),
     (lambda toy, tmp: ["--num_eval_prompts", "0"], "--num_eval_prompts"),
-    (bad_reward_model, "tokenizer differs"),
+    (bad_reward_model, "cannot read the policy's token ids"),
 ])
 def test_bad_inputs_fail_cleanly(toy, tmp_path, make_args, message):
     out = str(tmp_path / "never")
