@@ -116,9 +116,9 @@ class Args:
 
     # DPO
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
-    """sigmoid (DPO / cDPO), ipo, hinge (SLiC) or robust (rDPO)"""
+    """loss variant: dpo.py sigmoid (DPO/cDPO), ipo, hinge (SLiC), robust (rDPO); grpo.py aggregation (see its code)"""
     beta: float = 0.1
-    """inverse temperature of the implicit reward beta * log(pi / ref) inside the loss"""
+    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference)"""
     label_smoothing: float = 0.0
     """probability that a preference label is flipped (cDPO for sigmoid, the noise rate for robust)"""
     rpo_alpha: Optional[float] = None

@@ -71,7 +71,7 @@ class Args:
 
     # Algorithm specific arguments
     beta: float = 0.1
-    """inverse temperature of the implicit reward beta * log(pi / ref) inside the loss"""
+    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference)"""
     desirable_weight: Optional[float] = None
     """loss weight of desirable examples (lambda_D); None = from the training data's counts (see loss_weights)"""
     undesirable_weight: Optional[float] = None

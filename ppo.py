@@ -98,9 +98,9 @@ class Args:
     num_mini_batches: int = 1
     """mini-batches (optimizer steps) per pass over a batch of rollouts"""
     kl_coef: float = 0.05
-    """beta: weight of the KL-to-reference penalty in the reward (PPO: the start value if --kl_target adapts it)"""
+    """beta: weight of the KL-to-reference penalty in the reward (the start value if --kl_target adapts it)"""
     kl_target: Optional[float] = None
-    """adaptive KL controller target (sequence KL, nats); None = fixed kl_coef"""
+    """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
     kl_horizon: int = 10_000
     """adaptive KL controller horizon in episodes"""
     cliprange: float = 0.2

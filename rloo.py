@@ -3,17 +3,18 @@
 # (https://huggingface.co/docs/trl/rloo_trainer, "Benchmark experiments").
 #   python rloo.py                                  # toy task, CPU, about a minute
 #   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
-# Per step: sample rloo_k completions per prompt, score them (reward model and/or reward functions, weighted: see
-# rewards.py; minus missing_eos_penalty without EOS),
-# subtract kl_coef * KL(policy || reference), take advantage = reward - mean reward of the prompt's other k-1
-# completions, and step on the clipped REINFORCE loss (one epoch, one mini-batch by default = plain REINFORCE).
+# Per step: sample rloo_k completions per prompt, score them (reward model and/or reward functions, weighted:
+# rewards.py; minus missing_eos_penalty without EOS), subtract kl_coef * KL(policy || reference), take advantage =
+# reward - mean reward of the prompt's other k-1 completions, and step on the clipped REINFORCE loss (one epoch, one
+# mini-batch by default = plain REINFORCE). --kl_target adapts kl_coef (Ziegler et al. 2019) to hold the KL there.
 # Metrics (metrics.jsonl, a row per step): objective/scores (reward after the EOS penalty), objective/kl (sequence
-# KL to the reference, per the chosen estimator), objective/non_score_reward (-kl_coef * kl), objective/rlhf_reward
-# (their sum: what is maximised), objective/entropy (summed over the response), objective/advantage_std, loss/policy,
-# policy/clipfrac, policy/approxkl (old vs new policy), val/ratio (+ val/ratio_var), val/num_eos_tokens,
-# val/response_length, reward/<source>/mean and /std (each reward source on its own, before weights and penalty),
-# nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy, held-out prompts): scores, kl,
-# response_length, eos_rate, reward/<source>/*, gold_score (when the task has a ground-truth scorer).
+# KL to the reference, per the chosen estimator), objective/kl_coef, objective/non_score_reward (-kl_coef * kl),
+# objective/rlhf_reward (their sum: what is maximised), objective/entropy (summed over the response),
+# objective/advantage_std, loss/policy, policy/clipfrac, policy/approxkl (old vs new policy), val/ratio
+# (+ val/ratio_var), val/num_eos_tokens, val/response_length, reward/<source>/mean and /std (each reward source on
+# its own, before weights and penalty), nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy,
+# held-out prompts): scores, kl, response_length, eos_rate, reward/<source>/*, gold_score (when the task has a
+# ground-truth scorer).
 import math
 import os
 import time
@@ -109,7 +110,11 @@ class Args:
     rloo_k: int = 2
     """completions sampled per prompt (k of the leave-one-out baseline)"""
     kl_coef: float = 0.03
-    """beta: weight of the KL-to-reference penalty in the reward (PPO: the start value if --kl_target adapts it)"""
+    """beta: weight of the KL-to-reference penalty in the reward (the start value if --kl_target adapts it)"""
+    kl_target: Optional[float] = None
+    """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
+    kl_horizon: int = 10_000
+    """adaptive KL controller horizon in episodes"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """per-token KL estimator: k1 = logp - ref_logp; k3 = exp(ref_logp - logp) - 1 - (ref_logp - logp)"""
     token_level_kl: bool = False
@@ -171,6 +176,16 @@ def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: t
     last = pc.last_token_index(response_mask.bool())
     rewards[torch.arange(rewards.shape[0]), last] += scores
     return rewards.flip(1).cumsum(1).flip(1) * response_mask
+
+
+def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
+    """The next KL coefficient: unchanged when `target` is None, else adapted as in Ziegler et al. 2019:
+    kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon). Each step moves it by at most
+    0.2 * n_episodes / horizon of itself: a horizon of a few steps' episodes holds the KL near the target."""
+    if target is None:
+        return kl_coef
+    proportional_error = min(max(current_kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + proportional_error * n_episodes / horizon)
 
 
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, accelerator=None) -> torch.Tensor:
@@ -278,6 +293,8 @@ def main():
         raise pc.UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
     if args.kl_coef < 0 or args.cliprange <= 0 or args.learning_rate <= 0 or args.max_grad_norm <= 0:
         raise pc.UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
+    if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
+        raise pc.UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
     if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
            args.gradient_accumulation_steps, args.response_length, args.total_episodes,
            1 if args.max_steps is None else args.max_steps) < 1:
@@ -333,7 +350,7 @@ def main():
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
-    state = dict(step=0, episode=0, prompts_seen=0, skipped=0)
+    state = dict(step=0, episode=0, prompts_seen=0, skipped=0, kl_coef=args.kl_coef)
     if args.resume_from:
         state.update(ru.load_checkpoint(accelerator, args.resume_from, scheduler))
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
@@ -345,7 +362,7 @@ def main():
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
-        step = state["step"] + 1
+        step, kl_coef = state["step"] + 1, state["kl_coef"]
         # 6. generate: this process's local_prompts prompts of the stream, each repeated rloo_k times in a row
         indices = ru.data_positions(len(train_prompts), args.seed,
                                     state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts)
@@ -382,7 +399,7 @@ def main():
             # 8. rewards and leave-one-out advantages
             kl = per_token_kl(logprobs, ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
-                scores, kl, response_mask, args.kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
+                scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
                 normalize=args.normalize_advantage, accelerator=accelerator)
 
         # 9. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
@@ -434,6 +451,9 @@ def main():
             "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
         })
         metrics.update(reward_sources.metrics(source_scores, accelerator))
+        metrics["objective/kl_coef"] = kl_coef
+        state["kl_coef"] = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
+                                            args.kl_horizon)
         metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:

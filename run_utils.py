@@ -377,6 +377,14 @@ def global_means(accelerator, sums: Dict[str, float], count: float) -> Dict[str,
     return {k: v / max(totals[-1].item(), 1.0) for k, v in zip(keys, totals[:-1].tolist())}
 
 
+def global_sum(accelerator, value: float) -> float:
+    """The sum of `value` over all processes (one all-reduce)."""
+    total = torch.tensor([float(value)], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    return total.item()
+
+
 def all_finite(accelerator, *values) -> bool:
     """True when every value (numbers, tensors, or None for a grad norm DeepSpeed keeps to itself) is finite on
     every process (one all-reduce): all processes then skip or stop together."""

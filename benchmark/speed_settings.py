@@ -8,13 +8,14 @@ import importlib
 import os
 import tempfile
 
-TRL_ALGOS = ("rloo", "dpo", "kto")  # TRL 1.16 has no PPOTrainer
+TRL_ALGOS = ("rloo", "dpo", "kto", "grpo")  # TRL 1.16 has no PPOTrainer
 BASELINES = ("generation", "sharing:toy", "sharing:tldr", "logprobs:selective:toy", "logprobs:full:toy",
              "logprobs:selective:pythia", "logprobs:full:pythia")  # the measurements of speed_baselines.py
 
-# TL;DR shapes (Huang et al. 2024; TRL's TL;DR runs): ~400-token prompts, 53-token responses, RLOO k=4, DPO pairs.
+# TL;DR shapes (Huang et al. 2024; TRL's TL;DR runs): ~400-token prompts, 53-token responses, RLOO k=4, DPO pairs;
+# GRPO with RLOO's shapes (16 completions per step, 4 per prompt), TRL's and grpo.py's default beta 0 (no reference).
 TLDR = dict(prompt_tokens=400, response_length=53, vocab=3072, layers=8, width=256, rloo_k=4, rloo_batch=16,
-            dpo_batch=4, kto_batch=8, temperature=0.7)
+            dpo_batch=4, kto_batch=8, temperature=0.7, grpo_generations=4, grpo_batch=16, grpo_beta=0.0)
 
 
 def tldr_model_config():
@@ -90,7 +91,26 @@ def hyper(setting: str, algo: str) -> dict:
     if algo == "kto":
         return dict(common, per_device_train_batch_size=TLDR["kto_batch"], learning_rate=5e-7, beta=0.1,
                     desirable_weight=1.0, undesirable_weight=1.0, max_length=512)
-    raise ValueError(f"--setting tldr measures rloo, dpo and kto, not {algo}")
+    if algo == "grpo":  # the algorithm's flags spelled out (grpo.py's defaults = TRL 1.16's GRPOConfig defaults)
+        return dict(common, per_device_train_batch_size=TLDR["grpo_batch"], num_generations=TLDR["grpo_generations"],
+                    learning_rate=3e-6, temperature=TLDR["temperature"], beta=TLDR["grpo_beta"], epsilon=0.2,
+                    loss_type="dapo", scale_rewards="group", importance_sampling_level="token", num_iterations=1,
+                    local_rollout_forward_batch_size=TLDR["grpo_batch"])
+    raise ValueError(f"--setting tldr measures {', '.join(TRL_ALGOS)}, not {algo}")
+
+
+def grpo_value(setting: str, key: str):
+    """A GRPO hyper-parameter as grpo.py runs it in `setting`: the setting's value, else grpo.py's default (the toy
+    alias leaves most of the algorithm's flags at their defaults)."""
+    import grpo
+
+    return hyper(setting, "grpo").get(key, getattr(grpo.Args, key))
+
+
+def optimizer_steps_per_step(setting: str, algo: str) -> int:
+    """TRL optimizer steps in one of our steps: grpo.py's step (a metrics row) is one generated batch and its
+    num_iterations optimizer steps; every other script's step is one optimizer step, as TRL's."""
+    return grpo_value(setting, "num_iterations") if algo == "grpo" else 1
 
 
 def ours_flags(setting: str, algo: str, paths: dict) -> list:
@@ -98,9 +118,10 @@ def ours_flags(setting: str, algo: str, paths: dict) -> list:
     the timed steps either way)."""
     if setting == "toy":
         return ["--num_eval_prompts", "16"]
-    data = paths[{"rloo": "prompt_dataset", "dpo": "preference_dataset", "kto": "unpaired_dataset"}[algo]]
+    data = paths[{"rloo": "prompt_dataset", "grpo": "prompt_dataset", "dpo": "preference_dataset",
+                  "kto": "unpaired_dataset"}[algo]]
     flags = ["--model", paths["policy"], "--dataset", data, "--num_eval_prompts", "2"]
-    if algo == "rloo":
+    if algo in ("rloo", "grpo"):
         flags += ["--reward_model", paths["reward"]]
     if algo == "dpo":
         flags += ["--max_eval_pairs", "4"]
@@ -113,11 +134,15 @@ def ours_flags(setting: str, algo: str, paths: dict) -> list:
 
 SETTING_TEXT = {
     "toy": "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
-           "algorithm).",
+           "algorithm; GRPO: 64 completions per step, 4 per prompt, beta 0.2, so a reference model in both, loss "
+           "dapo, one optimizer step per generated batch).",
     "tldr": f"Setting: TL;DR shapes on CPU-sized random-weight stand-ins (`--setting tldr`): prompts of "
             f"{TLDR['prompt_tokens']} tokens, responses of {TLDR['response_length']}; RLOO k={TLDR['rloo_k']} with "
-            f"{TLDR['rloo_batch']} completions per step, DPO {TLDR['dpo_batch']} pairs and KTO {TLDR['kto_batch']} "
-            f"examples per step; a GPT-NeoX policy and reward model of {TLDR['layers']} layers, width {TLDR['width']}, "
+            f"{TLDR['rloo_batch']} completions per step; GRPO {TLDR['grpo_generations']} completions per prompt, "
+            f"{TLDR['grpo_batch']} per step, beta {TLDR['grpo_beta']} (TRL's and grpo.py's default: "
+            f"{'no reference model' if TLDR['grpo_beta'] == 0 else 'a reference model'} in either), loss dapo, one "
+            f"optimizer step per generated batch; DPO {TLDR['dpo_batch']} pairs and KTO {TLDR['kto_batch']} examples "
+            f"per step; a GPT-NeoX policy and reward model of {TLDR['layers']} layers, width {TLDR['width']}, "
             f"vocabulary {TLDR['vocab']} (transformer layers ~8x the output layer's work, as in Pythia-1B). Timing "
             "only: nothing learns.",
 }

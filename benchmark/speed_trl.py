@@ -1,10 +1,12 @@
-"""TRL's side of benchmark/speed.py: one trainer (RLOOTrainer, DPOTrainer or KTOTrainer; TRL 1.16 has no
-PPOTrainer) on the same SFT policy, reward model, data and hyper-parameters as ours, for --warmup + --steps
-optimizer steps. A step ends at TRL's `on_step_end` callback; the result (seconds per step over the --steps steps
-after --warmup) is written as JSON to --out. Run by speed.py in a child process of its own (peak memory is that
-process's); by hand:
+"""TRL's side of benchmark/speed.py: one trainer (RLOOTrainer, DPOTrainer, KTOTrainer or GRPOTrainer; TRL 1.16
+has no PPOTrainer) on the same SFT policy, reward model, data and hyper-parameters as ours, for --warmup + --steps
+steps: optimizer steps, or for GRPO generated batches of num_iterations optimizer steps each, as grpo.py counts
+them. A step ends at TRL's `on_step_end` callback (GRPO: that of its batch's last optimizer step); the result
+(seconds per step over the --steps steps after --warmup) is written as JSON to --out. Run by speed.py in a child
+process of its own (peak memory is that process's); by hand:
 
     python benchmark/speed_trl.py rloo --setting toy --steps 5 --warmup 1 --out /tmp/trl_rloo.json
+    python benchmark/speed_trl.py grpo --setting tldr --steps 2 --warmup 1 --out /tmp/trl_grpo.json
 """
 
 from __future__ import annotations
@@ -23,6 +25,35 @@ for p in (os.path.dirname(HERE), HERE):
         sys.path.insert(0, p)
 
 import speed_settings as settings  # noqa: E402
+
+
+def common_fields(output_dir: str, max_steps: int) -> dict:
+    """The TrainingArguments every trainer here gets (ours: fp32 on CPU, AdamW without weight decay, linear decay,
+    gradient clipping at 1.0, no checkpointing, no saving, no logging in the timed steps)."""
+    return dict(output_dir=output_dir, max_steps=max_steps, report_to="none", save_strategy="no", logging_steps=10**6,
+                bf16=False, gradient_checkpointing=False, use_cpu=True, seed=1, disable_tqdm=True,
+                dataloader_num_workers=0, lr_scheduler_type="linear", max_grad_norm=1.0, weight_decay=0.0)
+
+
+def grpo_config(setting: str, common: dict):
+    """trl.GRPOConfig with grpo.py's values in `setting` (the setting's, else grpo.py's defaults): one generation of
+    per_device_train_batch_size x gradient_accumulation_steps completions per optimizer step, as grpo.py on one
+    process, num_iterations optimizer steps on each."""
+    import trl
+
+    d, g = settings.hyper(setting, "grpo"), lambda key: settings.grpo_value(setting, key)  # noqa: E731
+    accumulation = d["gradient_accumulation_steps"]
+    config = trl.GRPOConfig(**dict(common, per_device_train_batch_size=d["per_device_train_batch_size"],
+                                   gradient_accumulation_steps=accumulation, learning_rate=d["learning_rate"]),
+                            num_generations=g("num_generations"), max_completion_length=d["response_length"],
+                            temperature=g("temperature"), top_p=1.0, top_k=0, beta=g("beta"), epsilon=g("epsilon"),
+                            epsilon_high=g("epsilon_high"), loss_type=g("loss_type"), scale_rewards=g("scale_rewards"),
+                            importance_sampling_level=g("importance_sampling_level"),
+                            num_iterations=g("num_iterations"),
+                            mask_truncated_completions=g("mask_truncated_completions"), adam_epsilon=1e-5,
+                            warmup_steps=0, steps_per_generation=accumulation, log_completions=False)
+    assert config.generation_batch_size == d["per_device_train_batch_size"] * accumulation, config
+    return config
 
 
 def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
@@ -65,6 +96,17 @@ def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
         dataset = datasets.load_from_disk(paths["unpaired_dataset"], keep_in_memory=True)["train"]
         return trl.KTOTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
                               callbacks=callbacks), []
+    if algo == "grpo":
+        config = grpo_config(setting, common)
+        dataset = datasets.load_from_disk(paths["prompt_dataset"], keep_in_memory=True)["train"]
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=paths["reward"], args=config, train_dataset=dataset,
+                                  processing_class=tokenizer, callbacks=callbacks)
+        unmatched = ["TRL scores completions by decoding them to text and re-tokenizing for the reward model "
+                     "(same ids with the word-level tokenizers used here)"]
+        penalty = settings.grpo_value(setting, "missing_eos_penalty")
+        if penalty is not None:
+            unmatched.insert(0, f"missing-EOS penalty (ours: score - {penalty} without EOS; TRL has no such option)")
+        return trainer, unmatched
     raise ValueError(f"TRL has no trainer for {algo} here")
 
 
@@ -83,16 +125,15 @@ def main():
     import trl
 
     step_ends = {}
+    per_step = settings.optimizer_steps_per_step(args.setting, args.algo)  # TRL optimizer steps in one of our steps
 
     class StepEnds(transformers.TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            step_ends[state.global_step] = time.perf_counter()
+            if state.global_step % per_step == 0:
+                step_ends[state.global_step // per_step] = time.perf_counter()
 
     with tempfile.TemporaryDirectory() as tmp:
-        common = dict(output_dir=tmp, max_steps=args.warmup + args.steps, report_to="none", save_strategy="no",
-                      logging_steps=10**6, bf16=False, gradient_checkpointing=False, use_cpu=True, seed=1,
-                      disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="linear", max_grad_norm=1.0,
-                      weight_decay=0.0)
+        common = common_fields(tmp, (args.warmup + args.steps) * per_step)
         trainer, unmatched = trainer_for(args.algo, args.setting, common, [StepEnds()])
         torch.manual_seed(0)
         with contextlib.redirect_stdout(sys.stderr):

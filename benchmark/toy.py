@@ -1,6 +1,6 @@
 """Toy-task benchmark: every algorithm x several seeds at a fixed budget, one uniform evaluation, one table.
 
-    python benchmark/toy.py                       # rloo ppo dpo kto rloo-gold ppo-gold x seeds 1 2 3, ~8 min
+    python benchmark/toy.py                       # every algorithm and variant x seeds 1 2 3, ~15 min
     python benchmark/toy.py --algos rloo dpo --seeds 1 --max_steps 2 --num_eval_prompts 32   # a smoke run
 
 For each (algorithm, seed) it runs `python <algo>.py --output_dir RUNS/<algo>/seed<S> --seed S --save_steps N
@@ -37,14 +37,17 @@ import numpy as np  # noqa: E402
 # Variants: a script run with other flags, tabled as an algorithm of its own (its --exp_name is the variant's name).
 # `-gold`: RL on the toy task's verifiable gold reward (--reward_funcs gold), no reward model: proxy reward model
 # and verifier side by side.
-VARIANTS = {"rloo-gold": ("rloo", ["--reward_funcs", "gold"]), "ppo-gold": ("ppo", ["--reward_funcs", "gold"])}
-ALGOS = ("rloo", "ppo", "dpo", "kto", *VARIANTS)
+# `grpo-<loss>`: grpo.py's other token aggregations (its default is dapo).
+VARIANTS = {"rloo-gold": ("rloo", ["--reward_funcs", "gold"]), "ppo-gold": ("ppo", ["--reward_funcs", "gold"]),
+            "grpo-gold": ("grpo", ["--reward_funcs", "gold"]), "grpo-grpo": ("grpo", ["--loss_type", "grpo"]),
+            "grpo-bnpo": ("grpo", ["--loss_type", "bnpo"]), "grpo-dr_grpo": ("grpo", ["--loss_type", "dr_grpo"])}
+ALGOS = ("rloo", "ppo", "grpo", "dpo", "kto", *VARIANTS)
 # Checkpoint cadence (optimizer steps) of the uniform-evaluation curve: about 8 points over each default budget
 # (rloo 128 steps of 64 episodes, ppo 60 updates of 64 episodes, dpo 82 steps of 32 pairs, kto 256 steps of 32
 # examples on toy seed 0).
-SAVE_STEPS = {"rloo": 16, "ppo": 8, "dpo": 10, "kto": 32}
+SAVE_STEPS = {"rloo": 16, "ppo": 8, "grpo": 16, "dpo": 10, "kto": 32}
 # What one step consumes, for the table (read back from args.json after the run).
-UNIT = {"rloo": "episodes", "ppo": "episodes", "dpo": "pairs", "kto": "examples"}
+UNIT = {"rloo": "episodes", "ppo": "episodes", "grpo": "episodes", "dpo": "pairs", "kto": "examples"}
 
 
 def child_env(threads: int) -> dict:
@@ -253,7 +256,7 @@ def main(argv=None):
             per_step = run_args["per_device_train_batch_size"] * run_args.get("gradient_accumulation_steps", 1)
             with open(os.path.join(run_dir, "metrics.jsonl")) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-            if script in ("rloo", "ppo"):
+            if script in ("rloo", "ppo", "grpo"):
                 episodes = max((r.get("episode", 0) for r in rows), default=0)
                 budget = f"{steps} steps, {int(episodes)} {UNIT[script]}"
             else:

@@ -114,6 +114,14 @@ def test_speed_report_plumbing(tmp_path):
     assert "- rloo: x" in text  # the settings TRL could not match
     speed.write_report({"ours:rloo": results["ours:rloo"]}, args, str(out), None)
     assert "TRL comparison skipped" in out.read_text()
+    # grpo: compared with TRL's GRPOTrainer, but no target was set for it
+    assert "grpo" in speed.ALGOS and "grpo" in settings.TRL_ALGOS and "grpo" not in speed.TARGET
+    grpo_results = {"ours:grpo": dict(step=0.3, peak_rss_mib=500.0),
+                    "trl:grpo": dict(step=0.6, peak_rss_mib=600.0, trl_version="1.16.0", unmatched=["y"])}
+    speed.write_report(grpo_results, argparse.Namespace(**dict(vars(args), algos=["grpo"])), str(out), "1.16.0")
+    text = out.read_text()
+    assert "| grpo | ours | 300.0 | 500 |" in text and "| grpo | 0.50x | - | - | 0.83x | no target set |" in text
+    assert "- grpo: y" in text
 
 
 def test_speed_measures_the_unmodified_script(toy, tmp_path):
@@ -151,9 +159,10 @@ def test_trl_side_runs(toy, tmp_path):
 
 
 def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters():
-    """--setting tldr: the flags handed to rloo.py / dpo.py / kto.py parse to exactly the values TRL's config
+    """--setting tldr: the flags handed to rloo.py / dpo.py / kto.py / grpo.py parse to exactly the values TRL's config
     receives."""
     import dpo
+    import grpo
     import kto
     import rloo
     import speed_settings as settings
@@ -161,7 +170,7 @@ def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters
     import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset", "unpaired_dataset")}
-    for algo, module in (("rloo", rloo), ("dpo", dpo), ("kto", kto)):
+    for algo, module in (("rloo", rloo), ("dpo", dpo), ("kto", kto), ("grpo", grpo)):
         args = ru.parse_args(module.Args, module.ALIAS_DEFAULTS, argv=settings.ours_flags("tldr", algo, paths))
         assert args.model == paths["policy"]
         for k, v in settings.hyper("tldr", algo).items():
@@ -169,6 +178,46 @@ def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters
         assert args.max_prompt_length + args.response_length <= settings.tldr_model_config().max_position_embeddings
     assert settings.hyper("toy", "rloo") == rloo.ALIAS_DEFAULTS["toy"]
     assert settings.ours_flags("toy", "rloo", paths) == ["--num_eval_prompts", "16"]
+    assert settings.hyper("toy", "grpo") == grpo.ALIAS_DEFAULTS["toy"]
+    assert settings.ours_flags("toy", "grpo", paths) == ["--num_eval_prompts", "16"]
+
+
+def test_speed_grpo_settings_are_those_of_trls_grpo_config(tmp_path):
+    """grpo in both settings: grpo.py's parsed flags (toy: its toy defaults; tldr: the setting's flags) and the
+    trl.GRPOConfig speed_trl.py builds agree on every hyper-parameter of the algorithm, one generation of
+    per_device x accumulation completions per optimizer step; the setting text says what was picked."""
+    trl = pytest.importorskip("trl")
+    import grpo
+    import speed_settings as settings
+    import speed_trl
+
+    import run_utils as ru
+
+    paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset")}
+    for setting in ("toy", "tldr"):
+        ours = ru.parse_args(grpo.Args, grpo.ALIAS_DEFAULTS, argv=settings.ours_flags(setting, "grpo", paths))
+        assert ours.model == ("toy" if setting == "toy" else paths["policy"])
+        config = speed_trl.grpo_config(setting, speed_trl.common_fields(str(tmp_path), 3))
+        assert isinstance(config, trl.GRPOConfig)
+        for ours_key, trl_key in (("num_generations",) * 2, ("response_length", "max_completion_length"),
+                                  ("per_device_train_batch_size",) * 2, ("gradient_accumulation_steps",) * 2,
+                                  ("learning_rate",) * 2, ("temperature",) * 2, ("beta",) * 2, ("epsilon",) * 2,
+                                  ("epsilon_high",) * 2, ("loss_type",) * 2, ("scale_rewards",) * 2,
+                                  ("importance_sampling_level",) * 2, ("num_iterations",) * 2,
+                                  ("mask_truncated_completions",) * 2, ("max_grad_norm",) * 2, ("bf16",) * 2,
+                                  ("gradient_checkpointing",) * 2):
+            assert getattr(ours, ours_key) == getattr(config, trl_key), (setting, ours_key)
+        batch = ours.per_device_train_batch_size * ours.gradient_accumulation_steps  # completions per step, ours
+        assert config.generation_batch_size == batch and config.steps_per_generation == ours.gradient_accumulation_steps
+        assert (config.top_p, config.top_k, config.weight_decay, config.adam_epsilon) == (1.0, 0, 0.0, 1e-5)
+        assert settings.optimizer_steps_per_step(setting, "grpo") == ours.num_iterations == 1
+        text = settings.SETTING_TEXT[setting]
+        assert f"beta {ours.beta}" in text and f"loss {ours.loss_type}" in text
+        assert {"toy": f"GRPO: {batch} completions per step, {ours.num_generations} per prompt",
+                "tldr": f"GRPO {ours.num_generations} completions per prompt, {batch} per step"}[setting] in text
+    assert ours.beta == 0.0 and (ours.per_device_train_batch_size, ours.num_generations) == (16, 4)  # tldr
+    assert (ours.learning_rate, ours.temperature) == (settings.hyper("tldr", "rloo")["learning_rate"],
+                                                      settings.hyper("tldr", "rloo")["temperature"])
 
 
 def test_speed_and_toy_help():

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import policy_common as pc
 import run_utils as ru
 from conftest import read_metrics, run_script, run_two_processes
-from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
+from rloo import (adaptive_kl_coef, clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
                   token_level_returns)
 
 REQUIRED_TRAIN_METRICS = [
@@ -144,6 +144,13 @@ def test_normalized_advantages_use_the_global_batch_over_two_processes():
 # ---------------------------------------------------------------------------------------------------------
 # KL estimators, sequence- and token-level penalties
 # ---------------------------------------------------------------------------------------------------------
+def test_adaptive_kl_coefficient_hand_worked():
+    assert adaptive_kl_coef(0.1, 5.0, 64, None, 1000) == 0.1  # no target: fixed
+    assert adaptive_kl_coef(0.1, 2.2, 100, 2.0, 1000) == pytest.approx(0.1 * (1 + 0.1 * 0.1))  # KL 10% above target
+    assert adaptive_kl_coef(0.1, 9.0, 100, 2.0, 1000) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error clipped at +0.2
+    assert adaptive_kl_coef(0.1, 0.0, 500, 2.0, 1000) == pytest.approx(0.1 * (1 - 0.2 * 0.5))  # and at -0.2
+
+
 def test_kl_estimators_hand_worked():
     logprobs = torch.log(torch.tensor([[0.5, 0.2]]))
     ref_logprobs = torch.log(torch.tensor([[0.25, 0.4]]))
@@ -319,9 +326,11 @@ def test_peft_run_with_every_variant_option(toy, tmp_path):
                "--no_share_prompts",
                "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--gradient_accumulation_steps", "2",
                "--per_device_train_batch_size", "4", "--max_steps", "2", "--learning_rate", "1e-4",
-               "--num_eval_prompts", "8", "--output_dir", out)
+               "--num_eval_prompts", "8", "--kl_target", "0.5", "--kl_horizon", "8", "--output_dir", out)
     rows = read_metrics(out)
     assert rows[0]["eval/kl"] == 0.0 and rows[1]["objective/kl"] == pytest.approx(0.0, abs=1e-6)  # fresh adapter
+    # adaptive KL: KL 0 is below the target 0.5, error clipped to -0.2: 0.2 * (1 - 0.2 * 16 episodes / 8) = 0.12
+    assert rows[1]["objective/kl_coef"] == 0.2 and rows[2]["objective/kl_coef"] == pytest.approx(0.12)
     assert rows[1]["episode"] == 16 and rows[2]["episode"] == 32  # 4 x 2 x 2 sequences per step
     # 2 epochs x 2 mini-batches = 4 optimizer steps per step, 8 in all: lr halfway after step 1, 0 at the end
     assert rows[1]["lr"] == pytest.approx(5e-5) and rows[2]["lr"] == pytest.approx(0.0, abs=1e-12)

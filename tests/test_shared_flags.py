@@ -42,11 +42,22 @@ def test_every_flag_has_a_help_line(script):
 
 
 def test_shared_flags_have_one_type_and_one_help_text():
+    """One type and one help text per flag. The one exception: a Literal whose choices are the algorithm's own (e.g.
+    --loss_type: DPO's losses, GRPO's aggregations) may list other choices per script, when the one help text names
+    every script whose choices differ."""
     seen = defaultdict(dict)  # flag -> {(type, help): [scripts]}
     for script, flags in SCRIPTS.items():
-        for name, definition in flags.items():
-            seen[name].setdefault(definition, []).append(script)
+        for name, (annotation, doc) in flags.items():
+            literal = annotation.startswith("Literal[")
+            seen[name].setdefault(("Literal" if literal else annotation, doc), []).append((script, annotation))
     drift = {name: definitions for name, definitions in seen.items() if len(definitions) > 1}
-    report = "\n".join(f"--{name}:\n" + "\n".join(f"    {scripts}: {t} {h!r}" for (t, h), scripts in d.items())
+    for name, definitions in seen.items():
+        for (kind, doc), users in definitions.items():
+            choices = {annotation for _, annotation in users}
+            if kind == "Literal" and len(choices) > 1:
+                unnamed = [script for script, _ in users if script not in (doc or "")]
+                if unnamed:
+                    drift[name] = definitions
+    report = "\n".join(f"--{name}:\n" + "\n".join(f"    {users}: {t} {h!r}" for (t, h), users in d.items())
                        for name, d in sorted(drift.items()))
     assert not drift, f"shared flags that differ between scripts:\n{report}"
