@@ -199,13 +199,13 @@ def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *
         kl = torch.exp(ref_logprobs - new_logprobs) - (ref_logprobs - new_logprobs) - 1  # k3, >= 0
         loss = loss + beta * kl
     loss = loss.expand_as(mask)
-    with torch.no_grad():
-        full = mask.bool() if ratio.shape == mask.shape else mask.sum(1, keepdim=True) > 0
-        low = (ratio < 1 - epsilon) & (advantages[:, None] < 0)
-        high = (ratio > 1 + epsilon_high) & (advantages[:, None] > 0)
-        stats = {"policy/clipfrac_low": pc.masked_mean(low.float().expand_as(full), full),
-                 "policy/clipfrac_high": pc.masked_mean(high.float().expand_as(full), full),
-                 "policy/approxkl": pc.masked_mean(0.5 * (new_logprobs - old_logprobs) ** 2, mask.bool())}
+    with torch.no_grad():  # means over the actions (tokens or sequences) in the loss; 0 when there are none
+        actions = mask if ratio.shape == mask.shape else (mask.sum(1, keepdim=True) > 0).to(mask.dtype)
+        low = ((ratio < 1 - epsilon) & (advantages[:, None] < 0)).to(mask.dtype)
+        high = ((ratio > 1 + epsilon_high) & (advantages[:, None] > 0)).to(mask.dtype)
+        stats = {"policy/clipfrac_low": (low * actions).sum() / actions.sum().clamp(min=1.0),
+                 "policy/clipfrac_high": (high * actions).sum() / actions.sum().clamp(min=1.0),
+                 "policy/approxkl": (0.5 * (new_logprobs - old_logprobs) ** 2 * mask).sum() / mask.sum().clamp(min=1.0)}
     return loss, stats
 
 

@@ -23,6 +23,12 @@ SHORT = {  # a few steps of each script on the toy task, small enough for two pr
     # 8 prompts x k=4 per process: shared-prompt encoding is used in training
     "rloo.py shared": ["--max_steps", "2", "--per_device_train_batch_size", "32", "--rloo_k", "4",
                        "--num_eval_prompts", "3"],
+    # batch-scaled advantages and dapo's token count are reduced over the processes; the reference is loaded
+    "grpo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_generations", "4",
+                "--scale_rewards", "batch", "--num_eval_prompts", "3", "--local_rollout_forward_batch_size", "1"],
+    # no reference; pass@k / mean@k sampled on an uneven evaluation split; old log-probs (num_iterations 2)
+    "grpo.py gold": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--reward_funcs", "gold", "--beta", "0",
+                     "--num_eval_generations", "2", "--num_iterations", "2", "--num_eval_prompts", "3"],
     "ppo.py": ["--max_steps", "2", "--per_device_train_batch_size", "8", "--num_mini_batches", "1",
                "--num_eval_prompts", "3", "--local_rollout_forward_batch_size", "1"],
     "dpo.py": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
@@ -95,6 +101,7 @@ def test_deepspeed_zero3_on_cpu(tmp_path, toy):
 
 @pytest.mark.parametrize("script,args", [
     ("rloo.py", ["--total_episodes", "100000", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8"]),
+    ("grpo.py", ["--total_episodes", "100000", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8"]),
     ("dpo.py", ["--num_train_epochs", "50", "--per_device_train_batch_size", "8", "--num_eval_prompts", "8",
                 "--eval_steps", "0"]),
 ])
