@@ -108,7 +108,7 @@ class Args:
     """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
 
     # Generation
-    response_length: int = 256
+    response_length: int = 512
     """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     max_prompt_length: Optional[int] = None
     """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
