@@ -111,6 +111,8 @@ class Args:
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
     share_prompts: bool = True
     """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
@@ -320,8 +322,7 @@ def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenize
             samples.append({"prompt": prompt, "completion": completion, "gold": scorer(prompt, completion)})
         metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)}, n_real))
     policy.train()
-    accelerator.print("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples[:3]], step)
+    logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples], step, 3)
     return metrics
 
 
@@ -397,6 +398,7 @@ def main() -> None:
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(os.path.normpath(output_dir)),
                               resume_step=start_step if args.resume_from else None)
+    logger.progress(total_steps, start_step, batch_size, "pairs", ("loss", "rewards/accuracies", "eval/gold_score"))
 
     # 5. reference log-probs once, then the reference model is freed
     ref_table = eval_ref_table = None  # (N, 2) reference log-probs of (chosen, rejected) per pair
@@ -468,8 +470,7 @@ def main() -> None:
 
     # 9. final save
     ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
-    logger.close()
-    accelerator.print(f"model saved to {output_dir}/model")
+    logger.close(os.path.join(output_dir, "model"))
 
 
 if __name__ == "__main__":

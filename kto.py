@@ -142,6 +142,8 @@ class Args:
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
 
 
 # ALGO LOGIC: the KTO loss, its KL reference point and the class weights
@@ -389,7 +391,7 @@ def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, arg
                 row["gold_score"] = round(score, 4)
             metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(gold)}, len(gold)))
     policy.train()
-    logger.log_samples("eval/samples", samples[:4], step)
+    logger.log_samples("eval/samples", samples, step, 4)
     return metrics
 
 
@@ -482,6 +484,7 @@ def main():
     step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=step if args.resume_from else None)
+    logger.progress(total_steps, step, batch_size, "examples", ("loss", "kl", "eval/gold_score"))
 
     def evaluate_and_log(step: int) -> None:
         logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, joint,
@@ -539,8 +542,7 @@ def main():
 
     # 4. final save
     ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
-    logger.close()
-    accelerator.print(f"saved to {output_dir}/model")
+    logger.close(os.path.join(output_dir, "model"))
 
 
 if __name__ == "__main__":

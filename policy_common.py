@@ -166,8 +166,11 @@ def load_scalar_model(name: str, tokenizer, bf16: bool = False, trust_remote_cod
     """AutoModelForSequenceClassification with one output (a reward or value model), dropout off."""
     from transformers import AutoModelForSequenceClassification
 
-    model = _from_pretrained(AutoModelForSequenceClassification, name, num_labels=1,
-                             dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
+    model, info = _from_pretrained(AutoModelForSequenceClassification, name, num_labels=1, output_loading_info=True,
+                                   dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
+    if info["missing_keys"]:  # e.g. a value model started from a causal LM: its scalar head is new (expected)
+        print(f"note: {name}: new {', '.join(sorted(info['missing_keys']))} initialised (not in the checkpoint)",
+              flush=True)
     _fit_to_tokenizer(model, tokenizer)
     disable_dropout(model)
     return model

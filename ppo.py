@@ -137,6 +137,8 @@ class Args:
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
     save_value_model: bool = False
     """also save the value model to <output_dir>/value_model"""
 
@@ -303,8 +305,8 @@ def evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_row
     if gold is not None:
         sums["eval/gold_score"] = float(np.sum([gold(p, c) for p, c in texts]))
     samples = [{"prompt": p, "completion": c, "score": round(s, 3)}
-               for (p, c), s in zip(texts[:4], torch.cat(columns["eval/scores"]).tolist())]
-    logger.log_samples("eval/samples", samples, step)
+               for (p, c), s in zip(texts, torch.cat(columns["eval/scores"]).tolist())]
+    logger.log_samples("eval/samples", samples, step, 4)
     return {**ru.global_means(accelerator, sums, n_real),
             **reward_sources.metrics(torch.cat(source_scores)[:n_real], accelerator, prefix="eval/reward/")}
 
@@ -368,6 +370,8 @@ def main():
     output_dir = ru.output_dir(args, dataset_name, accelerator)
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
+    logger.progress(num_total_batches, start_update - 1, batch_size, "episodes",
+                    ("objective/scores", "objective/kl", "eval/gold_score"))
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode}, value model from {value_path} -> {output_dir}")
 
@@ -480,9 +484,6 @@ def main():
             metrics.update(evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args,
                                     accelerator, gold, logger, update))
         logger.log(metrics, step=update)
-        accelerator.print(f"update {update}/{num_total_batches} score {metrics['objective/scores']:.3f} "
-                          f"kl {metrics['objective/kl']:.3f}" + (f" eval/gold {metrics['eval/gold_score']:.3f}"
-                                                                  if "eval/gold_score" in metrics else ""))
         if args.save_steps > 0 and update % args.save_steps == 0:
             checkpoint(update, f"checkpoint-{update}")
         if update < num_total_batches and stop.agreed(accelerator):
@@ -496,7 +497,7 @@ def main():
                   submodule="policy")
     if args.save_value_model:
         ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "value_model"), submodule="value_model")
-    logger.close()
+    logger.close(os.path.join(output_dir, "model"))
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ class Args:
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
 
     # Run length, optimisation, logging
     total_episodes: int = 1_000_000
@@ -281,7 +283,7 @@ def evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, ev
                 sums["gold_score"] += row["gold"]
             samples.append(row)
     means = ru.global_means(accelerator, sums, n_real)
-    logger.log_samples("eval/samples", samples[:args.num_samples_printed], step)
+    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
     return {**{f"eval/{k}": means[k] for k in sums},
             **reward_sources.metrics(torch.cat(source_scores), accelerator, prefix="eval/reward/")}
 
@@ -355,6 +357,8 @@ def main():
         state.update(ru.load_checkpoint(accelerator, args.resume_from, scheduler))
     logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
+    logger.progress(num_total_batches, state["step"], batch_size, "episodes",
+                    ("objective/scores", "objective/kl", "eval/gold_score"))
     stop = ru.StopSignal()
     if state["step"] == 0:
         logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
@@ -472,8 +476,7 @@ def main():
 
     # 12. final save
     ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
-    logger.close()
-    accelerator.print(f"done: {output_dir}")
+    logger.close(os.path.join(output_dir, "model"))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,38 @@ def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv:
         if field not in given:
             setattr(args, field, value)
     args.given_flags = frozenset(given)
+    quiet_libraries(getattr(args, "verbose", True))
     return args
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """Unless `verbose`: transformers, datasets, huggingface_hub, accelerate and DeepSpeed log errors only and show no
+    progress bars of their own (the run's own lines and bar say what happens). DeepSpeed, which accelerate imports
+    anyway, is imported here with logging off: its import warns "Setting accelerator to CPU" on every CPU run."""
+    if verbose:
+        return
+    import logging
+
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    datasets.utils.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
+    logging.disable(logging.WARNING)
+    try:
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator()
+    except Exception:  # DeepSpeed is optional at run time
+        pass
+    finally:
+        logging.disable(logging.NOTSET)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
 
 
 def main_guard(main: Callable[[], None]) -> None:
@@ -414,6 +445,7 @@ class MetricsLogger:
         resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
         self.active, self.track = is_main_process, track and is_main_process
         self.output_dir, self.path, self.started = output_dir, os.path.join(output_dir, "metrics.jsonl"), False
+        self.bar, self.samples_shown = None, 0
         self.config, self.wandb_project, self.run_name = config_dict(args), wandb_project, run_name
         if self.active and os.path.exists(self.path):
             if resume_step is None:
@@ -438,6 +470,19 @@ class MetricsLogger:
             wandb.init(project=self.wandb_project, name=self.run_name, config=self.config, dir=self.output_dir)
             wandb.run.log_code(".", include_fn=lambda p: p.endswith(".py"))
 
+    def progress(self, total: int, done: int, items_per_step: int, items: str, keys: Sequence[str]) -> None:
+        """Show the run's progress from now on: steps done / `total`, `items`/s (e.g. episodes), and the latest
+        values of `keys` (e.g. objective/scores, eval/gold_score). A bar updated in place on a terminal; elsewhere
+        (CI, a redirected log) a plain line at every tenth of the run."""
+        if self.active:
+            self.bar = Progress(total, done, items_per_step, items, keys)
+
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
     def log(self, metrics: Dict[str, float], step: int) -> None:
         if not self.active:
             return
@@ -449,24 +494,114 @@ class MetricsLogger:
             import wandb
 
             wandb.log(row, step=step)
+        shown = {k[5:]: v for k, v in row.items() if k.startswith("eval/") and not k.endswith("/std")
+                 and isinstance(v, (int, float))}
+        if shown:  # one line per evaluation
+            self._print(f"eval @ step {step}: " + "  ".join(f"{k} {_short_number(v)}" for k, v in shown.items()))
+        if self.bar is not None and step > 0:
+            self.bar.update(step, row)
 
-    def log_samples(self, name: str, rows: List[Dict[str, object]], step: int) -> None:
-        """Sample table (prompt/response/score rows): printed, and a wandb Table when tracking."""
-        if not self.active:
+    def log_samples(self, name: str, rows: List[Dict[str, object]], step: int, count: int = 4) -> None:
+        """`count` of `rows` (prompt/completion/score... dicts) as a compact table, printed, and a wandb Table when
+        tracking. Each call shows the next `count` rows (rotating through them), so successive evaluations of the
+        same held-out set show different prompts."""
+        if not self.active or not rows or count < 1:
             return
+        start = self.samples_shown % len(rows)
+        rows = (rows[start:] + rows[:start])[:count]
+        self.samples_shown += count
+        widths = {k: 36 if isinstance(rows[0][k], str) else 8 for k in rows[0]}
+
+        def cell(value, width: int) -> str:
+            return (_short_number(value) if isinstance(value, (int, float)) else str(value).replace("\n", " "))[:width]
+
+        self._print(("  " + " | ".join(k[:w].ljust(w) for k, w in widths.items())).rstrip())
         for row in rows:
-            print(" | ".join(f"{k}: {v}" for k, v in row.items()))
+            self._print(("  " + " | ".join(cell(row[k], w).ljust(w) for k, w in widths.items())).rstrip())
         if self.track and rows:
             import wandb
 
             self._start()
             wandb.log({name: wandb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])}, step=step)
 
-    def close(self) -> None:
+    def close(self, model_path: Optional[str] = None) -> None:
+        """End the run: close the bar, print the summary (the first and last evaluation of metrics.jsonl, steps, wall
+        time, where the model and metrics are, how to plot them), finish wandb."""
+        if self.bar is not None:
+            self.bar.close()
+        if self.active and os.path.exists(self.path):
+            print(self._summary(model_path), flush=True)
         if self.track and self.started:
             import wandb
 
             wandb.finish()
+
+    def _summary(self, model_path: Optional[str]) -> str:
+        with open(self.path) as f:
+            rows = [json.loads(line) for line in f]
+        evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
+        lines = [f"summary: step {rows[-1]['step']}, {time.time() - PROCESS_START:.0f} s since the run started"]
+        if evals:
+            first, last = evals[0], evals[-1]
+            keys = [k for k in SUMMARY_KEYS if k in first and k in last] or \
+                [k for k in first if k.startswith("eval/") and k in last and not k.endswith("/std")][:5]
+            width = max(len(k) for k in keys) if keys else 0
+            lines += [f"  {k.ljust(width)}  {_short_number(first[k])} -> {_short_number(last[k])}   "
+                      f"(step {first['step']} -> {last['step']})" for k in keys]
+        if model_path:
+            lines.append(f"  model:   {model_path}")
+        lines += [f"  metrics: {self.path}", f"  plot:    python benchmark/plot.py {self.output_dir}"]
+        return "\n".join(lines)
+
+
+PROCESS_START = time.time()  # the summary's wall time counts from here (run_utils is imported at start-up)
+SUMMARY_KEYS = ("eval/gold_score", "eval/scores", "eval/kl", "eval/loss", "eval/rewards/accuracies",
+                "eval/rewards/margins")
+
+
+def _short_number(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e6:
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+class Progress:
+    """Steps done / total with a rate and a few metrics: a tqdm bar on a terminal, else a plain line at every tenth of
+    the run (no carriage returns in a log file)."""
+
+    def __init__(self, total: int, done: int, items_per_step: int, items: str, keys: Sequence[str]):
+        self.total, self.done, self.items_per_step, self.items, self.keys = total, done, items_per_step, items, keys
+        self.start, self.start_step, self.latest = time.time(), done, {}
+        self.every = max(1, total // 10)
+        self.bar = None
+        if sys.stdout.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, row: dict) -> None:
+        self.latest.update({k.split("/")[-1]: row[k] for k in self.keys if k in row})
+        rate = (step - self.start_step) * self.items_per_step / max(time.time() - self.start, 1e-9)
+        shown = {self.items + "/s": f"{rate:.0f}", **{k: _short_number(v) for k, v in self.latest.items()}}
+        if self.bar is not None:
+            self.bar.set_postfix(shown, refresh=False)
+            self.bar.update(step - self.done)
+        elif step % self.every == 0 or step == self.total:
+            print(f"step {step}/{self.total} ({100 * step // self.total}%)  " +
+                  "  ".join(f"{k} {v}" for k, v in shown.items()), flush=True)
+        self.done = step
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _to_float(v):
