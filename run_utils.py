@@ -555,7 +555,7 @@ class MetricsLogger:
 
 
 PROCESS_START = time.time()  # the summary's wall time counts from here (run_utils is imported at start-up)
-SUMMARY_KEYS = ("eval/gold_score", "eval/scores", "eval/kl", "eval/loss", "eval/rewards/accuracies",
+SUMMARY_KEYS = ("eval/gold_score", "eval/scores", "eval/kl", "eval/loss", "eval/accuracy", "eval/rewards/accuracies",
                 "eval/rewards/margins")
 
 
@@ -582,7 +582,7 @@ class Progress:
             self.bar = tqdm(total=total, initial=done, unit="step", dynamic_ncols=True)
 
     def update(self, step: int, row: dict) -> None:
-        self.latest.update({k.split("/")[-1]: row[k] for k in self.keys if k in row})
+        self.latest.update({k if k.startswith("eval/") else k.split("/")[-1]: row[k] for k in self.keys if k in row})
         rate = (step - self.start_step) * self.items_per_step / max(time.time() - self.start, 1e-9)
         shown = {self.items + "/s": f"{rate:.0f}", **{k: _short_number(v) for k, v in self.latest.items()}}
         if self.bar is not None:

@@ -228,8 +228,9 @@ def test_speed_and_toy_help():
 
 def test_tldr_shell_scripts_parse():
     scripts = sorted(glob.glob(os.path.join(BENCH, "tldr", "*.sh")))
-    assert {os.path.basename(s) for s in scripts} >= {"rloo_k2.sh", "rloo_k4.sh", "ppo.sh", "dpo.sh", "kto.sh"}
-    for script in scripts:
+    assert {os.path.basename(s) for s in scripts} >= {"rloo_k2.sh", "rloo_k4.sh", "ppo.sh", "dpo.sh", "kto.sh",
+                                                      "sft.sh", "reward.sh"}
+    for script in scripts + [os.path.join(BENCH, "pipeline", "toy.sh")]:
         subprocess.run(["bash", "-n", script], check=True)
 
 

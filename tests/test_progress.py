@@ -61,7 +61,7 @@ def test_progress_on_a_non_terminal_prints_a_line_every_tenth(capsys):
         progress.update(step, {"objective/kl": step / 10, **({"eval/gold_score": 0.5} if step == 5 else {})})
     lines = capsys.readouterr().out.strip().splitlines()
     assert [line.split()[1] for line in lines] == [f"{s}/20" for s in range(2, 21, 2)]
-    assert lines[1].endswith("kl 0.4") and lines[2].endswith("kl 0.6  gold_score 0.5")  # the latest eval is kept
+    assert lines[1].endswith("kl 0.4") and lines[2].endswith("kl 0.6  eval/gold_score 0.5")  # the latest eval kept
 
 
 def test_samples_rotate_and_the_summary_reads_the_first_and_last_evaluation(tmp_path, capsys):

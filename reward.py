@@ -1,0 +1,456 @@
+"""Reward-model training: a Bradley-Terry model of pairwise preferences (Bradley & Terry 1952; Ziegler et al. 2019,
+Stiennon et al. 2020, Ouyang et al. 2022), the reward model that rloo.py, ppo.py and grpo.py read.
+
+Trains a scalar head on a language model so that on (prompt, chosen, rejected) pairs
+    loss = -log sigmoid(r(x, y_w) - r(x, y_l) [- margin])   [+ center_rewards_coefficient * (r_w + r_l)^2]
+with an optional per-pair `margin` column, and the reward-centring term of TRL's RewardTrainer (formulas at
+bradley_terry_loss). Style after summarize_from_feedback_details' reward.py (SfFD); conventions of TRL 1.16.
+
+    python reward.py                                  # the offline toy task: about 20 s on one CPU core
+    accelerate launch reward.py --model pythia-1b --eval_split validation   # TL;DR: benchmark/tldr/reward.sh
+
+Implementation details, with where they come from:
+1. Model: AutoModelForSequenceClassification with one label from --model (toy = the toy SFT policy; pythia-* = the
+   TL;DR SFT checkpoints), dropout off. A scalar head the checkpoint does not have (a causal LM's) is initialised as
+   SfFD's reward.py does (Huang et al. 2024): weight ~ Normal(0, std 1 / sqrt(hidden_size + 1)), bias 0 where the head
+   has one; a checkpoint that already is a sequence classifier keeps its head.
+2. Input (--reward_model_input; None = tokens, the convention of SfFD and TRL's RewardTrainer):
+     tokens  prompt ids + completion ids + the EOS token, scored at the last non-pad token (the EOS);
+     text    the same ids without the appended EOS, scored at the last token: how TRL's RLOO/GRPO trainers (and
+             rewards.py's text mode) read a reward model, which then never sees EOS.
+   Prompt and completion are tokenised apart, as the RL scripts see them; prompts longer than --max_prompt_length
+   keep their last tokens, completions their first (run_utils.tokenize_prompt_completion; a cut completion has no
+   EOS); a pair with a completion cut to nothing is dropped and counted (data/dropped). The mode is saved in the
+   model's config.json as `reward_model_input`, which rewards.py follows by default, so the RL scripts read the
+   model as it was trained (with --use_peft only --merge_peft writes a config.json).
+3. Batches: chosen and rejected completions of b pairs in one forward (2b rows: prompts left-padded, completions
+   right-padded; positions count real tokens only, so a score does not depend on the padding around it); with
+   --share_prompts each prompt is encoded once for its two completions (prompt_sharing.py; the same numbers).
+4. Real-scale defaults (the dataclass) are SfFD's TL;DR reward model (reward.py and sbatches/reward.sbatch of
+   https://github.com/vwxyzjn/summarize_from_feedback_details; Huang et al. 2024, "The N+ Implementation Details of
+   RLHF with PPO", https://arxiv.org/abs/2403.17031): AdamW lr 3e-6, eps 1e-5, torch's default weight decay 0.01,
+   no warmup, 1 epoch, 64 pairs per step (1 pair x 8 accumulation steps x 8 GPUs). Differences: the learning rate
+   decays linearly to 0 (theirs: cosine), as in every script here; no reward normalisation after training (SfFD
+   subtracts the mean score of the SFT reference summaries, as a bias); the data is trl-lib/tldr-preference, the
+   OpenAI comparisons (Stiennon et al. 2020) as text, rather than SfFD's pre-tokenised copy of them.
+   Toy defaults (ALIAS_DEFAULTS) follow the toy world's own reward model (toy_task._train_reward): lr 1e-3, linear
+   decay after a 10% warmup, 32 pairs per step, 6 epochs (492 steps; it takes 500 random batches). Measured (seed 1,
+   one CPU core, 19 s): held-out pairwise accuracy 0.52 -> 0.897 on the 146 test pairs; the toy world's model: 0.884.
+
+Logged each step (means over the step's pairs): loss; accuracy (r_chosen > r_rejected; a tie counts as wrong);
+rewards/chosen, rewards/rejected, rewards/margins (r_chosen - r_rejected); grad_norm; lr; epoch; nonfinite/skipped;
+time/*. Each evaluation (before training, every --eval_steps, after the last step) logs on held-out pairs
+eval/loss, eval/accuracy (pairwise accuracy), eval/rewards/chosen, eval/rewards/rejected, eval/rewards/margins, and
+prints a few held-out pairs with their scores. Step 0 also holds data/* counts (train_pairs, dropped, eval_pairs,
+eval_dropped).
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import get_scheduler
+
+import policy_common as pc
+import prompt_sharing as ps
+import run_utils as ru
+from run_utils import UserError
+
+# Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
+ALIAS_DEFAULTS = {
+    "toy": dict(learning_rate=1e-3, warmup_ratio=0.1, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+                per_device_eval_batch_size=64, num_train_epochs=6.0, eval_steps=100, max_prompt_length=8,
+                max_length=18, max_eval_pairs=0),
+}
+NUM_SAMPLES = 64  # held-out pairs decoded for the printed samples (each evaluation shows the next few)
+
+
+@dataclass
+class Args:
+    # common arguments
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
+    model: str = "toy"
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    reward_model_input: Optional[Literal["tokens", "text"]] = None
+    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
+    dataset: Optional[str] = None
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
+    eval_split: str = "test"
+    """split of the dataset held out for evaluation"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
+    track: bool = False
+    """log to Weights & Biases as well as metrics.jsonl"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project name"""
+
+    # optimisation
+    learning_rate: float = 3e-6
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+    per_device_train_batch_size: int = 1
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
+    per_device_eval_batch_size: int = 8
+    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
+    gradient_accumulation_steps: int = 8
+    """micro-batches accumulated into one optimizer step"""
+    num_train_epochs: float = 1.0
+    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
+    max_steps: Optional[int] = None
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
+    warmup_ratio: float = 0.0
+    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
+    eval_steps: int = 0
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = none)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
+
+    # model loading
+    use_peft: bool = False
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
+    lora_target_modules: Optional[List[str]] = None
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
+    merge_peft: bool = False
+    """with --use_peft, save merged full weights instead of the adapter"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
+    share_prompts: bool = True
+    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
+
+    # reward model
+    center_rewards_coefficient: Optional[float] = None
+    """weight of TRL's reward-centring term: loss += coef * mean((r_chosen + r_rejected)^2); None = off"""
+    max_prompt_length: Optional[int] = None
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
+    max_length: int = 640
+    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
+    max_eval_pairs: int = 2000
+    """evaluate on the first this many held-out pairs (0 = all)"""
+
+
+def validate(args: Args) -> None:
+    if args.center_rewards_coefficient is not None and args.center_rewards_coefficient < 0:
+        raise UserError(f"--center_rewards_coefficient must be >= 0, got {args.center_rewards_coefficient}")
+    if not 1 <= (1 if args.max_prompt_length is None else args.max_prompt_length) < args.max_length:
+        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and "
+                        f"{args.max_length}")
+    if args.max_eval_pairs < 0:
+        raise UserError("--max_eval_pairs must be >= 0")
+    if min(args.learning_rate, args.max_grad_norm, args.num_train_epochs) <= 0 or args.weight_decay < 0:
+        raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0, --weight_decay >= 0")
+    if not 0 <= args.warmup_ratio < 1 or (args.max_steps is not None and args.max_steps < 1):
+        raise UserError(f"need 0 <= --warmup_ratio < 1 and --max_steps >= 1, got {args.warmup_ratio}, {args.max_steps}")
+    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
+        raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
+
+
+# Data: (prompt, chosen, rejected[, margin]) -> token ids, as the reward model will read them
+def reward_input_ids(tokenizer, prompt: str, completion: str, max_prompt_length: int, max_length: int, mode: str):
+    """(prompt_ids, completion_ids) of one completion as read in `mode`: tokens = run_utils.tokenize_prompt_completion
+    (EOS appended, then the prompt cut from the left and the completion from the right); text = the same without the
+    appended EOS (a cut completion has none in either mode)."""
+    prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
+                                                               max_length)
+    if mode == "text" and completion_ids and completion_ids[-1] == tokenizer.eos_token_id:
+        completion_ids = completion_ids[:-1]
+    return prompt_ids, completion_ids
+
+
+def tokenize_pairs(tokenizer, dataset, max_prompt_length: int, max_length: int, mode: str, name: str):
+    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
+    (reward_input_ids), plus a float `margin` when the data has that column; a pair with a completion cut to nothing
+    is dropped and counted. A value of the wrong type is a UserError naming the row and column."""
+    has_margin = "margin" in dataset.column_names
+    rows, dropped = [], 0
+    for i, example in enumerate(dataset):
+        for column in ("prompt", "chosen", "rejected"):
+            value = example[column]
+            if not (isinstance(value, str) or ru.is_conversational(value)):
+                raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
+                                f"{{role, content}} messages, got {type(value).__name__}")
+        margin = example["margin"] if has_margin else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise UserError(f"dataset {name!r} row {i} column 'margin': expected a finite number, got {margin!r}")
+        prompt = ru.render_prompt(tokenizer, example["prompt"])
+        (prompt_ids, chosen_ids), (_, rejected_ids) = [reward_input_ids(
+            tokenizer, prompt, ru.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
+            max_length, mode) for column in ("chosen", "rejected")]
+        if not chosen_ids or not rejected_ids:
+            dropped += 1
+            continue
+        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids,
+                     **({"margin": float(margin)} if has_margin else {})})
+    if not rows:
+        raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
+                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
+    return rows, dropped
+
+
+def concatenated_inputs(rows, pad_token_id: int):
+    """b rows -> (query_responses (2b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
+    RIGHT-padded to R; the b chosen rows first, then the b rejected rows (one forward pass for both)."""
+    prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
+    completions = pc.pad_sequences([r[c] for c in ("chosen", "rejected") for r in rows], pad_token_id, "right")
+    return torch.cat([prompts.repeat(2, 1), completions], 1), prompts.shape[1]
+
+
+# ALGO LOGIC: the Bradley-Terry loss
+def bradley_terry_loss(chosen_rewards, rejected_rewards, margin=None, center_rewards_coefficient=None):
+    """Per-pair losses (b,) from the scores of chosen and rejected completions (b,), (b,):
+        -log sigmoid(r_c - r_r - margin) + coef * (r_c + r_r)^2
+    P(chosen preferred) = sigmoid(r_c - r_r) is the Bradley-Terry model; `margin` (b,) or None asks for a score gap of
+    at least that much (Llama 2's margin loss, TRL's `margin` column); the centring term (TRL's
+    center_rewards_coefficient, Eisenstein et al. 2023) pulls each pair's scores towards a mean of 0. Their batch mean
+    is TRL 1.16 RewardTrainer.compute_loss: -logsigmoid(c - r - margin).mean() + coef * mean((c + r) ** 2)."""
+    difference = chosen_rewards - rejected_rewards
+    if margin is not None:
+        difference = difference - margin
+    losses = -F.logsigmoid(difference)
+    if center_rewards_coefficient is not None:
+        losses = losses + center_rewards_coefficient * (chosen_rewards + rejected_rewards) ** 2
+    return losses
+
+
+def pair_stats(losses, chosen_rewards, rejected_rewards) -> dict:
+    """Per-pair metrics (b,) each: loss, accuracy (chosen scored higher), rewards/chosen, /rejected, /margins."""
+    chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
+    return {"loss": losses.detach(), "accuracy": (chosen_rewards > rejected_rewards).float(),
+            "rewards/chosen": chosen_rewards, "rewards/rejected": rejected_rewards,
+            "rewards/margins": chosen_rewards - rejected_rewards}
+
+
+class RewardModel(torch.nn.Module):
+    """The sequence classifier behind a forward of its own: (B, T) ids -> (B,) scores, each read at its row's last
+    real token (pc.get_reward). pc.get_reward runs the backbone and the score head directly; called through this
+    module's forward, the prepared (DDP / DeepSpeed) wrapper still sees the forward and synchronises gradients."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, query_responses, context_length: int, pad_token_id: int, share_prompts: bool = False):
+        return pc.get_reward(self.model, query_responses, pad_token_id, context_length, share_prompts)
+
+
+def pair_rewards(model, rows, pad_token_id: int, device, share_prompts: bool = False):
+    """Pairs `rows` -> scores (b,), (b,) of their chosen and rejected completions, from one forward of `model` (a
+    RewardModel, prepared or not) over 2b rows (float32)."""
+    query_responses, context_length = concatenated_inputs(rows, pad_token_id)
+    rewards = model(query_responses.to(device), context_length, pad_token_id, share_prompts)
+    return rewards.float().chunk(2)
+
+
+def batch_losses(args, model, rows, index, pad_token_id: int, device, share_prompts: bool):
+    """Pairs rows[index] -> per-pair losses (b,) and per-pair metrics (pair_stats)."""
+    batch = [rows[i] for i in index]
+    chosen_rewards, rejected_rewards = pair_rewards(model, batch, pad_token_id, device, share_prompts)
+    margin = torch.tensor([r["margin"] for r in batch], device=device) if "margin" in batch[0] else None
+    losses = bradley_terry_loss(chosen_rewards, rejected_rewards, margin, args.center_rewards_coefficient)
+    return losses, pair_stats(losses, chosen_rewards, rejected_rewards)
+
+
+# Model: a scalar head on the language model
+def init_score_head(score: torch.nn.Linear) -> None:
+    """SfFD's initialisation of a new reward head (layer_init in its reward.py, Huang et al. 2024): weight ~
+    Normal(0, 1 / sqrt(hidden_size + 1)), bias 0 (GPT-NeoX's score head has none)."""
+    torch.nn.init.normal_(score.weight, std=1 / math.sqrt(score.in_features + 1))
+    if score.bias is not None:
+        torch.nn.init.zeros_(score.bias)
+
+
+def load_reward_model(path: str, tokenizer, args):
+    """The trainable reward model from `path` (pc.load_scalar_model: one label, dropout off): a new scalar head
+    (the checkpoint is not a sequence classifier) initialised by init_score_head; then activation checkpointing
+    and a LoRA adapter (task SEQ_CLS: PEFT also trains and saves the `score` head, modules_to_save) as flagged."""
+    architectures = getattr(ru.model_config(path, args.trust_remote_code), "architectures", None) or []
+    model = pc.load_scalar_model(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        init_score_head(model.score)
+    if args.gradient_checkpointing:
+        pc.enable_activation_checkpointing(model)
+    if args.use_peft:
+        model = pc.add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
+                            task_type="SEQ_CLS")
+    return model
+
+
+@torch.no_grad()
+def evaluate(args, model, rows, tokenizer, accelerator, logger, step, *, share_prompts):
+    """Held-out pairs `rows` -> eval/... means over every process's pairs (each process takes an even share, so all
+    make the same model calls); prints a few pairs with their scores."""
+    pad = tokenizer.pad_token_id
+    model.eval()
+    share, n_real = ru.even_share(list(range(len(rows))), accelerator)
+    sums, samples = {}, []
+    for i in range(0, len(share), args.per_device_eval_batch_size):
+        index = share[i:i + args.per_device_eval_batch_size]
+        _, stats = batch_losses(args, model, rows, index, pad, accelerator.device, share_prompts)
+        for k, v in stats.items():  # only the first n_real pairs of the share count
+            sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
+        for j, row_index in enumerate(index[:max(0, min(n_real, NUM_SAMPLES) - i)]):  # a few real pairs, decoded
+            text = {k: tokenizer.decode(rows[row_index][k], skip_special_tokens=True)
+                    for k in ("prompt", "chosen", "rejected")}
+            samples.append({**text, "r_chosen": round(stats["rewards/chosen"][j].item(), 3),
+                            "r_rejected": round(stats["rewards/rejected"][j].item(), 3)})
+    model.train()
+    logger.log_samples("eval/samples", samples, step, 3)
+    return ru.global_means(accelerator, sums, n_real)
+
+
+def main() -> None:
+    # TRY NOT TO MODIFY: arguments, sizes, seeding
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    validate(args)
+    args.reward_model_input = args.reward_model_input or "tokens"  # recorded in args.json and the saved config
+    args.dataset = args.dataset or ru.default_dataset(args.model)
+    model_path = ru.resolve_model(args.model)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    world_size = accelerator.num_processes
+    local_micro_batch_size = args.per_device_train_batch_size
+    micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes
+    batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
+    ru.seed_everything(args.seed, accelerator.process_index)
+
+    # 1. data: pairs, lengths fitted to the model, token ids as the reward model reads them (before the model loads)
+    tokenizer = pc.load_tokenizer(model_path, trust_remote_code=args.trust_remote_code)
+    pad = tokenizer.pad_token_id
+    train_data = ru.load_preference_dataset(args.dataset, "train")
+    ru.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
+    eval_data = ru.load_preference_dataset(args.dataset, args.eval_split)
+    ru.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
+    if args.max_eval_pairs:
+        eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
+    positions = ru.model_positions(model_path, args.trust_remote_code)
+    ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
+    if args.max_prompt_length is None:  # the longest prompt (values neither text nor messages fail below)
+        args.max_prompt_length = max((len(tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
+                                      for p in [*train_data["prompt"], *eval_data["prompt"]]
+                                      if isinstance(p, str) or ru.is_conversational(p)), default=1)
+    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
+                  f"one completion token of --max_length {args.max_length}")
+    train_rows, dropped = tokenize_pairs(tokenizer, train_data, args.max_prompt_length, args.max_length,
+                                         args.reward_model_input, args.dataset)
+    eval_rows, eval_dropped = tokenize_pairs(tokenizer, eval_data, args.max_prompt_length, args.max_length,
+                                             args.reward_model_input, f"{args.dataset}:{args.eval_split}")
+    steps_per_epoch = len(train_rows) // batch_size
+    if steps_per_epoch == 0:
+        raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} (per_device_train_"
+                        f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
+    total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
+    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
+    share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
+                                                            args.max_length - args.max_prompt_length)
+
+    # 2. the reward model: the language model with a scalar head (+ LoRA with --use_peft)
+    model = RewardModel(load_reward_model(model_path, tokenizer, args))
+
+    # 3. optimizer, schedule (not given to prepare: accelerate would step it on every process; checkpoints save it).
+    # eps 1e-5 as in SfFD's reward.py
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5,
+                                  weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
+
+    # 4. the run folder (every input is valid by now) and the logger
+    output_dir = ru.output_dir(args, args.dataset, accelerator)
+    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              os.path.basename(os.path.normpath(output_dir)),
+                              resume_step=start_step if args.resume_from else None)
+    logger.progress(total_steps, start_step, batch_size, "pairs", ("loss", "accuracy", "eval/accuracy"))
+
+    # 5. step 0 (not again when resuming): data counts and the evaluation before training
+    if not args.resume_from:
+        metrics = evaluate(args, model, eval_rows, tokenizer, accelerator, logger, 0, share_prompts=share_prompts)
+        logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
+                    "data/eval_dropped": eval_dropped, **metrics}, step=0)
+
+    # 6. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
+    # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
+    stop = ru.StopSignal()
+    start_time = time.time()
+    model.train()
+    for step in range(start_step, total_steps):
+        epoch, position = divmod(step, steps_per_epoch)
+        if step == start_step or position == 0:
+            order = ru.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
+        batch_index = order[position * batch_size:(position + 1) * batch_size]
+        sums = {}
+        for micro in range(args.gradient_accumulation_steps):
+            start = micro * micro_batch_size + accelerator.process_index * local_micro_batch_size
+            index = batch_index[start:start + local_micro_batch_size]
+            with accelerator.accumulate(model):
+                # ALGO LOGIC: one forward over chosen and rejected, per-pair Bradley-Terry losses (b,), backward
+                losses, stats = batch_losses(args, model, train_rows, index, pad, accelerator.device, share_prompts)
+                accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
+
+        # 7. clip, check, step
+        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
+        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
+            optimizer.step()
+        elif args.skip_nonfinite:
+            skipped += 1
+        else:
+            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
+        metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
+                        "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
+                        "time/pairs_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # TRY NOT TO MODIFY: evaluation, logging, checkpoints
+        global_step = step + 1
+        if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
+            metrics.update(evaluate(args, model, eval_rows, tokenizer, accelerator, logger, global_step,
+                                    share_prompts=share_prompts))
+        logger.log(metrics, step=global_step)
+        stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
+        if (args.save_steps and global_step % args.save_steps == 0) or stopping:
+            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
+                               {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
+        if stopping:
+            accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
+            logger.close()
+            return
+
+    # 8. final save, with the input convention in config.json (rewards.py reads the model the same way by default)
+    pc.unwrap(model).model.config.reward_model_input = args.reward_model_input
+    ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
+                  submodule="model")
+    logger.close(os.path.join(output_dir, "model"))
+
+
+if __name__ == "__main__":
+    ru.main_guard(main)

@@ -1,0 +1,440 @@
+"""Supervised fine-tuning (SFT): maximum likelihood of demonstrations, the first stage of RLHF (Stiennon et al. 2020,
+https://arxiv.org/abs/2009.01325; Ouyang et al. 2022, https://arxiv.org/abs/2203.02155).
+
+Trains a policy on (prompt, completion) demonstrations with no reference, no reward and no sampling:
+    loss = - sum of log pi(y_t | x, y_<t) over the completion tokens y_t of the optimizer step's examples
+           / the number of those completion tokens
+- Prompt tokens carry no loss: the prompt is context only (TRL's SFTTrainer default for prompt-completion data,
+  `completion_only_loss`). Huang et al.'s sft.py (below) trained on the query tokens as well.
+- EOS is appended to every completion, so the policy learns where to stop (ru.tokenize_prompt_completion: the prompt
+  keeps its last --max_prompt_length tokens, the completion + EOS its first --max_length minus prompt tokens; a cut
+  completion has no EOS). An example with an empty prompt or nothing left of its completion is dropped and counted.
+- Normalisation: a token mean over the whole optimizer step (every micro-batch of every process), not a mean of
+  micro-batch means: each completion token weighs the same whichever micro-batch it falls in, so
+  --gradient_accumulation_steps and the number of processes leave the gradient unchanged (as TRL's
+  num_items_in_batch, and grpo.py's dapo loss). `sft_loss` and `accumulate_gradients` hold the arithmetic.
+
+Data: columns `prompt` and `completion` (text, or lists of {role, content} messages rendered with the chat template
+as in dpo.py), or one `messages` column: every message but the last is the prompt, the last (an assistant message)
+the completion. `--dataset toy`: the toy world has no demonstrations on disk, so `toy_demonstrations` builds them in
+memory from its prompt dataset: by default the correct answer (the letters sorted, toy_task.target_completion), so
+fine-tuning the toy SFT policy (greedy gold 0.47) on them teaches it the task; `--toy_demonstrations imperfect` gives
+the toy world's own noisy demonstrations (toy_task.imperfect_demonstration, seeded), the kind its SFT policy learned.
+
+    python sft.py              # toy task, under 20 s on a CPU: greedy gold 0.47 (the toy SFT policy) -> 1.0
+    accelerate launch sft.py --model EleutherAI/pythia-1b-deduped --dataset tldr    # benchmark/tldr/sft.sh
+
+Real-scale defaults: the TL;DR SFT of Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO",
+https://arxiv.org/abs/2403.17031; summarize_from_feedback_details/sft.py and sbatches/sft.sbatch): learning rate
+3e-6, one epoch, 128 examples per step (there: 1 per GPU x 16 accumulation steps x 8 GPUs; here 4 x 4 x 8), AdamW
+with eps 1e-5 and torch's default weight decay 0.01, summaries of at most 53 tokens. Differences: a linear schedule
+(theirs: cosine, no warmup; here --warmup_ratio 0), gradient clipping at 1.0, and the prompt masking above.
+
+Logged each step: loss (the token mean above, nats per completion token); token_accuracy (completion tokens whose
+most likely token is the demonstrated one); num_tokens (completion tokens in the step's loss, all processes);
+grad_norm; lr; epoch; nonfinite/skipped; time/*. Each evaluation (before training, every --eval_steps, after the last
+step) logs eval/loss and eval/token_accuracy (token means over held-out examples) and, where the dataset has a gold
+scorer (the toy task), eval/gold_score of greedy completions of held-out prompts, with a few samples printed. Step 0
+also holds data/* counts (data/dropped: examples truncation left without prompt or completion).
+"""
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+import torch
+from transformers import get_scheduler
+
+import policy_common as pc
+import run_utils as ru
+from run_utils import UserError
+
+# Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
+ALIAS_DEFAULTS = {
+    "toy": dict(learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
+                per_device_eval_batch_size=256, num_train_epochs=1.0, warmup_ratio=0.1, weight_decay=0.0,
+                eval_steps=16, max_prompt_length=8, max_length=16, response_length=8, num_eval_prompts=256,
+                max_eval_examples=0),
+}
+
+
+@dataclass
+class Args:
+    # common arguments
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
+    model: str = "toy"
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    dataset: Optional[str] = None
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
+    eval_split: str = "test"
+    """split of the dataset held out for evaluation"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
+    track: bool = False
+    """log to Weights & Biases as well as metrics.jsonl"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project name"""
+
+    # optimisation
+    learning_rate: float = 3e-6
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+    per_device_train_batch_size: int = 4
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
+    per_device_eval_batch_size: int = 8
+    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
+    gradient_accumulation_steps: int = 4
+    """micro-batches accumulated into one optimizer step"""
+    num_train_epochs: float = 1.0
+    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
+    max_steps: Optional[int] = None
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
+    warmup_ratio: float = 0.0
+    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
+    eval_steps: int = 200
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = none)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
+
+    # model loading
+    use_peft: bool = False
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
+    lora_target_modules: Optional[List[str]] = None
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
+    merge_peft: bool = False
+    """with --use_peft, save merged full weights instead of the adapter"""
+    load_in_4bit: bool = False
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
+
+    # SFT
+    max_prompt_length: Optional[int] = None
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
+    max_length: int = 640
+    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
+    max_eval_examples: int = 2000
+    """held-out examples scored for eval/loss and eval/token_accuracy: the first this many (0 = all)"""
+    toy_demonstrations: Literal["sorted", "imperfect"] = "sorted"
+    """--dataset toy only: completions are the sorted answer, or the toy world's own noisy demonstrations (seeded)"""
+
+    # generation at evaluation (only when the dataset has a gold scorer, e.g. the toy task)
+    response_length: int = 53
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
+    num_eval_prompts: int = 256
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+
+
+def validate(args: Args) -> None:
+    if not 1 <= (1 if args.max_prompt_length is None else args.max_prompt_length) < args.max_length:
+        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and "
+                        f"{args.max_length}")
+    if args.response_length < 1 or args.num_eval_prompts < 0 or args.max_eval_examples < 0:
+        raise UserError("--response_length must be >= 1, --num_eval_prompts and --max_eval_examples >= 0")
+    if args.learning_rate <= 0 or args.max_grad_norm <= 0 or args.num_train_epochs <= 0 or args.weight_decay < 0:
+        raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0, --weight_decay >= 0")
+    if not 0 <= args.warmup_ratio < 1 or (args.max_steps is not None and args.max_steps < 1):
+        raise UserError(f"need 0 <= --warmup_ratio < 1 and --max_steps >= 1, got {args.warmup_ratio}, {args.max_steps}")
+    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
+        raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
+
+
+# Data: demonstrations -> (prompt, completion) -> token ids
+def toy_demonstrations(split: str, kind: str, seed: int):
+    """The toy task's SFT data, built in memory: the prompts of its prompt dataset's `split`, each with the sorted
+    answer (`kind` "sorted") or one of the toy world's noisy demonstrations ("imperfect", a fixed draw per seed and
+    split). Returns a datasets.Dataset with columns prompt, completion."""
+    import datasets
+    import toy_task
+
+    prompts = ru.load_prompt_dataset(ru.TOY_ALIAS, split)["prompt"]
+    if kind == "sorted":
+        completions = [toy_task.target_completion(p) for p in prompts]
+    else:
+        rng = random.Random(f"toy-demonstrations:{split}:{seed}")
+        completions = [toy_task.imperfect_demonstration(p, rng) for p in prompts]
+    return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions})
+
+
+def load_demonstrations(args: Args, split: str):
+    """`split` of the SFT data: the toy demonstrations for `toy`, else the dataset (alias `tldr` = trl-lib/tldr, whose
+    columns are prompt and completion; a hub id, folder or files) with its columns checked."""
+    if args.dataset == ru.TOY_ALIAS:
+        return toy_demonstrations(split, args.toy_demonstrations, args.seed)
+    data = ru.load_prompt_dataset(args.dataset, split)
+    if "messages" not in data.column_names:
+        ru.require_columns(data, ["prompt", "completion"], args.dataset)
+    return data
+
+
+def prompt_completion_pairs(data, name: str) -> list:
+    """Rows -> [(prompt, completion)], each text or a list of messages. A `messages` row is cut before its last
+    message, which must be the assistant's. Anything else is a UserError naming the row."""
+    pairs = []
+    for i, example in enumerate(data):
+        if "prompt" in example and "completion" in example:
+            prompt, completion = example["prompt"], example["completion"]
+        else:
+            messages = example["messages"]
+            if not (ru.is_conversational(messages) and len(messages) >= 2 and messages[-1].get("role") == "assistant"):
+                raise UserError(f"dataset {name!r} row {i} column 'messages': expected a list of two or more "
+                                "{role, content} messages ending with the assistant's")
+            prompt, completion = messages[:-1], messages[-1:]
+        for column, value in (("prompt", prompt), ("completion", completion)):
+            if not (isinstance(value, str) or ru.is_conversational(value)):
+                raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
+                                f"{{role, content}} messages, got {type(value).__name__}")
+        pairs.append((prompt, completion))
+    return pairs
+
+
+def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length: int, name: str):
+    """[(prompt, completion)] -> (rows, dropped): rows of token-id lists `prompt`, `completion` (EOS appended, then
+    cut by ru.tokenize_prompt_completion's rule); an example with an empty prompt or a completion cut to nothing is
+    dropped and counted. No example left is a UserError."""
+    rows, dropped = [], 0
+    for prompt, completion in pairs:
+        prompt_ids, completion_ids = ru.tokenize_prompt_completion(
+            tokenizer, ru.render_prompt(tokenizer, prompt), ru.render_completion(tokenizer, prompt, completion),
+            max_prompt_length, max_length)
+        if not prompt_ids or not completion_ids:
+            dropped += 1
+            continue
+        rows.append({"prompt": prompt_ids, "completion": completion_ids})
+    if not rows:
+        raise UserError(f"dataset {name!r}: no example is left after truncation to --max_prompt_length "
+                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
+    return rows, dropped
+
+
+def prompt_completion_batch(rows, pad_token_id: int):
+    """b rows -> (query_responses (b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
+    RIGHT-padded to R, so every completion starts at position Lq (pc.forward_logits's layout)."""
+    prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
+    completions = pc.pad_sequences([r["completion"] for r in rows], pad_token_id, "right")  # (b, R)
+    return torch.cat([prompts, completions], 1), prompts.shape[1]
+
+
+def completion_token_stats(model, rows, pad_token_id: int, device):
+    """rows -> per completion token (b, R): negative log-likelihood under `model`, whether the most likely token
+    is the demonstrated one, and the mask of real tokens (False on padding). Only the positions that predict
+    completion tokens are computed: no prompt token is a target."""
+    query_responses, context_length = prompt_completion_batch(rows, pad_token_id)
+    query_responses = query_responses.to(device)
+    completions = query_responses[:, context_length:]  # (b, R)
+    logits = pc.forward_logits(model, query_responses, context_length, pad_token_id)  # (b, R, V)
+    token_nll = -pc.selective_logprobs(logits, completions)
+    mask = completions != pad_token_id
+    return token_nll, (logits.argmax(-1) == completions) & mask, mask
+
+
+# ALGO LOGIC: the loss and its normalisation
+def sft_loss(token_nll, mask, tokens_per_micro_batch: float):
+    """(b, R) completion-token NLLs and mask -> this micro-batch's loss: its token sum / `tokens_per_micro_batch`
+    (= the step's completion tokens / (processes x micro-batches)). accelerate divides each micro-batch's loss by
+    the accumulation steps and DDP averages processes, so the step's gradient is that of (the sum of every completion
+    token's NLL in the step) / (their number): a token mean over the global batch."""
+    return token_nll.masked_fill(~mask, 0.0).sum() / tokens_per_micro_batch
+
+
+def accumulate_gradients(policy, accelerator, rows, batch_index, local_micro_batch_size: int, pad_token_id: int):
+    """Accumulate one optimizer step's gradients over the examples rows[batch_index] (every process's, in order):
+    micro-batch m of process p is slice (m, p). Returns the step's loss and token_accuracy (after ru.reduce_metrics:
+    token means over the whole batch) and num_tokens. The token count comes from `rows`, which every process holds:
+    no collective."""
+    world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    num_tokens = sum(len(rows[i]["completion"]) for i in batch_index)  # loss tokens of the step, all processes
+    tokens_per_micro_batch = num_tokens / (world * steps)
+    sums = {"loss": 0.0, "token_accuracy": 0.0}
+    for micro in range(steps):
+        start = (micro * world + accelerator.process_index) * local_micro_batch_size
+        index = batch_index[start:start + local_micro_batch_size]
+        with accelerator.accumulate(policy):
+            token_nll, correct, mask = completion_token_stats(policy, [rows[i] for i in index], pad_token_id,
+                                                              accelerator.device)
+            loss = sft_loss(token_nll, mask, tokens_per_micro_batch)
+            accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+        # this process's part of the step's means; ru.reduce_metrics averages processes: token means over the batch
+        sums["loss"] += loss.item() / steps
+        sums["token_accuracy"] += correct.sum().item() / (tokens_per_micro_batch * steps)
+    return sums, num_tokens
+
+
+@torch.no_grad()
+def evaluate(args, policy, rows, queries, scorer, tokenizer, accelerator, logger, step):
+    """Held-out examples `rows` -> eval/loss, eval/token_accuracy (token means over every process's examples);
+    greedy completions of the held-out `queries` (if any) -> eval/gold_score, a few printed as eval/samples."""
+    pad = tokenizer.pad_token_id
+    policy.eval()
+    share, n_real = ru.even_share(list(range(len(rows))), accelerator)
+    sums, tokens = {"eval/loss": 0.0, "eval/token_accuracy": 0.0}, 0
+    for i in range(0, len(share), args.per_device_eval_batch_size):
+        chunk = share[i:i + args.per_device_eval_batch_size]
+        token_nll, correct, mask = completion_token_stats(policy, [rows[j] for j in chunk], pad, accelerator.device)
+        keep = max(0, n_real - i)  # only the first n_real rows of the share count
+        sums["eval/loss"] += token_nll[:keep].masked_fill(~mask[:keep], 0.0).sum().item()
+        sums["eval/token_accuracy"] += correct[:keep].sum().item()
+        tokens += mask[:keep].sum().item()
+    metrics, samples = ru.global_means(accelerator, sums, tokens), []
+    if queries:
+        share, n_real = ru.even_share(queries, accelerator)
+        query_tensor = pc.pad_sequences(share, pad, "left").to(accelerator.device)  # (n, Lq)
+        greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+        query_responses, _ = pc.batch_generation(policy, query_tensor, pad, tokenizer.eos_token_id, greedy,
+                                                 args.per_device_eval_batch_size, accelerator)
+        for query_response in query_responses[:n_real]:
+            prompt = tokenizer.decode(query_response[:query_tensor.shape[1]], skip_special_tokens=True)
+            completion = tokenizer.decode(query_response[query_tensor.shape[1]:], skip_special_tokens=True)
+            samples.append({"prompt": prompt, "completion": completion, "gold": scorer(prompt, completion)})
+        metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)}, n_real))
+    policy.train()
+    logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples], step, 3)
+    return metrics
+
+
+def main() -> None:
+    # TRY NOT TO MODIFY: arguments, sizes, seeding
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    validate(args)
+    args.dataset = args.dataset or ru.default_dataset(args.model)
+    policy_path = ru.resolve_model(args.model)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    world_size = accelerator.num_processes
+    local_micro_batch_size = args.per_device_train_batch_size
+    batch_size = local_micro_batch_size * world_size * accelerator.gradient_accumulation_steps  # examples per step
+    ru.seed_everything(args.seed, accelerator.process_index)
+
+    # 1. data: demonstrations, held-out prompts (gold score), lengths fitted to the model, token ids (before the
+    # model loads)
+    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    train_pairs = prompt_completion_pairs(load_demonstrations(args, "train"), args.dataset)
+    eval_pairs = prompt_completion_pairs(load_demonstrations(args, args.eval_split), args.dataset)
+    if args.max_eval_examples:
+        eval_pairs = eval_pairs[:args.max_eval_examples]
+    scorer = ru.gold_scorer(args.dataset) if args.num_eval_prompts else None
+    eval_prompts = [p for p, _ in eval_pairs[:args.num_eval_prompts]] if scorer else []  # completed greedily
+    positions = ru.model_positions(policy_path, args.trust_remote_code)
+    ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
+    if args.max_prompt_length is None:  # the longest prompt
+        args.max_prompt_length = max(len(tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
+                                     for p, _ in [*train_pairs, *eval_pairs])
+    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
+                  f"one completion token of --max_length {args.max_length}")
+    train_rows, dropped = tokenize_demonstrations(tokenizer, train_pairs, args.max_prompt_length, args.max_length,
+                                                  args.dataset)
+    eval_rows, eval_dropped = tokenize_demonstrations(tokenizer, eval_pairs, args.max_prompt_length, args.max_length,
+                                                      f"{args.dataset}:{args.eval_split}")
+    eval_queries = ru.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
+    if eval_queries:
+        longest = max(len(q) for q in eval_queries)
+        ru.fit_length(args, "response_length", None if positions is None else positions - longest,
+                      f"a held-out prompt of {longest} tokens in the model's {positions}")
+    steps_per_epoch = len(train_rows) // batch_size
+    if steps_per_epoch == 0:
+        raise UserError(f"{len(train_rows)} training examples are fewer than one batch of {batch_size} (per_device_"
+                        f"train_batch_size {local_micro_batch_size} x {world_size} processes x "
+                        "gradient_accumulation_steps)")
+    total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
+
+    # 2. the policy (+ LoRA with --use_peft), optimizer, schedule (not given to prepare: accelerate would step it on
+    # every process; checkpoints save it). eps 1e-5 as in Huang et al.'s sft.py.
+    policy = pc.load_policy(policy_path, tokenizer, args)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=args.weight_decay)
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
+                              num_training_steps=total_steps)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
+
+    # 3. the run folder (every input is valid by now) and the logger
+    output_dir = ru.output_dir(args, args.dataset, accelerator)
+    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                              os.path.basename(os.path.normpath(output_dir)),
+                              resume_step=start_step if args.resume_from else None)
+    # not eval/loss: the bar names a key by its last part, so it would show as loss (each evaluation prints a line)
+    logger.progress(total_steps, start_step, batch_size, "examples", ("loss", "token_accuracy", "eval/gold_score"))
+
+    # 4. step 0 (not again when resuming): data counts and the evaluation before training
+    if not args.resume_from:
+        metrics = evaluate(args, policy, eval_rows, eval_queries, scorer, tokenizer, accelerator, logger, 0)
+        logger.log({"data/train_examples": len(train_rows), "data/dropped": dropped,
+                    "data/eval_examples": len(eval_rows), "data/eval_dropped": eval_dropped, **metrics}, step=0)
+
+    # 5. training: every optimizer step takes the next `batch_size` examples of the epoch's permutation (the same
+    # global order for any number of processes)
+    stop = ru.StopSignal()
+    start_time = time.time()
+    policy.train()
+    for step in range(start_step, total_steps):
+        epoch, position = divmod(step, steps_per_epoch)
+        if step == start_step or position == 0:
+            order = ru.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
+        batch_index = order[position * batch_size:(position + 1) * batch_size]
+        sums, num_tokens = accumulate_gradients(policy, accelerator, train_rows, batch_index, local_micro_batch_size,
+                                                tokenizer.pad_token_id)
+
+        # 6. clip, check, step
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
+        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
+            optimizer.step()
+        elif args.skip_nonfinite:
+            skipped += 1
+        else:
+            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
+        metrics.update({"num_tokens": num_tokens, "lr": scheduler.get_last_lr()[0],
+                        "epoch": (step + 1) / steps_per_epoch, "nonfinite/skipped": skipped,
+                        "time/elapsed": time.time() - start_time,
+                        "time/examples_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # TRY NOT TO MODIFY: evaluation, logging, checkpoints
+        global_step = step + 1
+        if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
+            metrics.update(evaluate(args, policy, eval_rows, eval_queries, scorer, tokenizer, accelerator, logger,
+                                    global_step))
+        logger.log(metrics, step=global_step)
+        stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
+        if (args.save_steps and global_step % args.save_steps == 0) or stopping:
+            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
+                               {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
+        if stopping:
+            accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
+            logger.close()
+            return
+
+    # 7. final save
+    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    logger.close(os.path.join(output_dir, "model"))
+
+
+if __name__ == "__main__":
+    ru.main_guard(main)
