@@ -377,13 +377,8 @@ def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, arg
         total = {k: total.get(k, 0) + v for k, v in sums.items()}
     metrics, samples = finish_metrics(total, n_batches, accelerator, prefix="eval/"), []
     if gen_prompts:
-        share, n_real = ru.even_share(gen_prompts, accelerator)
-        config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-        queries = pc.pad_sequences(share, pad, "left").to(accelerator.device)
-        query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config,
-                                                 args.per_device_eval_batch_size, accelerator)
-        prompts = tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True)
-        responses = tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True)
+        prompts, responses = ru.greedy_completions(policy, tokenizer, gen_prompts, args.response_length,
+                                                   args.per_device_eval_batch_size, accelerator)
         samples = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
         if scorer is not None:
             gold = [scorer(p, r) for p, r in zip(prompts, responses)]

@@ -397,6 +397,22 @@ def even_share(items: Sequence, accelerator):
     return share + [items[0]] * (size - n_real), n_real
 
 
+@torch.no_grad()
+def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response_length: int, batch_size: int,
+                       accelerator):
+    """This process's even share of `prompts` (token-id lists) completed greedily, `batch_size` rows per generate
+    call (every process makes the same calls). Returns (prompt texts, completion texts) of its real rows, special
+    tokens skipped; the padding rows of the share are dropped."""
+    share, n_real = even_share(prompts, accelerator)
+    pad = tokenizer.pad_token_id
+    queries = pc.pad_sequences(share, pad, "left").to(accelerator.device)  # (n, Lq)
+    config = pc.make_generation_config(tokenizer, response_length, greedy=True)
+    query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config, batch_size,
+                                             accelerator)
+    return (tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True),
+            tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True))
+
+
 def global_means(accelerator, sums: Dict[str, float], count: float) -> Dict[str, float]:
     """{name: sum over this process's items}, item count -> {name: sum over all processes / total count}
     (one all-reduce)."""

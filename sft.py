@@ -302,16 +302,11 @@ def evaluate(args, policy, rows, queries, scorer, tokenizer, accelerator, logger
         tokens += mask[:keep].sum().item()
     metrics, samples = ru.global_means(accelerator, sums, tokens), []
     if queries:
-        share, n_real = ru.even_share(queries, accelerator)
-        query_tensor = pc.pad_sequences(share, pad, "left").to(accelerator.device)  # (n, Lq)
-        greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-        query_responses, _ = pc.batch_generation(policy, query_tensor, pad, tokenizer.eos_token_id, greedy,
-                                                 args.per_device_eval_batch_size, accelerator)
-        for query_response in query_responses[:n_real]:
-            prompt = tokenizer.decode(query_response[:query_tensor.shape[1]], skip_special_tokens=True)
-            completion = tokenizer.decode(query_response[query_tensor.shape[1]:], skip_special_tokens=True)
-            samples.append({"prompt": prompt, "completion": completion, "gold": scorer(prompt, completion)})
-        metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)}, n_real))
+        prompts, completions = ru.greedy_completions(policy, tokenizer, queries, args.response_length,
+                                                     args.per_device_eval_batch_size, accelerator)
+        samples = [{"prompt": p, "completion": c, "gold": scorer(p, c)} for p, c in zip(prompts, completions)]
+        metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)},
+                                       len(samples)))
     policy.train()
     logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples], step, 3)
     return metrics
