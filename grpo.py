@@ -118,8 +118,9 @@ class Args:
     """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion without EOS (None = no penalty)"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / no-grad forward chunk"""
+    local_rollout_forward_batch_size: Optional[int] = None
+    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
+    memory than the training pass over as many rows)"""
     share_prompts: bool = True
     """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
@@ -313,9 +314,12 @@ def main():
         raise pc.UserError("--epsilon, --epsilon_high, --learning_rate, --max_grad_norm and --temperature must be > 0")
     if args.beta < 0 or (args.kl_target is not None and (args.kl_target <= 0 or args.beta == 0)):
         raise pc.UserError("--beta must be >= 0, and --kl_target (> 0) adapts a --beta that starts above 0")
+    if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
+        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_iterations, args.per_device_train_batch_size, args.num_eval_prompts, args.kl_horizon,
            args.gradient_accumulation_steps, args.response_length, args.total_episodes,
-           1 if args.max_steps is None else args.max_steps) < 1 or args.num_eval_generations < 0:
+           args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1 \
+            or args.num_eval_generations < 0:
         raise pc.UserError("batch sizes, --num_iterations, --num_eval_prompts, --response_length, --total_episodes, "
                            "--kl_horizon and --max_steps must be >= 1, --num_eval_generations >= 0")
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
@@ -392,13 +396,15 @@ def main():
         queries = queries.repeat_interleave(args.num_generations, dim=0)  # (local_batch_size, Lq)
         context_length = queries.shape[1]
         policy.eval()
-        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk, accelerator,
-                                                 share_prompts=share)
+        # the sampled tokens' log-probs: the old log-probs when the batch is reused (num_iterations > 1; the losses
+        # score the distribution sampling draws from, policy_common.mask_pad_), so no separate policy forward
+        query_responses, sampled_logprobs = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk,
+                                                                accelerator, share_prompts=share)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
         truncated = ~(responses == eos).any(1)  # (B,) cut at response_length
 
-        # 7. score; old log-probs only when a batch is reused (num_iterations > 1), reference log-probs when beta > 0
+        # 7. score; reference log-probs when beta > 0
         with torch.no_grad():
             rows = [train_data[i] for i in indices for _ in range(args.num_generations)]  # the row of each completion
             with ru.checkpoint_on_error(rw.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
@@ -407,11 +413,8 @@ def main():
             if args.missing_eos_penalty is not None:
                 scores = torch.where(truncated, scores - args.missing_eos_penalty, scores)
             scores = scores.masked_fill(source_scores.isnan().all(1), math.nan)  # scored by no source: left out
-            old_logprobs = None
-            if args.num_iterations > 1:
-                old_logprobs = torch.cat([pc.response_logprobs(policy, query_responses[i:i + chunk], context_length,
-                                                               pad, args.temperature, share_prompts=share)
-                                          for i in range(0, local_batch_size, chunk)])
+            # at num_iterations 1 the old log-probs are the new ones detached (a ratio of exactly 1, as TRL)
+            old_logprobs = sampled_logprobs if args.num_iterations > 1 else None
             ref_logprobs = torch.zeros_like(responses, dtype=torch.float32)
             if reference is not None:
                 ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk,

@@ -338,41 +338,68 @@ def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 
     return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **kwargs)
 
 
+@contextlib.contextmanager
+def _no_model_sampling_defaults(model: nn.Module):
+    """transformers fills every field our GenerationConfig leaves unset from the model's own generation_config.json
+    (Qwen2.5-Instruct's repetition_penalty 1.1, for one), which would sample from another distribution than the one
+    the losses score. Within the block the model has a blank generation config, so only ours applies."""
+    from transformers import GenerationConfig
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    saved = getattr(inner, "generation_config", None)
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
 @torch.no_grad()
 def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
-                     generation_config, chunk_size: int, accelerator=None, share_prompts: bool = False):
+                     generation_config, chunk_size: int, accelerator=None, share_prompts: bool = False,
+                     return_entropy: bool = False):
     """Generate responses for a LEFT-padded batch of queries, `chunk_size` rows at a time.
 
     queries: (B, Lq) left-padded with pad_token_id.
-    Returns (query_responses, logprobs):
+    Returns (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
       query_responses (B, Lq + max_new_tokens): query then response; after the first EOS (kept) every token
         is pad, and short responses are right-padded to max_new_tokens.
-      logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (the
-        processed scores: logits / temperature, suppressed tokens such as pad removed), INVALID_LOGPROB
-        after EOS. A forward pass gives the same values up to the (tiny) probability mass of suppressed tokens.
+      logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (logits /
+        temperature, pad suppressed), INVALID_LOGPROB after EOS. `response_logprobs` scores the same distribution
+        (pad masked in `forward_logits`), so these equal a fresh forward's to float rounding: when the weights
+        have not changed since sampling they are the old log-probs, and the forward can be skipped.
+      entropy (B, max_new_tokens): entropy of that distribution at each response position, 0 after EOS.
+    Only our config applies: the model's own sampling defaults are ignored (`_no_model_sampling_defaults`).
     With `share_prompts` (rows repeat queries, e.g. RLOO's k samples), each distinct query is encoded once for
     the prefill (prompt_sharing.generation_cache).
     """
     R = generation_config.max_new_tokens
     generation_config = copy.deepcopy(generation_config)
     generation_config.return_dict_in_generate, generation_config.output_scores = True, True
-    responses, logprobs = [], []
-    with unwrap_for_generation(model, accelerator) as gen_model:
+    responses, logprobs, entropies = [], [], []
+    with unwrap_for_generation(model, accelerator) as gen_model, _no_model_sampling_defaults(gen_model):
         share_prompts = share_prompts and prompt_sharing.takes_cache(gen_model)
         for i in range(0, queries.shape[0], chunk_size):
             query = queries[i:i + chunk_size]
             attention_mask, position_ids = padding_inputs(query, pad_token_id)
             prefill = (prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids,
-                                                       **_keep_last(gen_model, 1)) if share_prompts else {})
+                                                       **keep_last(gen_model, 1)) if share_prompts else {})
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
                                      generation_config=generation_config, **prefill)
             response = out.sequences[:, query.shape[1]:]
-            scores = torch.stack(out.scores, 1).float()  # (b, r, V), r <= R, processed as sampled
-            logprob = torch.gather(scores.log_softmax(-1), 2, response.unsqueeze(-1)).squeeze(-1)
+            scores = torch.stack(out.scores, 1).float()  # (b, r, V), r <= R, processed as sampled (pad at -inf)
+            logprob = scores.log_softmax(-1)
+            if return_entropy:
+                entropies.append(F.pad(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1),
+                                       (0, R - response.shape[1])))
+            logprob = torch.gather(logprob, 2, response.unsqueeze(-1)).squeeze(-1)
             responses.append(F.pad(response, (0, R - response.shape[1]), value=pad_token_id))
             logprobs.append(F.pad(logprob, (0, R - logprob.shape[1]), value=INVALID_LOGPROB))
     responses = truncate_after_eos(torch.cat(responses), eos_token_id, pad_token_id)
     logprobs = torch.cat(logprobs).masked_fill(responses == pad_token_id, INVALID_LOGPROB).nan_to_num(INVALID_LOGPROB)
+    if return_entropy:
+        return (torch.cat([queries, responses], 1), logprobs,
+                torch.cat(entropies).masked_fill(responses == pad_token_id, 0.0))
     return torch.cat([queries, responses], 1), logprobs
 
 
@@ -387,7 +414,7 @@ def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
     return attention_mask, position_ids
 
 
-def _keep_last(model: nn.Module, n: int) -> dict:
+def keep_last(model: nn.Module, n: int) -> dict:
     """forward kwargs computing the output layer on the last `n` positions only, where the model's forward takes
     `logits_to_keep` (all transformers 5 causal LMs; custom code may not): callers slice [:, -n:] either way."""
     inner = unwrap(model)
@@ -398,22 +425,37 @@ def _keep_last(model: nn.Module, n: int) -> dict:
 def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                    temperature: float = 1.0, share_prompts: bool = False) -> torch.Tensor:
     """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
-    query_responses[:, context_length:]. Temperature is applied here and only here. Only the response positions
-    go through the output layer. With `share_prompts`, rows with identical queries encode the query once
-    (prompt_sharing.py; the same numbers to float rounding): decide it from sizes that are the same on every
-    process (prompt_sharing.worth_sharing), never from one process's data."""
+    query_responses[:, context_length:], the pad token masked (`mask_pad_`): the distribution sampling draws from.
+    Temperature is applied here and only here. Only the response positions go through the output layer. With
+    `share_prompts`, rows with identical queries encode the query once (prompt_sharing.py; the same numbers to
+    float rounding): decide it from sizes that are the same on every process (prompt_sharing.worth_sharing), never
+    from one process's data."""
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     R = query_responses.shape[1] - context_length
     logits = None
     if share_prompts and R > 0 and prompt_sharing.takes_cache(unwrap(model)):
         logits = prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
-                                              **_keep_last(model, 1))
+                                              **keep_last(model, 1))
     if logits is None:
         input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                    **_keep_last(model, R + 1))
+                    **keep_last(model, R + 1))
         logits = out.logits[:, -(R + 1):-1]
-    return logits / temperature if temperature != 1.0 else logits
+    if temperature != 1.0:
+        logits = logits / temperature
+    return mask_pad_(logits, pad_token_id)
+
+
+def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Give the pad token no probability, in place: (..., V) logits -> the same tensor with logits[..., pad] set
+    1e4 below the largest logit at that position. Sampling never emits pad (make_generation_config suppresses it), so
+    this makes every forward score the distribution that was sampled, p(token) / (1 - p(pad)), reference included.
+    exp(-1e4) is exactly 0 in every float format, so the probabilities are those of -inf; but a log-prob read at a
+    pad position (masked out downstream) stays a finite number near -1e4, whose square, exponential or product with
+    0 is no NaN. In place on the model's output costs no memory; the pad logit then gets no gradient."""
+    if 0 <= pad_token_id < logits.shape[-1]:
+        logits[..., pad_token_id] = logits.detach().amax(-1) - 1e4
+    return logits
 
 
 def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:

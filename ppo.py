@@ -89,8 +89,9 @@ class Args:
     """subtracted from the score of a completion without EOS (None = no penalty)"""
     max_prompt_length: Optional[int] = None
     """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    local_rollout_forward_batch_size: int = 64
-    """rows per generation / no-grad forward chunk"""
+    local_rollout_forward_batch_size: Optional[int] = None
+    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
+    memory than the training pass over as many rows)"""
 
     # PPO (defaults from Huang et al. 2024)
     num_ppo_epochs: int = 4
@@ -154,6 +155,8 @@ ALIAS_DEFAULTS = {
 def validate(args: Args, num_processes: int):
     """Check hyper-parameters and derive every batch size once (local_ = per process): returns
     (local_batch_size, batch_size, num_total_batches)."""
+    if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
+        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     for name in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "total_episodes",
                  "response_length", "temperature", "num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value",
                  "kl_horizon", "local_rollout_forward_batch_size", "num_eval_prompts", "max_grad_norm"):
@@ -264,8 +267,11 @@ class PolicyAndValue(nn.Module):
 
     def forward(self, query_responses, context_length: int, pad_token_id: int, temperature: float):
         logits = pc.forward_logits(self.policy, query_responses, context_length, pad_token_id, temperature)
-        values = pc.scalar_forward(self.value_model, query_responses, pad_token_id)[:, context_length - 1:-1]
-        return logits, values
+        return logits, self.values(query_responses, context_length, pad_token_id)
+
+    def values(self, query_responses, context_length: int, pad_token_id: int):
+        """(B, T) -> (B, R) values alone (the rollout's no-grad pass: its log-probs come from sampling)."""
+        return pc.scalar_forward(self.value_model, query_responses, pad_token_id)[:, context_length - 1:-1]
 
 
 # TRY NOT TO MODIFY: evaluation and data-order plumbing
@@ -395,18 +401,17 @@ def main():
         context_length = queries.shape[1]  # queries: (B, Lq)
         with torch.no_grad():
             # 6. generate responses (truncated after the first EOS)
-            query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, generation_config,
-                                                     chunk, accelerator)
+            #    the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses
+            #    score the distribution sampling draws from: policy_common.mask_pad_), so no policy forward in 7.
+            query_responses, logprobs = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos,
+                                                            generation_config, chunk, accelerator)
             responses = query_responses[:, context_length:]  # (B, R)
             response_mask = responses != pad  # (B, R), True up to and including EOS
 
-            # 7. log-probs and values before the update, reference log-probs, rewards
-            logprobs, values = [], []
-            for i in range(0, local_batch_size, chunk):
-                logits, value = model(query_responses[i:i + chunk], context_length, pad, args.temperature)
-                logprobs.append(pc.selective_logprobs(logits, responses[i:i + chunk]))
-                values.append(value)
-            logprobs, values = torch.cat(logprobs) * response_mask, torch.cat(values) * response_mask  # (B, R)
+            # 7. values before the update, reference log-probs, rewards
+            values = torch.cat([pc.unwrap(model).values(query_responses[i:i + chunk], context_length, pad)
+                                for i in range(0, local_batch_size, chunk)])
+            logprobs, values = logprobs * response_mask, values * response_mask  # (B, R)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk)
             ref_logprobs = ref_logprobs * response_mask
             rows = [train_data[i] for i in indices]  # the dataset row of each completion

@@ -137,8 +137,9 @@ class Args:
     """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = 1.0
     """subtracted from the score of a completion without EOS (None = no penalty)"""
-    local_rollout_forward_batch_size: int = 16
-    """rows per generation / no-grad forward chunk"""
+    local_rollout_forward_batch_size: Optional[int] = None
+    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
+    memory than the training pass over as many rows)"""
     share_prompts: bool = True
     """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
@@ -297,9 +298,11 @@ def main():
         raise pc.UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
         raise pc.UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
+    if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
+        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
            args.gradient_accumulation_steps, args.response_length, args.total_episodes,
-           1 if args.max_steps is None else args.max_steps) < 1:
+           args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1:
         raise pc.UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
                            "--max_steps must be >= 1")
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
@@ -374,21 +377,15 @@ def main():
         queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
         context_length = queries.shape[1]
         policy.eval()
-        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk, accelerator,
-                                                 share_prompts=share)
+        # the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses score
+        # the distribution sampling draws from: policy_common.mask_pad_), so no separate policy forward
+        query_responses, logprobs, entropy = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk,
+                                                                 accelerator, share_prompts=share, return_entropy=True)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
 
-        # 7. score: old log-probs (temperature-scaled, before any update), reference log-probs, reward
+        # 7. score: reference log-probs, reward
         with torch.no_grad():
-            logprobs, entropy = [], []
-            for i in range(0, local_batch_size, chunk):
-                query_response = query_responses[i:i + chunk]
-                logits = pc.forward_logits(policy, query_response, context_length, pad, args.temperature,
-                                           share_prompts=share)
-                logprobs.append(pc.selective_logprobs(logits, query_response[:, context_length:]))
-                entropy.append(pc.entropy_from_logits(logits))
-            logprobs, entropy = torch.cat(logprobs), torch.cat(entropy)  # (B, R) each
             rows = [train_data[i] for i in indices for _ in range(args.rloo_k)]  # the dataset row of each completion
             with ru.checkpoint_on_error(rw.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
                 scores, source_scores = reward_sources(query_responses, context_length, rows, accelerator, chunk,

@@ -88,10 +88,12 @@ def test_pad_sequences():
 
 # --------------------------------------------------------------------------------------------- log-probs
 def unpadded_logprobs(model, query, response, temperature=1.0):
-    """The obvious computation: one unpadded row, full log-softmax."""
+    """The obvious computation: one unpadded row, softmax(logits / T) with the pad token's probability removed
+    and the rest renormalised (the distribution sampling draws from)."""
     ids = torch.tensor([query + response])
-    logits = model(input_ids=ids).logits[0, len(query) - 1:-1] / temperature
-    return logits.log_softmax(-1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+    p = (model(input_ids=ids).logits[0, len(query) - 1:-1] / temperature).softmax(-1)
+    p = p * (torch.arange(p.shape[-1]) != PAD)
+    return (p / p.sum(-1, keepdim=True)).log()[torch.arange(len(response)), torch.tensor(response)]
 
 
 @settings(max_examples=15, deadline=None)
@@ -239,7 +241,9 @@ def test_forward_logits_applies_temperature_once(lm):
     with torch.no_grad():
         raw = lm(input_ids=ids).logits[:, 1:-1]
         scaled = pc.forward_logits(lm, ids, 2, PAD, temperature=0.5)
-    torch.testing.assert_close(scaled, raw / 0.5)
+    not_pad = torch.arange(VOCAB) != PAD
+    torch.testing.assert_close(scaled[..., not_pad], raw[..., not_pad] / 0.5)
+    assert (scaled[..., PAD] == scaled.amax(-1) - 1e4).all() and (scaled.softmax(-1)[..., PAD] == 0).all()
 
 
 def test_selective_logprobs_equals_full_log_softmax():
@@ -297,32 +301,103 @@ def test_batch_generation_shares_repeated_queries(lm):
         assert query_responses[i, q.shape[1]:q.shape[1] + len(alone)].tolist() == alone.tolist(), i
 
 
-@pytest.mark.parametrize("share", [False, True])
-def test_batch_generation_stops_at_eos_and_logprobs_match_forward(share):
-    """A model biased towards EOS so that rows end at different lengths; the returned sampling log-probs equal
-    a fresh padded forward pass at the sampling temperature (also when repeated queries are encoded once)."""
-    torch.manual_seed(4)
+def eos_biased_model(seed=4):
+    """A tiny model biased towards EOS, so that sampled rows end at different lengths."""
+    torch.manual_seed(seed)
     model = GPTNeoXForCausalLM(tiny_config()).eval()
     with torch.no_grad():
         head = model.get_output_embeddings().weight
         head[EOS] += 0.15 * head[2:].mean(0) + 0.02  # raise P(EOS) somewhat
+        head[PAD] += 0.3 * head[2:].mean(0) + 0.05  # and give pad real mass, so an unmasked pad would show
+    return model
+
+
+def pad_free_row_logprobs(model, query, response, temperature):
+    """The obvious computation, one unpadded row at a time: log-probs and entropies of `response` under
+    softmax(logits / T) with the pad token's probability removed and the rest renormalised."""
+    ids = torch.tensor([query + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(query) - 1:-1].double() / temperature  # (r, V)
+    p = logits.softmax(-1)
+    p[:, PAD] = 0.0
+    p = p / p.sum(-1, keepdim=True)
+    entropy = -(p[:, 1:] * p[:, 1:].log()).sum(-1) if PAD == 0 else None
+    return p.log()[torch.arange(len(response)), response], entropy
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
+    """Rows ending at different lengths, left-padded queries, chunks: the sampling log-probs and entropies equal
+    (i) `response_logprobs` / `forward_logits` on the padded batch (pad masked: one distribution) and (ii) an
+    unpadded row-by-row forward with the pad token's mass removed; also when repeated queries are encoded once."""
+    model = eos_biased_model()
     gen = torch.Generator().manual_seed(5)
-    q = pc.pad_sequences(random_queries(gen, [3, 1, 4, 2] * 4), PAD, "left")
+    queries = random_queries(gen, [3, 1, 4, 2] * 4)
+    q = pc.pad_sequences(queries, PAD, "left")
     temperature = 0.8
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=8,
                               pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD])
     torch.manual_seed(6)
-    query_responses, logprobs = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5, share_prompts=share)
+    query_responses, logprobs, entropy = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5,
+                                                             share_prompts=share, return_entropy=True)
     responses = query_responses[:, q.shape[1]:]
     eos_at = pc.first_true_indices(responses == EOS)
     assert 0 < (eos_at < 8).sum() < 16, "want rows that end early and rows that do not"
     in_response = torch.arange(8).unsqueeze(0) <= eos_at.unsqueeze(1)  # up to and including the first EOS
     assert (responses[~in_response] == PAD).all()
-    with torch.no_grad():  # the sampling distribution: logits / T with the suppressed pad token removed
-        logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature)
-        forward = pc.selective_logprobs(logits.index_fill(-1, torch.tensor([PAD]), float("-inf")), responses)
-    torch.testing.assert_close(logprobs[in_response], forward[in_response], atol=1e-4, rtol=0)
-    assert (logprobs[~in_response] == pc.INVALID_LOGPROB).all()
+    assert (logprobs[~in_response] == pc.INVALID_LOGPROB).all() and (entropy[~in_response] == 0).all()
+    with torch.no_grad():
+        logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature, share_prompts=share)
+        forward = pc.selective_logprobs(logits, responses)
+    torch.testing.assert_close(logprobs[in_response], forward[in_response], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy[in_response], pc.entropy_from_logits(logits)[in_response], atol=1e-5, rtol=0)
+    for i, query in enumerate(queries):
+        n = int(in_response[i].sum())
+        expected, expected_entropy = pad_free_row_logprobs(model, query, responses[i, :n].tolist(), temperature)
+        torch.testing.assert_close(logprobs[i, :n].double(), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy[i, :n].double(), expected_entropy, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_batch_generation_ignores_the_models_own_sampling_defaults(lora):
+    """A model whose generation_config.json asks for a repetition penalty and top-k (as Qwen2.5-Instruct's does)
+    still samples from softmax(logits / T) without pad: the log-probs equal the forward's, and the model's config is
+    left as it was."""
+    model = eos_biased_model(seed=9)
+    model.generation_config.repetition_penalty, model.generation_config.top_k = 3.0, 2
+    if lora:
+        model = pc.add_lora(model, r=4, alpha=8, dropout=0.0)
+    q = pc.pad_sequences(random_queries(torch.Generator().manual_seed(10), [3, 2, 4, 3]), PAD, "left")
+    config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
+                              pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD])
+    torch.manual_seed(11)
+    query_responses, logprobs = pc.batch_generation(model, q.repeat(4, 1), PAD, EOS, config, chunk_size=16)
+    mask = query_responses[:, q.shape[1]:] != PAD
+    forward = pc.response_logprobs(model, query_responses, q.shape[1], PAD).detach()
+    torch.testing.assert_close(logprobs[mask], forward[mask], atol=1e-5, rtol=0)
+    inner = model.get_base_model() if lora else model
+    assert inner.generation_config.repetition_penalty == 3.0 and inner.generation_config.top_k == 2
+
+
+def test_forward_masks_pad_without_nan_gradients():
+    """Pad gets no probability in every forward (the renormalised distribution, checked against softmax by hand);
+    log-probs read at pad positions are finite, so masked losses and their gradients stay finite; the pad logit
+    gets no gradient."""
+    model = eos_biased_model(seed=13)
+    q = pc.pad_sequences([[5, 6, 7], [8]], PAD, "left")
+    query_responses = torch.cat([q, torch.tensor([[9, EOS, PAD, PAD], [10, 11, 12, EOS]])], 1)
+    logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature=0.5)
+    assert (logits.softmax(-1)[..., PAD] == 0).all()
+    with torch.no_grad():  # row 2 unpadded, p(token) / (1 - p(pad)) by hand
+        p = (model(input_ids=torch.tensor([[8, 10, 11, 12, EOS]])).logits[0, :-1] / 0.5).softmax(-1)
+    expected = (p / (1 - p[:, PAD:PAD + 1])).log()[torch.arange(4), torch.tensor([10, 11, 12, EOS])]
+    logprobs = pc.selective_logprobs(logits, query_responses[:, q.shape[1]:])
+    torch.testing.assert_close(logprobs[1], expected, atol=1e-5, rtol=0)
+    assert torch.isfinite(logprobs ** 2).all() and torch.isfinite(logprobs.exp()).all()  # stats on unmasked values
+    mask = query_responses[:, q.shape[1]:] != PAD
+    (logprobs * mask).sum().backward()
+    head = model.get_output_embeddings().weight.grad
+    assert torch.isfinite(head).all() and (head[PAD] == 0).all() and head[EOS].abs().sum() > 0
 
 
 def test_make_generation_config():
