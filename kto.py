@@ -17,8 +17,9 @@ Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py)
   in the order ru.epoch_permutation(n, seed, e).
 - z0 is recomputed every micro-batch (paper sec. 4.2; TRL). No reference-free mode: without pi_ref the "KL" term
   would be a plain log-likelihood.
-- Prompts longer than twice the completions (TL;DR): own and mismatched completions run in ONE forward, each
-  prompt encoded once (`joint_forward`, decided from the flags); the reference alike (log-ratios start at 0).
+- Prompts longer than twice the completions (TL;DR): each prompt encoded once for its own and mismatched
+  completion (`joint_forward`, decided from the flags), the mismatched ones scored without keeping anything for
+  the backward; the reference's in one shared forward.
 - Class weights: by default from the training data's counts (`loss_weights`, the paper's rule); given weights
   outside the paper's range get a warning (`weight_advice`).
 - Metrics: kl is z0; rewards/chosen|rejected are beta * r over the desirable|undesirable examples (as TRL's
@@ -276,10 +277,12 @@ def collate(group: list, pad_token_id: int) -> dict:
 
 # ALGO LOGIC: log-probs of own and mismatched completions, one KTO micro-batch, evaluation
 def joint_forward(args) -> bool:
-    """Score both halves of a micro-batch (own and mismatched completions of the same prompts) in ONE forward,
-    each prompt encoded once, the mismatched half's gradient discarded? Per example that costs 3 (Lq + 2R) token
-    passes (forward + backward) against 4 (Lq + R) for two forwards: cheaper when Lq > 2R and sharing saves enough;
-    never under activation checkpointing (no key/value cache). From flags: the same model calls on every process."""
+    """Score both halves of a micro-batch (own and mismatched completions of the same prompts) with each prompt
+    encoded once (`policy_logprob_sums`)? Per example the policy then runs Lq + 2R token positions forward and
+    Lq + R backward (a backward ~ 2 forwards): 3 Lq + 4R against 4 (Lq + R) for two plain forwards, in one more
+    model call. Chosen for prompts over twice the completions (TL;DR: benchmark/results/speed_tldr.md) when
+    sharing saves enough; never under activation checkpointing (no key/value cache). From flags: the same model
+    calls on every process."""
     R = args.max_length - args.max_prompt_length
     return (args.share_prompts and not args.gradient_checkpointing and args.max_prompt_length > 2 * R
             and ps.worth_sharing(2 * args.per_device_train_batch_size, 2, args.max_prompt_length, R))
@@ -301,6 +304,24 @@ def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_
     with torch.no_grad():
         mismatched_logps = summed(mismatched, share_prompts=False)
     return torch.cat([own_logps, mismatched_logps])
+
+
+def policy_logprob_sums(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                        joint: bool) -> torch.Tensor:
+    """`completion_logprob_sums` of the policy, (2B, T) -> (2B,), the mismatched half (rows B..2B-1) without
+    gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a no-grad fork of
+    its keys and values, then the own completions with gradient (prompt_sharing.split_logits), so that nothing of
+    the mismatched half is kept for the backward. Else, or for a model that keeps no cache, two plain forwards."""
+    if joint and ps.takes_cache(pc.unwrap(policy)):
+        attention_mask, position_ids = pc.padding_inputs(query_responses, pad_token_id)
+        logits = ps.split_logits(policy, query_responses, attention_mask, position_ids, context_length,
+                                 len(query_responses) // 2, **pc.keep_last(policy, 1))  # (2B, R, V) or None
+        if logits is not None:  # as pc.response_logprobs turns logits into log-probs
+            responses = query_responses[:, context_length:]
+            logprobs = pc.selective_logprobs(pc.mask_pad_(logits, pad_token_id), responses)
+            return (logprobs * (responses != pad_token_id)).sum(1)
+    return completion_logprob_sums(functools.partial(pc.response_logprobs, policy), query_responses, context_length,
+                                   pad_token_id, joint=False)
 
 
 @torch.no_grad()
@@ -325,13 +346,12 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
     query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]  # (2B, T)
     desirable = batch["desirable"].to(device)
     # log pi(y|x) of each example's own completion, with gradient, and log pi(y'|x) of its mismatched pair
-    # (x_k, y_{k-1}), without; the reference's the same way (unless precomputed)
-    policy_logprobs = functools.partial(pc.response_logprobs, policy)
-    policy_logps, kl_policy_logps = completion_logprob_sums(policy_logprobs, query_responses, ctx, pad_token_id,
-                                                            joint).chunk(2)
+    # (x_k, y_{k-1}), without; the reference's the same way (unless precomputed), first: its forward's memory is
+    # free again before the policy's activations are kept for the backward
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
                      else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad_token_id, joint))
     ref_logps, kl_ref_logps = all_ref_logps.chunk(2)
+    policy_logps, kl_policy_logps = policy_logprob_sums(policy, query_responses, ctx, pad_token_id, joint).chunk(2)
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()

@@ -6,6 +6,9 @@ once with a key/value cache, the cache rows are selected for every sequence, and
 on top. The numbers are those of one full forward (to float rounding; tests/test_policy_common.py checks
 log-probs, rewards and gradients against the obvious per-row computation for GPT-NeoX, Llama and LoRA models).
 
+`split_logits` scores some rows without gradient on a fork of the encoded queries' cache (KTO's mismatched
+completions): nothing of them is kept for the backward.
+
 How to use it: the CALLER decides, once, from sizes that are the same on every process (`worth_sharing`), and
 passes `share_prompts=True` to policy_common's forwards. Nothing here keeps state or talks to other processes:
 under DDP, DeepSpeed ZeRO-3 or FSDP every process must make the same model calls, and a decision taken from one
@@ -16,9 +19,11 @@ Shapes: B rows, T = Lq + R positions; rows are [left pads | query | response | r
 `position_ids` are those of policy_common.padding_inputs (positions count real tokens only).
 """
 
+import copy
 import inspect
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 # Sharing costs one more model call: on small models that costs more than the prompt positions it saves.
 MIN_SAVED_FRACTION = 0.2  # of all input positions
@@ -54,10 +59,10 @@ def distinct_queries(query_ids: torch.Tensor):
     return first.scatter_reduce(0, inverse, rows, reduce="amin"), inverse
 
 
-def encode_queries(model, query_responses: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                   length: int, **kwargs):
+def encode_distinct(model, query_responses: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    length: int, **kwargs):
     """Run the distinct values of query_responses[:, :length] once. Returns (output for the U distinct queries,
-    key/value cache with one row per input row, inverse (B,)), or None when the model returns no cache."""
+    their key/value cache (U rows), inverse (B,)), or None when the model returns no cache."""
     first, inverse = distinct_queries(query_responses[:, :length])
     mask = attention_mask[first, :length]
     out = model(input_ids=query_responses[first, :length].masked_fill(mask == 0, 0), attention_mask=mask,
@@ -65,8 +70,30 @@ def encode_queries(model, query_responses: torch.Tensor, attention_mask: torch.T
     cache = getattr(out, "cache", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
-    cache.batch_select_indices(inverse)
     return out, cache, inverse
+
+
+def encode_queries(model, query_responses: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                   length: int, **kwargs):
+    """`encode_distinct`, the cache rows then selected: (output for the U distinct queries, key/value cache with
+    one row per input row, inverse (B,)), or None when the model returns no cache."""
+    encoded = encode_distinct(model, query_responses, attention_mask, position_ids, length, **kwargs)
+    if encoded is not None:
+        encoded[1].batch_select_indices(encoded[2])
+    return encoded
+
+
+def fork_cache(cache):
+    """A second cache over the same key/value tensors, or None. A forward extends the cache it is given and
+    `batch_select_indices` selects in place; DynamicCache's full-attention and sliding-window layers do both by
+    replacing their tensors, never writing into them, so shallow copies of the layers change independently.
+    Other caches (static, quantized, linear-attention or shared layers) write in place or hold more: None."""
+    if type(cache) is not DynamicCache or any(type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)
+                                              for layer in cache.layers):
+        return None
+    fork = copy.copy(cache)
+    fork.layers = [copy.copy(layer) for layer in cache.layers]
+    return fork
 
 
 def shared_forward(model, query_responses: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -91,6 +118,31 @@ def shared_logits(model, query_responses, attention_mask, position_ids, context_
         return None
     query_out, response_out, inverse = outs
     return torch.cat([query_out.logits[:, -1:][inverse], response_out.logits[:, :-1]], 1)
+
+
+def split_logits(model, query_responses, attention_mask, position_ids, context_length: int, n: int, **query_kwargs):
+    """`shared_logits` (B, T) -> (B, R, V) with a gradient for rows 0..n-1 only (0 < n < B), or None (run it
+    plainly). Each distinct query is encoded once, with gradient; rows n..B-1's responses run first, under no_grad,
+    on a fork of that cache (`fork_cache`), so nothing of them is kept for the backward; then rows 0..n-1's
+    responses run on the cache itself, with gradient (it flows into the queries' keys and values). None also when
+    the cache cannot be forked."""
+    encoded = encode_distinct(model, query_responses, attention_mask, position_ids, context_length, **query_kwargs)
+    fork = None if encoded is None else fork_cache(encoded[1])
+    if fork is None:
+        return None
+    query_out, cache, inverse = encoded
+    responses = query_responses[:, context_length:].masked_fill(attention_mask[:, context_length:] == 0, 0)
+
+    def run(rows: slice, rows_cache):  # -> (rows, R, V) logits of these rows, on their queries' cache rows
+        rows_cache.batch_select_indices(inverse[rows])
+        out = model(input_ids=responses[rows], attention_mask=attention_mask[rows], cache=rows_cache, use_cache=True,
+                    position_ids=position_ids[rows, context_length:])
+        return torch.cat([query_out.logits[inverse[rows], -1:], out.logits[:, :-1]], 1)
+
+    with torch.no_grad():
+        other_logits = run(slice(n, None), fork)
+    del fork  # its keys/values, extended by the responses, go before the pass with gradient
+    return torch.cat([run(slice(0, n), cache), other_logits])
 
 
 def shared_hidden(backbone, query_responses, attention_mask, position_ids, context_length: int):

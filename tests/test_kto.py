@@ -2,6 +2,7 @@
 and data order, data conversion and errors, the joint forward, and short real runs on the toy task (metrics,
 reload, PEFT, precomputed reference log-probs, determinism, resume, lengths on a 32-position model, learning)."""
 
+import functools
 import json
 import math
 import os
@@ -162,9 +163,9 @@ def base_run(toy, tmp_path_factory):
 
 
 def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
-    """Long prompts: own and mismatched completions in one policy forward (each prompt encoded once) give the
-    same loss, metrics and gradients as the two-forward path; a policy equal to the reference gives rewards and
-    KL of exactly 0 either way. The choice comes from the flags alone."""
+    """Long prompts: each prompt encoded once for its own and mismatched completion (the mismatched ones scored
+    without gradient) gives the same loss, metrics and gradients as the two-forward path; a policy equal to the
+    reference gives rewards and KL of exactly 0 either way. The choice comes from the flags alone."""
     from types import SimpleNamespace
 
     from accelerate import Accelerator
@@ -194,21 +195,100 @@ def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
     for change in (dict(gradient_checkpointing=True), dict(share_prompts=False), dict(max_length=46)):  # no cache kept,
         assert not kto.joint_forward(SimpleNamespace(**{**flags, **change}))  # sharing off, completions > prompts / 2
     args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0)
-    calls = []  # input shapes of the policy's forwards
-    policy.register_forward_pre_hook(lambda m, a, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    calls = []  # input shapes of the policy's forwards, and whether each keeps a graph
+    policy.register_forward_pre_hook(
+        lambda m, a, kw: calls.append((*kw["input_ids"].shape, torch.is_grad_enabled())), with_kwargs=True)
     results = []
     for joint in (True, False):
         calls.clear()
         policy.zero_grad()
         loss, sums = kto.kto_step(policy, reference, batch, args, 0, Accelerator(cpu=True), joint)
-        assert sums["rewards/chosen"] == 0.0 and sums["kl"] == 0.0  # policy == reference
-        # joint: the 8 prompts once, then the 16 completions on their cache; else the two halves in full
-        assert calls == ([(8, ctx), (16, T - ctx)] if joint else [(8, T), (8, T)])
+        assert abs(sums["rewards/chosen"]) < 1e-5 and abs(sums["kl"]) < 1e-5  # policy == reference (to float rounding)
+        # joint: the 8 prompts once, then the 8 mismatched completions without gradient, then the 8 own ones on
+        # the prompts' cache; else the two halves in full, the mismatched one without gradient
+        assert calls == ([(8, ctx, True), (8, T - ctx, False), (8, T - ctx, True)] if joint
+                         else [(8, T, True), (8, T, False)])
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}))
     torch.testing.assert_close(results[0][0], results[1][0])
     for name, grad in results[1][1].items():
         torch.testing.assert_close(results[0][1][name], grad, atol=1e-6, rtol=1e-4)
+
+
+def saved_for_backward_bytes(fn):
+    """(fn's result, bytes of the distinct storages autograd keeps for the backward of what fn computes)."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), sum(storages.values())
+
+
+def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half_for_the_backward():
+    """The policy's joint log-prob sums of both halves equal the obvious one-row-at-a-time computation and the
+    two-forward path, the own half's gradients too; the mismatched half gives none, and the forward keeps less for
+    the backward than both halves in one forward with gradient (the earlier joint path) or, prompts repeating in
+    the micro-batch, a plain forward of the own half alone. The same for a Llama-style model and a LoRA model; a
+    model that keeps no cache takes the two-forward path."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    import kto
+    import policy_common as pc
+
+    torch.manual_seed(0)
+    neox = GPTNeoXConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                         eos_token_id=1, pad_token_id=0)
+    llama = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
+                        eos_token_id=1, bos_token_id=1)
+    models = {"neox": GPTNeoXForCausalLM(neox), "llama": LlamaForCausalLM(llama),
+              "lora": pc.add_lora(GPTNeoXForCausalLM(neox), r=4, alpha=8, dropout=0.0)}
+    rng = random.Random(2)
+    prompts = [[rng.randrange(2, 40) for _ in range(rng.randrange(20, 30))] for _ in range(3)]
+    group = [dict(prompt_ids=prompts[i % 3],  # paired data: a prompt can come twice in one micro-batch
+                  completion_ids=[rng.randrange(2, 40) for _ in range(rng.randrange(2, 6))] + [1], label=True)
+             for i in range(6)]
+    for i, e in enumerate(group):
+        e["kl_completion_ids"] = group[i - 1]["completion_ids"]
+    batch = kto.collate(group, 0)
+    query_responses, ctx = batch["query_responses"], batch["context_length"]
+    for name, model in models.items():
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        joint, saved = saved_for_backward_bytes(lambda: kto.policy_logprob_sums(model, query_responses, ctx, 0, True))
+        _, earlier_saved = saved_for_backward_bytes(lambda: kto.completion_logprob_sums(
+            functools.partial(pc.response_logprobs, model), query_responses, ctx, 0, joint=True))
+        _, own_saved = saved_for_backward_bytes(lambda: pc.response_logprobs(model, query_responses[:6], ctx, 0))
+        assert saved < earlier_saved and saved < own_saved, (name, saved, earlier_saved, own_saved)
+        two_forwards = kto.policy_logprob_sums(model, query_responses, ctx, 0, False)
+        torch.testing.assert_close(joint, two_forwards, atol=1e-5, rtol=0)
+        with torch.no_grad():  # one unpadded row at a time, the pad token without probability (pc.mask_pad_)
+            obvious = []
+            for key in ("completion_ids", "kl_completion_ids"):
+                for e in group:
+                    logits = model(input_ids=torch.tensor([e["prompt_ids"] + e[key]])).logits[0, :-1]
+                    logprobs = logits[len(e["prompt_ids"]) - 1:].index_fill(-1, torch.tensor([0]), -math.inf)
+                    obvious.append(logprobs.log_softmax(-1).gather(-1, torch.tensor(e[key])[:, None]).sum())
+        torch.testing.assert_close(joint.detach(), torch.stack(obvious), atol=1e-5, rtol=0)
+        own_grads = torch.autograd.grad(joint[:6].sum(), params, retain_graph=True)
+        for g, expected in zip(own_grads, torch.autograd.grad(two_forwards[:6].sum(), params)):
+            torch.testing.assert_close(g, expected, atol=1e-6, rtol=1e-4)
+        assert any(g.abs().sum() > 0 for g in own_grads)
+        mismatched_grads = torch.autograd.grad(joint[6:].sum(), params, allow_unused=True)
+        assert all(g is None or not g.any() for g in mismatched_grads), name  # no gradient from the mismatched half
+
+    class NoCache(GPTNeoXForCausalLM):  # older custom code: no `cache` argument
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, use_cache=None):
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    torch.manual_seed(0)
+    plain = NoCache(neox).train()
+    torch.testing.assert_close(kto.policy_logprob_sums(plain, query_responses, ctx, 0, True),
+                               kto.policy_logprob_sums(plain, query_responses, ctx, 0, False))
 
 
 def test_run_writes_metrics_and_a_reloadable_model(base_run):
