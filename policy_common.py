@@ -423,13 +423,13 @@ def keep_last(model: nn.Module, n: int) -> dict:
 
 
 def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                   temperature: float = 1.0, share_prompts: bool = False) -> torch.Tensor:
+                   temperature: float = 1.0, share_prompts: bool = False, mask_pad: bool = True) -> torch.Tensor:
     """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
     query_responses[:, context_length:], the pad token masked (`mask_pad_`): the distribution sampling draws from.
     Temperature is applied here and only here. Only the response positions go through the output layer. With
     `share_prompts`, rows with identical queries encode the query once (prompt_sharing.py; the same numbers to
     float rounding): decide it from sizes that are the same on every process (prompt_sharing.worth_sharing), never
-    from one process's data."""
+    from one process's data. `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary)."""
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     R = query_responses.shape[1] - context_length
     logits = None
@@ -443,7 +443,7 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
         logits = out.logits[:, -(R + 1):-1]
     if temperature != 1.0:
         logits = logits / temperature
-    return mask_pad_(logits, pad_token_id)
+    return mask_pad_(logits, pad_token_id) if mask_pad else logits
 
 
 def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:

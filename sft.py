@@ -247,7 +247,9 @@ def completion_token_stats(model, rows, pad_token_id: int, device):
     query_responses, context_length = prompt_completion_batch(rows, pad_token_id)
     query_responses = query_responses.to(device)
     completions = query_responses[:, context_length:]  # (b, R)
-    logits = pc.forward_logits(model, query_responses, context_length, pad_token_id)  # (b, R, V)
+    # the full softmax, as TRL's SFTTrainer: pad is never a target, so maximum likelihood pushes its probability
+    # down and the checkpoint does not emit it under samplers that do not suppress it (the RL scripts mask it)
+    logits = pc.forward_logits(model, query_responses, context_length, pad_token_id, mask_pad=False)  # (b, R, V)
     token_nll = -pc.selective_logprobs(logits, completions)
     mask = completions != pad_token_id
     return token_nll, (logits.argmax(-1) == completions) & mask, mask

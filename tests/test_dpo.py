@@ -122,7 +122,8 @@ def test_concatenated_forward_equals_separate_forwards(toy_model):
         for j, column in enumerate(("chosen", "rejected")):
             ids = torch.tensor([row["prompt"] + row[column]])
             with torch.no_grad():
-                alone = F.log_softmax(model(ids).logits[0, len(row["prompt"]) - 1:-1], -1)
+                logits = model(ids).logits[0, len(row["prompt"]) - 1:-1]  # the pad token without probability
+                alone = F.log_softmax(logits.index_fill(-1, torch.tensor([pad]), -math.inf), -1)
             expected = alone.gather(-1, torch.tensor(row[column]).unsqueeze(-1)).sum().item()
             assert logps[j * len(rows) + i].item() == pytest.approx(expected, abs=1e-4)
             assert lengths[j * len(rows) + i].item() == len(row[column])
