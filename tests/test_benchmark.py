@@ -294,3 +294,17 @@ def test_reward_model_input_check_prefers_the_toy_models_training_convention(toy
 
     result = reward_model_input.pair_accuracies(toy["reward"], "toy", "test", 512)
     assert result["pairs"] > 100 and result["tokens"] > result["text"] + 0.05, result
+
+
+def test_floor_times_each_pass_a_step_makes(toy):
+    """floor.py on the toy task: RLOO's step is generation, the reference and reward passes, forward + backward
+    and the optimizer step (no separate old-log-prob pass); KTO's the reference pass, forward + backward, the step.
+    Every pass is timed."""
+    import floor
+
+    rloo = floor.measure("toy", "rloo", repeats=1)
+    assert list(rloo) == ["generate", "reference log-probs", "reward", "forward + backward", "AdamW step"]
+    kto = floor.measure("toy", "kto", repeats=1)
+    assert list(kto) == ["reference log-probs", "forward + backward", "AdamW step"]
+    assert all(t > 0 for t in [*rloo.values(), *kto.values()])
+    assert floor.flags("toy", "rloo")["local_rollout_forward_batch_size"] == 256  # the toy alias's value

@@ -1,0 +1,203 @@
+"""The floor under a training step: the model work of the passes a script's step still makes, timed bare.
+
+    python benchmark/floor.py                      # toy and TL;DR shapes -> benchmark/results/floor.md
+    python benchmark/floor.py --setting tldr --repeats 3
+
+For each algorithm and setting of benchmark/speed.py (the same models, batch shapes and prompt-sharing decisions
+as the scripts), this times the model calls one step of ours makes, each alone, with nothing around them:
+  rloo   generate (the sampled log-probs are the old ones) | reference log-probs | reward | forward + backward | AdamW
+  grpo   generate | reference log-probs (beta > 0 only) | reward | forward + backward | AdamW
+  dpo    reference log-probs | forward + backward (chosen and rejected, each prompt once) | AdamW
+  kto    reference log-probs | forward + backward (own completions; the mismatched ones without gradient) | AdamW
+Their sum is the step time ours could reach with no loss, bookkeeping or framework around the model: divided by
+TRL's step from the latest speed.py report of the setting (results/speed*.json) it is the ratio that no trimming of
+the rest can beat; only fewer or cheaper passes move it. Median of --repeats timings after one warm-up each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from speed_settings import hyper, setting_paths  # noqa: E402
+
+ALGOS = ("rloo", "grpo", "dpo", "kto")
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def flags(setting: str, algo: str) -> dict:
+    """The hyper-parameters the script runs with in `setting` (its toy defaults, or speed_settings' TL;DR values
+    over the script's defaults)."""
+    import importlib
+
+    module = importlib.import_module(algo)
+    values = {k: v for k, v in vars(module.Args).items() if not k.startswith("_")}
+    values.update(hyper(setting, algo))
+    if values.get("local_rollout_forward_batch_size") is None:
+        values["local_rollout_forward_batch_size"] = values["per_device_train_batch_size"]
+    return values
+
+
+def measure(setting: str, algo: str, repeats: int) -> dict:
+    """{pass name: median seconds} of one step's model calls."""
+    import torch
+    from datasets import load_from_disk
+
+    import kto
+    import policy_common as pc
+    import prompt_sharing as ps
+
+    torch.manual_seed(0)
+    paths = setting_paths(setting)
+    tokenizer = pc.load_tokenizer(paths["policy"])
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    policy = pc.load_causal_lm(paths["policy"], tokenizer)
+    pc.disable_dropout(policy)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7)
+    f = flags(setting, algo)
+    temperature = f.get("temperature", 1.0)
+    passes = {}
+
+    def update(loss_fn):  # forward + backward of the loss, then the optimizer step, timed apart
+        def backward():
+            loss_fn().backward()
+
+        passes["forward + backward"] = timed(backward, repeats)
+        passes["AdamW step"] = timed(lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=False)), repeats)
+
+    if algo in ("rloo", "grpo"):
+        k = f["rloo_k"] if algo == "rloo" else f["num_generations"]
+        B, R = f["per_device_train_batch_size"], f["response_length"]
+        chunk = f["local_rollout_forward_batch_size"]
+        prompts = load_from_disk(paths["prompt_dataset"])["train"]["prompt"][:B // k]
+        queries = pc.pad_sequences([tokenizer(p)["input_ids"] for p in prompts], pad, "left").repeat_interleave(k, 0)
+        share = f["share_prompts"] and ps.worth_sharing(min(B, chunk), k, queries.shape[1], R)
+        config = pc.make_generation_config(tokenizer, R, temperature)
+        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, share_prompts=share)
+        ctx = queries.shape[1]
+        passes["generate"] = timed(lambda: pc.batch_generation(policy, queries, pad, eos, config, chunk,
+                                                               share_prompts=share), repeats)
+        if algo == "rloo" or f["beta"] > 0:
+            reference = pc.Reference("copy", pc.load_causal_lm(paths["policy"], tokenizer))
+            passes["reference log-probs"] = timed(lambda: reference.logprobs(
+                query_responses, ctx, pad, temperature, chunk, share_prompts=share), repeats)
+        reward = pc.load_scalar_model(paths["reward"], tokenizer)
+        with torch.no_grad():
+            passes["reward"] = timed(lambda: pc.get_reward(reward, query_responses, pad, ctx, share_prompts=share),
+                                     repeats)
+        responses = query_responses[:, ctx:]
+        update(lambda: (pc.selective_logprobs(pc.forward_logits(policy, query_responses, ctx, pad, temperature,
+                                                                share_prompts=share), responses)
+                        * (responses != pad)).sum())
+        return passes
+
+    # DPO and KTO: prompts and completions from the setting's datasets, each prompt twice (chosen / rejected,
+    # own / mismatched), prompts left-padded and completions right-padded as the scripts collate them
+    Lq, R = f["max_prompt_length"], f["max_length"] - f["max_prompt_length"]
+    n = f["per_device_train_batch_size"]
+    if algo == "dpo":
+        rows = load_from_disk(paths["preference_dataset"])["train"].select(range(n))
+        completions = [r["chosen"] for r in rows] + [r["rejected"] for r in rows]
+    else:
+        rows = load_from_disk(paths["unpaired_dataset"])["train"].select(range(n))
+        completions = [r["completion"] for r in rows]
+        completions += completions[-1:] + completions[:-1]  # the mismatched pair (x_k, y_{k-1})
+    encode = lambda text, limit: tokenizer(text, add_special_tokens=False)["input_ids"][:limit]  # noqa: E731
+    prompt_ids = [encode(r["prompt"], None)[-Lq:] for r in rows] * 2  # cut from the left, as the scripts
+    completion_ids = [encode(c, R - 1) + [eos] for c in completions]
+    query_responses = torch.cat([pc.pad_sequences(prompt_ids, pad, "left"),
+                                 pc.pad_sequences(completion_ids, pad, "right")], 1)  # (2n, Lq' + R')
+    ctx = query_responses.shape[1] - max(map(len, completion_ids))
+    reference = pc.Reference("copy", pc.load_causal_lm(paths["policy"], tokenizer))
+    if algo == "dpo":
+        share = f["share_prompts"] and ps.worth_sharing(2 * n, 2, Lq, R)
+        passes["reference log-probs"] = timed(lambda: reference.logprobs(query_responses, ctx, pad, 1.0, 2 * n,
+                                                                         share_prompts=share), repeats)
+        responses = query_responses[:, ctx:]
+        update(lambda: (pc.response_logprobs(policy, query_responses, ctx, pad, share_prompts=share)
+                        * (responses != pad)).sum())
+    else:
+        joint = kto.joint_forward(argparse.Namespace(**f))
+        with torch.no_grad():
+            passes["reference log-probs"] = timed(lambda: kto.completion_logprob_sums(
+                reference.logprobs, query_responses, ctx, pad, joint), repeats)
+        update(lambda: kto.policy_logprob_sums(policy, query_responses, ctx, pad, joint)[:n].sum())
+    return passes
+
+
+def trl_steps(setting: str) -> dict:
+    """{algo: (ours' step, TRL's step, report date)} from the latest speed.py reports of the setting."""
+    names = {"toy": ("speed.json",), "tldr": ("speed_tldr.json",)}[setting]
+    steps = {}
+    for name in names:
+        path = os.path.join(HERE, "results", name)
+        if not os.path.exists(path):
+            continue
+        results = json.load(open(path))["results"]
+        for algo in ALGOS:
+            ours, trl = results.get(f"ours:{algo}", {}), results.get(f"trl:{algo}", {})
+            if algo not in steps and "step" in ours and "step" in trl:
+                steps[algo] = (ours["step"], trl["step"], name)
+    return steps
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setting", nargs="+", default=["toy", "tldr"], choices=("toy", "tldr"))
+    parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    parser.add_argument("--repeats", type=int, help="timed calls of each pass (median), after a warm-up; default "
+                        "20 (toy), 5 (tldr)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "floor.md"))
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    lines = ["# The floor under a step: model work of the passes that remain", "",
+             f"Written by `python benchmark/floor.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}"
+             f"; {args.threads} threads, median of {args.repeats or '20 (toy) / 5 (tldr)'} timings after a warm-up. "
+             "Each pass timed bare, "
+             "alone (benchmark/floor.py's docstring). 'floor / TRL' divides the sum by TRL's step from the speed "
+             "report named (a different process and minute: an estimate, good to the machine's ~10-20% noise).", ""]
+    for setting in args.setting:
+        steps = trl_steps(setting)
+        lines += [f"## {setting}", "", "| algorithm | passes (ms) | floor (ms) | ours' step (ms) | TRL's step (ms) | "
+                  "floor / TRL | ours / TRL | report |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for algo in args.algos:
+            print(f"[floor] {setting} {algo}", flush=True)
+            passes = measure(setting, algo, args.repeats or {"toy": 20, "tldr": 5}[setting])
+            floor = sum(passes.values())
+            detail = ", ".join(f"{name} {1000 * t:.1f}" for name, t in passes.items())
+            ours, trl, report = steps.get(algo, (None, None, "-"))
+            cells = ("-", "-", "-", "-") if trl is None else (f"{1000 * ours:.1f}", f"{1000 * trl:.1f}",
+                                                             f"{floor / trl:.2f}x", f"{ours / trl:.2f}x")
+            lines.append(f"| {algo} | {detail} | {1000 * floor:.1f} | " + " | ".join(cells) + f" | {report} |")
+        lines.append("")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
