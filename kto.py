@@ -310,18 +310,11 @@ def policy_logprob_sums(policy, query_responses: torch.Tensor, context_length: i
                         joint: bool) -> torch.Tensor:
     """`completion_logprob_sums` of the policy, (2B, T) -> (2B,), the mismatched half (rows B..2B-1) without
     gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a no-grad fork of
-    its keys and values, then the own completions with gradient (prompt_sharing.split_logits), so that nothing of
-    the mismatched half is kept for the backward. Else, or for a model that keeps no cache, two plain forwards."""
-    if joint and ps.takes_cache(pc.unwrap(policy)):
-        attention_mask, position_ids = pc.padding_inputs(query_responses, pad_token_id)
-        logits = ps.split_logits(policy, query_responses, attention_mask, position_ids, context_length,
-                                 len(query_responses) // 2, **pc.keep_last(policy, 1))  # (2B, R, V) or None
-        if logits is not None:  # as pc.response_logprobs turns logits into log-probs
-            responses = query_responses[:, context_length:]
-            logprobs = pc.selective_logprobs(pc.mask_pad_(logits, pad_token_id), responses)
-            return (logprobs * (responses != pad_token_id)).sum(1)
-    return completion_logprob_sums(functools.partial(pc.response_logprobs, policy), query_responses, context_length,
-                                   pad_token_id, joint=False)
+    its keys and values, then the own completions with gradient (`grad_rows`, prompt_sharing.split_logits), so that
+    nothing of the mismatched half is kept for the backward. Else two plain forwards."""
+    grad_rows = len(query_responses) // 2 if joint else None
+    logprobs_fn = functools.partial(pc.response_logprobs, policy, grad_rows=grad_rows)
+    return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint)
 
 
 @torch.no_grad()

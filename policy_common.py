@@ -423,24 +423,40 @@ def keep_last(model: nn.Module, n: int) -> dict:
 
 
 def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                   temperature: float = 1.0, share_prompts: bool = False, mask_pad: bool = True) -> torch.Tensor:
+                   temperature: float = 1.0, share_prompts: bool = False, mask_pad: bool = True,
+                   grad_rows: Optional[int] = None) -> torch.Tensor:
     """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
     query_responses[:, context_length:], the pad token masked (`mask_pad_`): the distribution sampling draws from.
     Temperature is applied here and only here. Only the response positions go through the output layer. With
     `share_prompts`, rows with identical queries encode the query once (prompt_sharing.py; the same numbers to
     float rounding): decide it from sizes that are the same on every process (prompt_sharing.worth_sharing), never
-    from one process's data. `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary)."""
+    from one process's data. `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary).
+    `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept for the backward (with
+    `share_prompts`, they run on a no-grad fork of the shared queries' cache: prompt_sharing.split_logits; else,
+    or where the cache cannot be forked, rows 0..n-1 in one plain call and the others in a second, no-grad one)."""
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     R = query_responses.shape[1] - context_length
+    split = grad_rows is not None and 0 < grad_rows < len(query_responses)
     logits = None
     if share_prompts and R > 0 and prompt_sharing.takes_cache(unwrap(model)):
-        logits = prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
-                                              **keep_last(model, 1))
-    if logits is None:
-        input_ids = query_responses.masked_fill(attention_mask == 0, 0)  # pad ids may be outside the embedding
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                    **keep_last(model, R + 1))
-        logits = out.logits[:, -(R + 1):-1]
+        logits = (prompt_sharing.split_logits(model, query_responses, attention_mask, position_ids, context_length,
+                                              grad_rows, **keep_last(model, 1)) if split else
+                  prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
+                                               **keep_last(model, 1)))
+
+    def plain(rows: slice):  # (rows, R, V): one forward over full rows, the output layer on the response positions
+        input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
+        out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
+                    use_cache=False, **keep_last(model, R + 1))
+        return out.logits[:, -(R + 1):-1]
+
+    if logits is None and split:
+        logits = plain(slice(0, grad_rows))
+        with torch.no_grad():
+            other_logits = plain(slice(grad_rows, None))
+        logits = torch.cat([logits, other_logits])
+    elif logits is None:
+        logits = plain(slice(None))
     if temperature != 1.0:
         logits = logits / temperature
     return mask_pad_(logits, pad_token_id) if mask_pad else logits
@@ -484,10 +500,13 @@ def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch
 
 
 def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                      temperature: float = 1.0, share_prompts: bool = False) -> torch.Tensor:
-    """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature.
+                      temperature: float = 1.0, share_prompts: bool = False,
+                      grad_rows: Optional[int] = None) -> torch.Tensor:
+    """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature
+    (`share_prompts`, `grad_rows`: as in `forward_logits`).
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
-    logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature, share_prompts)
+    logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature, share_prompts,
+                            grad_rows=grad_rows)
     return selective_logprobs(logits, query_responses[:, context_length:])
 
 

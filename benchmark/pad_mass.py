@@ -43,9 +43,7 @@ def measure(policy_path: str, dataset: str, split: str, num_prompts: int, k: int
     p_pad, unmasked, masked = [], [], []
     for i in range(0, len(query_responses), chunk):
         rows = query_responses[i:i + chunk]
-        attention_mask, position_ids = pc.padding_inputs(rows, pad)
-        raw = model(input_ids=rows.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
-                    position_ids=position_ids).logits[:, C - 1:-1] / temperature  # the unmasked distribution
+        raw = pc.forward_logits(model, rows, C, pad, temperature, mask_pad=False)  # the unmasked distribution
         p_pad.append(raw.softmax(-1)[..., pad])
         unmasked.append(pc.selective_logprobs(raw, rows[:, C:]))
         masked.append(pc.response_logprobs(model, rows, C, pad, temperature))

@@ -37,6 +37,7 @@ import policy_common as pc  # noqa: E402
 import prompt_sharing as ps  # noqa: E402
 import run_utils as ru  # noqa: E402
 import speed_settings as settings  # noqa: E402
+from toy import vm_hwm_mib  # noqa: E402
 
 def mean_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
@@ -145,15 +146,6 @@ def reset_peak_rss() -> bool:
         return False
 
 
-def peak_rss_mib() -> float:
-    """VmHWM, MiB (the process's lifetime peak, ru_maxrss, where /proc cannot tell)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def logprobs(variant: str, shape: str, repeats: int) -> dict:
     """Time and peak extra memory (over the resident size before the first call) of response log-probs."""
     torch.manual_seed(0)
@@ -185,7 +177,8 @@ def logprobs(variant: str, shape: str, repeats: int) -> dict:
     before = rss_mib()
     reset_peak_rss()
     seconds = mean_seconds(run, repeats)  # the warm-up call sets the peak
-    peak_extra = peak_rss_mib() - before
+    peak = vm_hwm_mib(os.getpid())  # the lifetime peak (ru_maxrss) where /proc cannot tell
+    peak_extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak) - before
     return dict(seconds=seconds, peak_extra_mib=max(peak_extra, 0.0), what=what)
 
 

@@ -400,6 +400,26 @@ def test_forward_masks_pad_without_nan_gradients():
     assert torch.isfinite(head).all() and (head[PAD] == 0).all() and head[EOS].abs().sum() > 0
 
 
+@pytest.mark.parametrize("share", [False, True])
+def test_forward_grad_rows_keeps_no_gradient_of_the_other_rows(share):
+    """grad_rows=n: the same logits as one full forward (rows repeat queries, so that sharing applies); only rows
+    0..n-1 carry a gradient, equal to the full forward's; rows n.. carry none."""
+    model = eos_biased_model(seed=5)
+    q = pc.pad_sequences([[5, 6, 7], [8], [5, 6, 7], [8]], PAD, "left")
+    query_responses = torch.cat([q, torch.tensor([[9, EOS, PAD], [10, 11, EOS], [12, EOS, PAD], [9, 9, 9]])], 1)
+    ctx, params = q.shape[1], list(model.parameters())
+    full = pc.forward_logits(model, query_responses, ctx, PAD, share_prompts=share)
+    split = pc.forward_logits(model, query_responses, ctx, PAD, share_prompts=share, grad_rows=2)
+    torch.testing.assert_close(split, full, atol=1e-5, rtol=0)
+    weights = torch.randn(full.shape)
+    expected = torch.autograd.grad((full[:2] * weights[:2]).sum(), params)
+    got = torch.autograd.grad((split[:2] * weights[:2]).sum(), params, retain_graph=True)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+    assert not split[2:].requires_grad or all(
+        g is None or not g.any() for g in torch.autograd.grad(split[2:].sum(), params, allow_unused=True))
+
+
 def test_make_generation_config():
     class Tok:
         pad_token_id, eos_token_id, bos_token_id = PAD, EOS, None
