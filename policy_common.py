@@ -383,7 +383,7 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             query = queries[i:i + chunk_size]
             attention_mask, position_ids = padding_inputs(query, pad_token_id)
             prefill = (prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids,
-                                                       **keep_last(gen_model, 1)) if share_prompts else {})
+                                                       **_keep_last(gen_model, 1)) if share_prompts else {})
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
                                      generation_config=generation_config, **prefill)
             response = out.sequences[:, query.shape[1]:]
@@ -414,7 +414,7 @@ def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
     return attention_mask, position_ids
 
 
-def keep_last(model: nn.Module, n: int) -> dict:
+def _keep_last(model: nn.Module, n: int) -> dict:
     """forward kwargs computing the output layer on the last `n` positions only, where the model's forward takes
     `logits_to_keep` (all transformers 5 causal LMs; custom code may not): callers slice [:, -n:] either way."""
     inner = unwrap(model)
@@ -440,14 +440,14 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
     logits = None
     if share_prompts and R > 0 and prompt_sharing.takes_cache(unwrap(model)):
         logits = (prompt_sharing.split_logits(model, query_responses, attention_mask, position_ids, context_length,
-                                              grad_rows, **keep_last(model, 1)) if split else
+                                              grad_rows, **_keep_last(model, 1)) if split else
                   prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
-                                               **keep_last(model, 1)))
+                                               **_keep_last(model, 1)))
 
     def plain(rows: slice):  # (rows, R, V): one forward over full rows, the output layer on the response positions
         input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
         out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
-                    use_cache=False, **keep_last(model, R + 1))
+                    use_cache=False, **_keep_last(model, R + 1))
         return out.logits[:, -(R + 1):-1]
 
     if logits is None and split:
