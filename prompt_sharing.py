@@ -12,8 +12,9 @@ completions): nothing of them is kept for the backward.
 How to use it: the CALLER decides, once, from sizes that are the same on every process (`worth_sharing`), and
 passes `share_prompts=True` to policy_common's forwards. Nothing here keeps state or talks to other processes:
 under DDP, DeepSpeed ZeRO-3 or FSDP every process must make the same model calls, and a decision taken from one
-process's own data could differ between processes. A model whose forward takes no `cache` argument, or that
-returns no cache, is run plainly (a property of the model code, the same on every process).
+process's own data could differ between processes. A model whose forward takes no cache argument (`cache` from
+transformers 5.20 on, `past_key_values` before), or that returns no cache, is run plainly (a property of the model
+code, the same on every process).
 
 Shapes: B rows, T = Lq + R positions; rows are [left pads | query | response | right pads]; `attention_mask` and
 `position_ids` are those of policy_common.padding_inputs (positions count real tokens only).
@@ -40,11 +41,21 @@ def worth_sharing(rows: int, rows_per_prompt: int, prompt_length: int, response_
     return saved >= max(MIN_SAVED_FRACTION * rows * (prompt_length + response_length), MIN_SAVED_POSITIONS)
 
 
+def cache_argument(model):
+    """The name under which the model's forward takes and returns its key/value cache: `cache` (transformers
+    >= 5.20) or `past_key_values` (earlier releases, and vLLM's 5.19 pin); None when it takes none."""
+    inner = model
+    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):  # DDP / DeepSpeed / compile wrappers
+        inner = getattr(inner, "module", None) or inner._orig_mod
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    parameters = inspect.signature(inner.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
 def takes_cache(model) -> bool:
     """The model's forward accepts a key/value cache and keeps one (not while training with activation
     checkpointing, which drops it)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    if "cache" not in inspect.signature(inner.forward).parameters:
+    if cache_argument(model) is None:
         return False
     checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
     return not (torch.is_grad_enabled() and model.training and checkpointed)
@@ -67,7 +78,7 @@ def encode_distinct(model, query_responses: torch.Tensor, attention_mask: torch.
     mask = attention_mask[first, :length]
     out = model(input_ids=query_responses[first, :length].masked_fill(mask == 0, 0), attention_mask=mask,
                 position_ids=position_ids[first, :length], use_cache=True, **kwargs)
-    cache = getattr(out, "cache", None)
+    cache = getattr(out, cache_argument(model) or "cache", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
     return out, cache, inverse
@@ -105,8 +116,8 @@ def shared_forward(model, query_responses: torch.Tensor, attention_mask: torch.T
         return None
     query_out, cache, inverse = encoded
     responses = query_responses[:, context_length:].masked_fill(attention_mask[:, context_length:] == 0, 0)
-    response_out = model(input_ids=responses, attention_mask=attention_mask, cache=cache, use_cache=True,
-                         position_ids=position_ids[:, context_length:])
+    response_out = model(input_ids=responses, attention_mask=attention_mask, use_cache=True,
+                         position_ids=position_ids[:, context_length:], **{cache_argument(model): cache})
     return query_out, response_out, inverse
 
 
@@ -135,8 +146,8 @@ def split_logits(model, query_responses, attention_mask, position_ids, context_l
 
     def run(rows: slice, rows_cache):  # -> (rows, R, V) logits of these rows, on their queries' cache rows
         rows_cache.batch_select_indices(inverse[rows])
-        out = model(input_ids=responses[rows], attention_mask=attention_mask[rows], cache=rows_cache, use_cache=True,
-                    position_ids=position_ids[rows, context_length:])
+        out = model(input_ids=responses[rows], attention_mask=attention_mask[rows], use_cache=True,
+                    position_ids=position_ids[rows, context_length:], **{cache_argument(model): rows_cache})
         return torch.cat([query_out.logits[inverse[rows], -1:], out.logits[:, :-1]], 1)
 
     with torch.no_grad():
@@ -157,6 +168,6 @@ def shared_hidden(backbone, query_responses, attention_mask, position_ids, conte
 def generation_cache(model, queries: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                      **kwargs) -> dict:
     """Prefill for `generate` on repeated queries (B, Lq): every distinct query but its last token encoded once;
-    returns generate's extra keyword arguments ({"cache": ...}, or {} when the model keeps no cache)."""
+    returns generate's extra keyword arguments ({cache_argument(model): ...}, or {} when the model keeps no cache)."""
     encoded = encode_queries(model, queries, attention_mask, position_ids, queries.shape[1] - 1, **kwargs)
-    return {} if encoded is None else {"cache": encoded[1]}
+    return {} if encoded is None else {cache_argument(model): encoded[1]}

@@ -83,12 +83,25 @@ def test_a_fork_and_its_cache_change_independently():
     model = neox().eval()
     ids = torch.randint(2, VOCAB, (2, 6))
     with torch.no_grad():
-        cache = model(input_ids=ids, use_cache=True).cache
+        name = ps.cache_argument(model)  # `cache` or `past_key_values`, by transformers release
+        cache = getattr(model(input_ids=ids, use_cache=True), name)
         keys = [layer.keys.clone() for layer in cache.layers]
         fork = ps.fork_cache(cache)
         fork.batch_select_indices(torch.tensor([1, 1, 0]))
-        model(input_ids=torch.randint(2, VOCAB, (3, 4)), cache=fork, use_cache=True)
+        model(input_ids=torch.randint(2, VOCAB, (3, 4)), use_cache=True, **{name: fork})
     assert fork.get_seq_length() == 10 and fork.layers[0].keys.shape[0] == 3
     assert cache.get_seq_length() == 6 and all(torch.equal(layer.keys, k) for layer, k in zip(cache.layers, keys))
     assert ps.fork_cache(StaticCache(config=model.config, max_cache_len=16)) is None  # written in place
     assert isinstance(ps.fork_cache(DynamicCache(config=model.config)), DynamicCache)
+
+
+def test_the_pinned_transformers_models_take_a_cache():
+    # the cache argument was renamed (past_key_values -> cache in transformers 5.20): if neither name is found the
+    # fast path silently turns off everywhere, so check it is on for the architectures the tests use
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    for model in (neox(), neox().gpt_neox, llama):
+        assert ps.cache_argument(model) in ("cache", "past_key_values")
+        assert ps.takes_cache(model.eval())
