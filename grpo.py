@@ -28,6 +28,7 @@ import policy_common as pc
 import prompt_sharing as ps
 import rewards as rw
 import run_utils as ru
+import vllm_generation as vg
 
 
 @dataclass
@@ -124,6 +125,18 @@ class Args:
     share_prompts: bool = True
     """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
+    # vLLM generation (vllm_generation.py, README "vLLM")
+    use_vllm: bool = False
+    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine is sharded over (with one training process)"""
+    vllm_sleep_mode: bool = False
+    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
+    vllm_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+
     # Algorithm specific arguments (names and defaults of TRL's GRPOConfig)
     num_generations: int = 8
     """completions sampled per prompt (the group of the group-relative advantage)"""
@@ -187,10 +200,11 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
 
 
 def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *, importance_sampling_level: str,
-                   epsilon: float, epsilon_high: float, beta: float):
+                   epsilon: float, epsilon_high: float, beta: float, is_weights=None):
     """The clipped surrogate (+ beta x k3 KL to the reference) per token. new/old/ref_logprobs, mask: (b, R);
     advantages (b,). Token level: ratio_t = exp(new_t - old_t); sequence level (GSPO): one ratio per sequence,
-    exp(mean over its tokens of new - old). Returns (loss (b, R), stats)."""
+    exp(mean over its tokens of new - old). is_weights (b, R): the surrogate of each token times its weight (vLLM's
+    truncated importance sampling; the KL term is not reweighted, as TRL). Returns (loss (b, R), stats)."""
     mask = mask.to(new_logprobs.dtype)
     log_ratio = new_logprobs - old_logprobs  # (b, R)
     if importance_sampling_level == "sequence":
@@ -198,6 +212,8 @@ def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])  # (b, R) or (b, 1)
+    if is_weights is not None:
+        loss = loss * is_weights  # (b, R)
     if beta != 0.0:
         kl = torch.exp(ref_logprobs - new_logprobs) - (ref_logprobs - new_logprobs) - 1  # k3, >= 0
         loss = loss + beta * kl
@@ -314,6 +330,7 @@ def main():
         raise pc.UserError("--epsilon, --epsilon_high, --learning_rate, --max_grad_norm and --temperature must be > 0")
     if args.beta < 0 or (args.kl_target is not None and (args.kl_target <= 0 or args.beta == 0)):
         raise pc.UserError("--beta must be >= 0, and --kl_target (> 0) adapts a --beta that starts above 0")
+    vg.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_iterations, args.per_device_train_batch_size, args.num_eval_prompts, args.kl_horizon,
@@ -382,6 +399,11 @@ def main():
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     stop = ru.StopSignal()
+    generator = None if not args.use_vllm else vg.VLLMGenerator(  # after the models: it starts from their weights
+        policy, tokenizer, accelerator, max_model_len=args.max_prompt_length + args.response_length,
+        rows_per_call=local_batch_size, seed=args.seed + accelerator.process_index, bf16=args.bf16,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        sleep_mode=args.vllm_sleep_mode, verbose=args.verbose, weights_version=state["step"])
     if state["step"] == 0:
         logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
                             gold, logger, 0), step=0)
@@ -396,10 +418,15 @@ def main():
         queries = queries.repeat_interleave(args.num_generations, dim=0)  # (local_batch_size, Lq)
         context_length = queries.shape[1]
         policy.eval()
-        # the sampled tokens' log-probs: the old log-probs when the batch is reused (num_iterations > 1; the losses
-        # score the distribution sampling draws from, policy_common.mask_pad_), so no separate policy forward
-        query_responses, sampled_logprobs = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk,
-                                                                accelerator, share_prompts=share)
+        if generator is None:
+            # the sampled tokens' log-probs: the old log-probs when the batch is reused (num_iterations > 1; the
+            # losses score the distribution sampling draws from, policy_common.mask_pad_), so no policy forward
+            query_responses, sampled_logprobs = pc.batch_generation(policy, queries, pad, eos, generation_config,
+                                                                    chunk, accelerator, share_prompts=share)
+        else:  # vLLM (synced to this step's weights first); reused batches need the trainer's own old log-probs
+            query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
+            sampled_logprobs = None if args.num_iterations == 1 else pc.response_logprobs_and_entropy(
+                policy, query_responses, context_length, pad, args.temperature, chunk, share_prompts=share)[0]
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
         truncated = ~(responses == eos).any(1)  # (B,) cut at response_length
@@ -443,10 +470,16 @@ def main():
                                                share_prompts=share)
                     new_logprobs = pc.selective_logprobs(logits, responses[mb])
                     old = new_logprobs.detach() if old_logprobs is None else old_logprobs[mb]
+                    is_weights = None
+                    if generator is not None:  # sampled by vLLM: weight each token by min(pi_old / pi_vllm, cap)
+                        is_weights, is_stats = vg.truncated_importance_weights(
+                            old, sampler_logprobs[mb], response_mask[mb], args.vllm_is_cap, per_sequence=False)
                     token_loss, mb_stats = per_token_loss(
                         new_logprobs, old, ref_logprobs[mb], advantages[mb], loss_mask[mb],
                         importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
-                        epsilon_high=args.epsilon_high, beta=beta)
+                        epsilon_high=args.epsilon_high, beta=beta, is_weights=is_weights)
+                    if generator is not None and iteration == 0:  # the sampler mismatch, once per rollout
+                        mb_stats.update(is_stats)
                     loss = aggregate_loss(token_loss, loss_mask[mb], args.loss_type, args.response_length,
                                           tokens_per_micro_batch)
                     accelerator.backward(loss)
@@ -484,6 +517,8 @@ def main():
             **({"objective/kl": torch.cat(kl).mean()} if reference is not None else {}),
         })
         metrics.update(reward_sources.metrics(source_scores, accelerator))
+        if generator is not None:
+            metrics["time/vllm_sync"] = generator.last_sync_seconds
         if reference is not None:
             metrics["objective/beta"] = beta
             state["beta"] = adaptive_kl_coef(beta, metrics["objective/kl"], batch_size, args.kl_target,
@@ -505,6 +540,8 @@ def main():
             return
 
     # 12. final save
+    if generator is not None:
+        generator.close()
     ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

@@ -510,6 +510,24 @@ def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_l
     return selective_logprobs(logits, query_responses[:, context_length:])
 
 
+@torch.no_grad()
+def response_logprobs_and_entropy(model: nn.Module, query_responses: torch.Tensor, context_length: int,
+                                  pad_token_id: int, temperature: float = 1.0, chunk_size: Optional[int] = None,
+                                  share_prompts: bool = False):
+    """No-grad (B, T) ids -> ((B, R) log-probs of the response tokens, (B, R) entropy at each response position),
+    under logits / temperature with pad masked (`forward_logits`), `chunk_size` rows per forward (all by default).
+    For samples that did not come from `batch_generation` (vLLM): its own log-probs and entropy come with them.
+    Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
+    chunk_size = chunk_size or query_responses.shape[0]
+    logprobs, entropy = [], []
+    for i in range(0, query_responses.shape[0], chunk_size):
+        rows = query_responses[i:i + chunk_size]
+        logits = forward_logits(model, rows, context_length, pad_token_id, temperature, share_prompts)
+        logprobs.append(selective_logprobs(logits, rows[:, context_length:]))
+        entropy.append(entropy_from_logits(logits))
+    return torch.cat(logprobs), torch.cat(entropy)
+
+
 def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
                    share_prompts: bool = False) -> torch.Tensor:
     """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).

@@ -21,6 +21,7 @@ import torch.nn as nn
 import policy_common as pc
 import rewards as rw
 import run_utils as ru
+import vllm_generation as vg
 from policy_common import UserError, masked_mean, masked_var, masked_whiten
 
 
@@ -117,6 +118,18 @@ class Args:
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked, mean kept) before GAE"""
 
+    # vLLM generation (vllm_generation.py, README "vLLM")
+    use_vllm: bool = False
+    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine is sharded over (with one training process)"""
+    vllm_sleep_mode: bool = False
+    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
+    vllm_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+
     # models and memory
     use_peft: bool = False
     """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
@@ -171,6 +184,7 @@ def validate(args: Args, num_processes: int):
     for name in ("kl_target", "max_steps", "max_prompt_length"):
         if getattr(args, name) is not None and not getattr(args, name) > 0:
             raise UserError(f"--{name} must be > 0 when given, got {getattr(args, name)}")
+    vg.validate_args(args)
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * num_processes
     num_total_batches = math.ceil(args.total_episodes / batch_size)
@@ -227,14 +241,16 @@ def batch_advantages(rewards, values, response_mask, gamma: float, lam: float, w
 
 
 def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, returns, response_mask,
-               cliprange: float, cliprange_value: float):
+               cliprange: float, cliprange_value: float, is_weights=None):
     """Clipped surrogate policy loss and clipped value loss, masked token means. All inputs (b, R).
-    Returns (pg_loss, vf_loss, stats)."""
+    is_weights (b, R): each token's surrogate times its weight (vLLM's truncated importance sampling; the value loss
+    is not reweighted). Returns (pg_loss, vf_loss, stats)."""
     log_ratio = new_logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses, pg_losses_clipped), response_mask)
+    pg_loss_max = torch.max(pg_losses, pg_losses_clipped)
+    pg_loss = masked_mean(pg_loss_max if is_weights is None else pg_loss_max * is_weights, response_mask)
     vpred_clipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses = torch.square(vpred - returns)
     vf_losses_clipped = torch.square(vpred_clipped - returns)
@@ -381,6 +397,12 @@ def main():
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode}, value model from {value_path} -> {output_dir}")
 
+    generator = None if not args.use_vllm else vg.VLLMGenerator(  # after the models: it starts from their weights
+        model, tokenizer, accelerator, max_model_len=longest_prompt + args.response_length,
+        rows_per_call=local_batch_size, seed=args.seed + accelerator.process_index, bf16=args.bf16,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        sleep_mode=args.vllm_sleep_mode, submodule="policy", verbose=args.verbose, weights_version=start_update - 1)
+
     def checkpoint(update: int, name: str) -> None:
         ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)
 
@@ -403,14 +425,29 @@ def main():
             # 6. generate responses (truncated after the first EOS)
             #    the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses
             #    score the distribution sampling draws from: policy_common.mask_pad_), so no policy forward in 7.
-            query_responses, logprobs = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos,
-                                                            generation_config, chunk, accelerator)
+            #    With vLLM (synced to this update's weights first) they are the engine's: the old log-probs come from
+            #    the trainer's forward in 7.
+            if generator is None:
+                query_responses, logprobs = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos,
+                                                                generation_config, chunk, accelerator)
+            else:
+                query_responses, sampler_logprobs = generator.generate(model, update - 1, queries, generation_config)
             responses = query_responses[:, context_length:]  # (B, R)
             response_mask = responses != pad  # (B, R), True up to and including EOS
 
-            # 7. values before the update, reference log-probs, rewards
-            values = torch.cat([pc.unwrap(model).values(query_responses[i:i + chunk], context_length, pad)
-                                for i in range(0, local_batch_size, chunk)])
+            # 7. values before the update (and the trainer's old log-probs after vLLM), reference log-probs, rewards
+            if generator is None:
+                values = torch.cat([pc.unwrap(model).values(query_responses[i:i + chunk], context_length, pad)
+                                    for i in range(0, local_batch_size, chunk)])
+            else:
+                logprobs, values = [], []
+                for i in range(0, local_batch_size, chunk):  # one chunk's logits alive at a time
+                    logits, chunk_values = model(query_responses[i:i + chunk], context_length, pad, args.temperature)
+                    logprobs.append(pc.selective_logprobs(logits, responses[i:i + chunk]))
+                    values.append(chunk_values)
+                logprobs, values = torch.cat(logprobs), torch.cat(values)
+                is_weights, is_stats = vg.truncated_importance_weights(logprobs, sampler_logprobs, response_mask,
+                                                                       args.vllm_is_cap, per_sequence=False)
             logprobs, values = logprobs * response_mask, values * response_mask  # (B, R)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk)
             ref_logprobs = ref_logprobs * response_mask
@@ -440,7 +477,8 @@ def main():
                     new_logprobs = pc.selective_logprobs(logits, responses[mb])
                     pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
                                                             values[mb], returns[mb], response_mask[mb],
-                                                            args.cliprange, args.cliprange_value)
+                                                            args.cliprange, args.cliprange_value,
+                                                            None if generator is None else is_weights[mb])
                     loss = pg_loss + args.vf_coef * vf_loss
                     accelerator.backward(loss)
                     if accelerator.sync_gradients:
@@ -478,6 +516,8 @@ def main():
             }
             if args.skip_nonfinite:
                 metrics["nonfinite/skipped"] = skipped
+            if generator is not None:
+                metrics.update(is_stats, **{"time/vllm_sync": generator.last_sync_seconds})
             metrics = ru.reduce_metrics(accelerator, metrics)
             metrics.update(reward_sources.metrics(source_scores, accelerator))
         kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target, args.kl_horizon)
@@ -498,6 +538,8 @@ def main():
             return
 
     # 13. final save
+    if generator is not None:
+        generator.close()
     ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
                   submodule="policy")
     if args.save_value_model:

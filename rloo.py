@@ -27,6 +27,7 @@ import policy_common as pc
 import prompt_sharing as ps
 import rewards as rw
 import run_utils as ru
+import vllm_generation as vg
 
 
 @dataclass
@@ -143,6 +144,18 @@ class Args:
     share_prompts: bool = True
     """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
+    # vLLM generation (vllm_generation.py, README "vLLM")
+    use_vllm: bool = False
+    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine is sharded over (with one training process)"""
+    vllm_sleep_mode: bool = False
+    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
+    vllm_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
 ALIAS_DEFAULTS = {"toy": dict(
@@ -224,10 +237,11 @@ def rloo_advantages(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch
 
 
 def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                        response_mask: torch.Tensor, cliprange: float):
+                        response_mask: torch.Tensor, cliprange: float, is_weights: Optional[torch.Tensor] = None):
     """Clipped-ratio REINFORCE loss. new/old_logprobs, response_mask: (B, R).
     advantages (B,): the completion is one action, ratio = exp(sum_t new - old) (RLOO's sequence view).
     advantages (B, R): every token is an action with its own ratio; token losses are summed per sequence.
+    is_weights (shaped as advantages): each action's loss times its weight (vLLM's truncated importance sampling).
     Returns (loss, stats) with stats = clipfrac, ratio (per action, for logging), approxkl."""
     mask = response_mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask  # (B, R)
@@ -237,6 +251,8 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     pg_losses = -advantages * ratio
     pg_losses_clipped = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     pg_loss_max = torch.max(pg_losses, pg_losses_clipped) * mask
+    if is_weights is not None:
+        pg_loss_max = pg_loss_max * is_weights
     loss = (pg_loss_max.sum(1) if pg_loss_max.dim() == 2 else pg_loss_max).mean()
     with torch.no_grad():
         stats = dict(clipfrac=pc.masked_mean((pg_losses_clipped > pg_losses).float(), mask.bool()),
@@ -298,6 +314,7 @@ def main():
         raise pc.UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
         raise pc.UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
+    vg.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
@@ -363,6 +380,11 @@ def main():
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     stop = ru.StopSignal()
+    generator = None if not args.use_vllm else vg.VLLMGenerator(  # after the models: it starts from their weights
+        policy, tokenizer, accelerator, max_model_len=args.max_prompt_length + args.response_length,
+        rows_per_call=local_batch_size, seed=args.seed + accelerator.process_index, bf16=args.bf16,
+        gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
+        sleep_mode=args.vllm_sleep_mode, verbose=args.verbose, weights_version=state["step"])
     if state["step"] == 0:
         logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
                             gold, logger, 0), step=0)
@@ -377,10 +399,16 @@ def main():
         queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
         context_length = queries.shape[1]
         policy.eval()
-        # the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses score
-        # the distribution sampling draws from: policy_common.mask_pad_), so no separate policy forward
-        query_responses, logprobs, entropy = pc.batch_generation(policy, queries, pad, eos, generation_config, chunk,
-                                                                 accelerator, share_prompts=share, return_entropy=True)
+        if generator is None:
+            # the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses
+            # score the distribution sampling draws from: policy_common.mask_pad_), so no separate policy forward
+            query_responses, logprobs, entropy = pc.batch_generation(
+                policy, queries, pad, eos, generation_config, chunk, accelerator, share_prompts=share,
+                return_entropy=True)
+        else:  # vLLM (synced to this step's weights first); the old log-probs are the trainer's, from a forward
+            query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
+            logprobs, entropy = pc.response_logprobs_and_entropy(policy, query_responses, context_length, pad,
+                                                                 args.temperature, chunk, share_prompts=share)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
 
@@ -402,6 +430,10 @@ def main():
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
                 scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
                 normalize=args.normalize_advantage, accelerator=accelerator)
+            is_weights, is_stats = None, {}
+            if generator is not None:  # sampled by vLLM: weight each action by min(pi_trainer / pi_vllm, cap)
+                is_weights, is_stats = vg.truncated_importance_weights(
+                    logprobs, sampler_logprobs, response_mask, args.vllm_is_cap, per_sequence=advantages.dim() == 1)
 
         # 9. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         policy.train()
@@ -417,7 +449,8 @@ def main():
                         new_logprobs = pc.response_logprobs(policy, query_responses[mb], context_length, pad,
                                                             args.temperature, share_prompts=share)
                         loss, mb_stats = clipped_policy_loss(new_logprobs, logprobs[mb], advantages[mb],
-                                                             response_mask[mb], args.cliprange)
+                                                             response_mask[mb], args.cliprange,
+                                                             None if is_weights is None else is_weights[mb])
                         accelerator.backward(loss)
                         mini_losses.append(loss.detach())
                         for key, value in mb_stats.items():
@@ -450,7 +483,10 @@ def main():
             "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
             "val/num_eos_tokens": (responses == eos).sum().float(),
             "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
+            **is_stats,
         })
+        if generator is not None:
+            metrics["time/vllm_sync"] = generator.last_sync_seconds
         metrics.update(reward_sources.metrics(source_scores, accelerator))
         metrics["objective/kl_coef"] = kl_coef
         state["kl_coef"] = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
@@ -472,6 +508,8 @@ def main():
             return
 
     # 12. final save
+    if generator is not None:
+        generator.close()
     ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

