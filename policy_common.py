@@ -142,8 +142,10 @@ def load_causal_lm(name: str, tokenizer, bf16: bool = False, trust_remote_code: 
 
 
 def enable_activation_checkpointing(model) -> None:
-    """Recompute activations in the backward pass (non-reentrant, so frozen LoRA bases need no input grads)."""
-    model.activation_checkpointing_enable({"use_reentrant": False})
+    """Recompute activations in the backward pass (non-reentrant, so frozen LoRA bases need no input grads).
+    transformers 5.20 renamed gradient_checkpointing_enable to activation_checkpointing_enable: either is taken."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable({"use_reentrant": False})
 
 
 def load_policy(name: str, tokenizer, args):

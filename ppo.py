@@ -8,6 +8,8 @@
 # reward/<source>/mean and /std (each reward source on its own, before weights and penalty), loss/policy, loss/value,
 # policy/*, val/*, adv/*, returns/mean, lr, episode; eval/* (greedy, held-out prompts): scores, kl, response_length,
 # eos_rate, reward/<source>/*, gold_score (when the task has a ground-truth scorer).
+# --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
+# vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/vllm_sync.
 import math
 import os
 import time

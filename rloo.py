@@ -15,6 +15,8 @@
 # its own, before weights and penalty), nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy,
 # held-out prompts): scores, kl, response_length, eos_rate, reward/<source>/*, gold_score (when the task has a
 # ground-truth scorer).
+# --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
+# vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/vllm_sync.
 import math
 import os
 import time

@@ -320,14 +320,22 @@ def paths(root: str) -> dict:
     }
 
 
+def folder_name(seed: int) -> str:
+    """The cache folder of a build: builder version, seed and the torch / transformers releases that made it (their
+    files and numerics are those releases'; a build by others is not reused)."""
+    import transformers
+
+    return f"v{BUILDER_VERSION}-seed{seed}-torch{torch.__version__}-transformers{transformers.__version__}"
+
+
 def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
-    """Build the toy world once per (seed, builder version) and return its paths. A finished build is a
+    """Build the toy world once per (seed, builder version, library releases: `folder_name`) and return its paths. A finished build is a
     folder with report.json, made by renaming a completed temporary folder, so a half-written cache is never
     used; concurrent builders (several processes of one run) wait on a file lock."""
     from filelock import FileLock
 
     cache_dir = cache_dir or cache_root()
-    root = os.path.join(cache_dir, f"v{BUILDER_VERSION}-seed{seed}")
+    root = os.path.join(cache_dir, folder_name(seed))
     if os.path.exists(os.path.join(root, "report.json")):
         return paths(root)
     os.makedirs(cache_dir, exist_ok=True)

@@ -140,6 +140,7 @@ class VLLMGenerator:
             self.llm = vllm.LLM(
                 model=self.folder, tokenizer=self.folder, dtype=dtype, seed=seed, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",  # worker in the engine's process
                 enable_sleep_mode=sleep_mode, enable_prefix_caching=True,  # RLOO/GRPO rows repeat their prompt
                 enforce_eager=not on_gpu,  # on a CPU compiling costs ~50 s at start-up
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)

