@@ -401,11 +401,9 @@ def main():
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     stop = ru.StopSignal()
-    generator = None if not args.use_vllm else vg.VLLMGenerator(  # after the models: it starts from their weights
-        policy, tokenizer, accelerator, max_model_len=args.max_prompt_length + args.response_length,
-        rows_per_call=local_batch_size, seed=args.seed + accelerator.process_index, bf16=args.bf16,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
-        sleep_mode=args.vllm_sleep_mode, verbose=args.verbose, weights_version=state["step"])
+    generator = vg.from_args(args, policy, tokenizer, accelerator, weights_version=state["step"],  # None: no vLLM
+                             max_model_len=args.max_prompt_length + args.response_length,
+                             rows_per_call=local_batch_size)
     if state["step"] == 0:
         logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
                             gold, logger, 0), step=0)

@@ -399,11 +399,9 @@ def main():
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode}, value model from {value_path} -> {output_dir}")
 
-    generator = None if not args.use_vllm else vg.VLLMGenerator(  # after the models: it starts from their weights
-        model, tokenizer, accelerator, max_model_len=longest_prompt + args.response_length,
-        rows_per_call=local_batch_size, seed=args.seed + accelerator.process_index, bf16=args.bf16,
-        gpu_memory_utilization=args.vllm_gpu_memory_utilization, tensor_parallel_size=args.vllm_tensor_parallel_size,
-        sleep_mode=args.vllm_sleep_mode, submodule="policy", verbose=args.verbose, weights_version=start_update - 1)
+    generator = vg.from_args(args, model, tokenizer, accelerator, weights_version=start_update - 1,  # None: no vLLM
+                             max_model_len=longest_prompt + args.response_length, rows_per_call=local_batch_size,
+                             submodule="policy")
 
     def checkpoint(update: int, name: str) -> None:
         ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)

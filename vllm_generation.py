@@ -120,13 +120,15 @@ class VLLMGenerator:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
         vllm = require_vllm()
-        self.tokenizer, self.accelerator, self.submodule, self.sleep_mode = tokenizer, accelerator, submodule, sleep_mode
+        self.tokenizer, self.accelerator = tokenizer, accelerator
+        self.submodule, self.sleep_mode = submodule, sleep_mode
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.folder = tempfile.mkdtemp(prefix="vllm-weights-", dir=shm)
         atexit.register(shutil.rmtree, self.folder, True)  # a crashed run leaves no weights behind in /dev/shm
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
-        config = self._model(policy, lambda m: m.config)
+        unwrapped = pc.unwrap(policy)
+        config = (getattr(unwrapped, submodule) if submodule else unwrapped).config  # no gather needed for it
         dtype = "bfloat16" if bf16 else "float32"
         saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")}
         if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
@@ -140,7 +142,7 @@ class VLLMGenerator:
             self.llm = vllm.LLM(
                 model=self.folder, tokenizer=self.folder, dtype=dtype, seed=seed, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
-                distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",  # worker in the engine's process
+                distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",  # uni: no worker process
                 enable_sleep_mode=sleep_mode, enable_prefix_caching=True,  # RLOO/GRPO rows repeat their prompt
                 enforce_eager=not on_gpu,  # on a CPU compiling costs ~50 s at start-up
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)
@@ -237,6 +239,19 @@ class VLLMGenerator:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
+              weights_version: int, submodule: Optional[str] = None) -> Optional[VLLMGenerator]:
+    """The engine the scripts' --use_vllm / --vllm_* flags ask for, or None without --use_vllm. Build it after the
+    models (and a resumed checkpoint): it starts from their weights. Seeded with --seed + the process index."""
+    if not args.use_vllm:
+        return None
+    return VLLMGenerator(policy, tokenizer, accelerator, max_model_len=max_model_len, rows_per_call=rows_per_call,
+                         seed=args.seed + accelerator.process_index, bf16=args.bf16,
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                         tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_mode=args.vllm_sleep_mode,
+                         submodule=submodule, verbose=args.verbose, weights_version=weights_version)
+
+
 def truncated_importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
                                  response_mask: torch.Tensor, cap: float, per_sequence: bool):
     """Truncated importance sampling (Yao et al. 2025): completions were sampled by the engine (pi_vllm), the loss
@@ -256,5 +271,6 @@ def truncated_importance_weights(trainer_logprobs: torch.Tensor, sampler_logprob
     stats = {"vllm/logprob_diff": pc.masked_mean((trainer_logprobs - sampler_logprobs).abs().detach(),
                                                  response_mask.bool()),
              "vllm/is_weight_mean": ratio[actions].mean(), "vllm/is_weight_min": ratio[actions].min(),
-             "vllm/is_weight_max": ratio[actions].max(), "vllm/is_truncated_frac": (ratio[actions] > cap).float().mean()}
+             "vllm/is_weight_max": ratio[actions].max(),
+             "vllm/is_truncated_frac": (ratio[actions] > cap).float().mean()}
     return weights, stats
