@@ -425,8 +425,8 @@ def main():
                                                                     chunk, accelerator, share_prompts=share)
         else:  # vLLM (synced to this step's weights first); reused batches need the trainer's own old log-probs
             query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
-            sampled_logprobs = None if args.num_iterations == 1 else pc.response_logprobs_and_entropy(
-                policy, query_responses, context_length, pad, args.temperature, chunk, share_prompts=share)[0]
+            sampled_logprobs = None if args.num_iterations == 1 else pc.rollout_logprobs(
+                policy, query_responses, context_length, pad, args.temperature, chunk, share_prompts=share)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)
         truncated = ~(responses == eos).any(1)  # (B,) cut at response_length

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import math
 import os
 from typing import Optional, Sequence
@@ -297,9 +296,7 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
 
 def unwrap(model: nn.Module) -> nn.Module:
     """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`)."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
+    return prompt_sharing.unwrap(model)  # written there: prompt_sharing sits below this module
 
 
 @contextlib.contextmanager
@@ -419,9 +416,7 @@ def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
 def _keep_last(model: nn.Module, n: int) -> dict:
     """forward kwargs computing the output layer on the last `n` positions only, where the model's forward takes
     `logits_to_keep` (all transformers 5 causal LMs; custom code may not): callers slice [:, -n:] either way."""
-    inner = unwrap(model)
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
-    return {"logits_to_keep": n} if "logits_to_keep" in inspect.signature(inner.forward).parameters else {}
+    return {"logits_to_keep": n} if "logits_to_keep" in prompt_sharing.forward_parameters(model) else {}
 
 
 def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
@@ -513,12 +508,13 @@ def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_l
 
 
 @torch.no_grad()
-def response_logprobs_and_entropy(model: nn.Module, query_responses: torch.Tensor, context_length: int,
-                                  pad_token_id: int, temperature: float = 1.0, chunk_size: Optional[int] = None,
-                                  share_prompts: bool = False):
-    """No-grad (B, T) ids -> ((B, R) log-probs of the response tokens, (B, R) entropy at each response position),
-    under logits / temperature with pad masked (`forward_logits`), `chunk_size` rows per forward (all by default).
-    For samples that did not come from `batch_generation` (vLLM): its own log-probs and entropy come with them.
+def rollout_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                     temperature: float = 1.0, chunk_size: Optional[int] = None, share_prompts: bool = False,
+                     return_entropy: bool = False):
+    """No-grad (B, T) ids -> (B, R) log-probs of the response tokens, or ((B, R) log-probs, (B, R) entropy at each
+    response position) with `return_entropy`, under logits / temperature with pad masked (`forward_logits`),
+    `chunk_size` rows per forward (all by default). For samples that did not come from `batch_generation` (vLLM),
+    or old log-probs after the weights moved: batch_generation returns these with its samples.
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
     chunk_size = chunk_size or query_responses.shape[0]
     logprobs, entropy = [], []
@@ -526,8 +522,9 @@ def response_logprobs_and_entropy(model: nn.Module, query_responses: torch.Tenso
         rows = query_responses[i:i + chunk_size]
         logits = forward_logits(model, rows, context_length, pad_token_id, temperature, share_prompts)
         logprobs.append(selective_logprobs(logits, rows[:, context_length:]))
-        entropy.append(entropy_from_logits(logits))
-    return torch.cat(logprobs), torch.cat(entropy)
+        if return_entropy:
+            entropy.append(entropy_from_logits(logits))
+    return (torch.cat(logprobs), torch.cat(entropy)) if return_entropy else torch.cat(logprobs)
 
 
 def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,

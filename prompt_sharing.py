@@ -21,6 +21,7 @@ Shapes: B rows, T = Lq + R positions; rows are [left pads | query | response | r
 """
 
 import copy
+import functools
 import inspect
 
 import torch
@@ -41,14 +42,30 @@ def worth_sharing(rows: int, rows_per_prompt: int, prompt_length: int, response_
     return saved >= max(MIN_SAVED_FRACTION * rows * (prompt_length + response_length), MIN_SAVED_POSITIONS)
 
 
+def unwrap(model):
+    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`): policy_common.unwrap."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _parameter_names(forward) -> frozenset:
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def forward_parameters(model) -> frozenset:
+    """Names of the arguments the model's own forward takes (wrappers and a PEFT adapter looked through); read once
+    per forward function."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    return _parameter_names(getattr(inner.forward, "__func__", inner.forward))
+
+
 def cache_argument(model):
     """The name under which the model's forward takes and returns its key/value cache: `cache` (transformers
     >= 5.20) or `past_key_values` (earlier releases, and vLLM's 5.19 pin); None when it takes none."""
-    inner = model
-    while hasattr(inner, "module") or hasattr(inner, "_orig_mod"):  # DDP / DeepSpeed / compile wrappers
-        inner = getattr(inner, "module", None) or inner._orig_mod
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
-    parameters = inspect.signature(inner.forward).parameters
+    parameters = forward_parameters(model)
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
