@@ -169,11 +169,22 @@ def main():
     parser.add_argument("--repeats", type=int, help="timed calls of each pass (median), after a warm-up; default "
                         "20 (toy), 5 (tldr)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "floor.md"))
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "floor.md"),
+                        help="the report; a path ending in .json gets {setting: {algo: {passes, step}}} in seconds "
+                             "instead (benchmark/speed.py --floor runs this script so, between its TRL rounds)")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.out.endswith(".json"):
+        results = {}
+        for setting in args.setting:
+            for algo in args.algos:
+                passes = measure(setting, algo, args.repeats or {"toy": 20, "tldr": 5}[setting])
+                results.setdefault(setting, {})[algo] = dict(passes=passes, step=sum(passes.values()))
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        return
     lines = ["# The floor under a step: model work of the passes that remain", "",
              f"Written by `python benchmark/floor.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}"
              f"; {args.threads} threads, median of {args.repeats or '20 (toy) / 5 (tldr)'} timings after a warm-up. "

@@ -18,6 +18,8 @@ from /proc) is that measurement's only:
              steps, as grpo.py counts steps; 1 in both settings).
   baselines  benchmark/speed_baselines.py: generation, shared prompts and log-probs against plain code, timed
              around the calls.
+  floor      (--floor) benchmark/floor.py: the model calls one step of ours makes, timed bare at the same shapes;
+             run in the same rounds as ours and TRL, so floor / TRL is paired as ours / TRL is (rloo grpo dpo kto).
 Step times on a shared machine move by 20-30% from run to run, so every training measurement runs --rounds times,
 ours and TRL alternating; the run with the median step time is reported, with the range of the paired
 (back-to-back) ratios. Results: benchmark/results/speed.md (and speed.json); speed_tldr.md for --setting tldr.
@@ -118,6 +120,10 @@ def measure(kind: str, args) -> dict:
     """kind: ours:ALGO, trl:ALGO or a baseline (see BASELINES)."""
     if kind.startswith("ours:"):
         result = measure_ours(kind[5:], args)
+    elif kind.startswith("floor:"):
+        result = measure_child("floor.py", "--setting", args.setting, "--algos", kind[6:], threads=args.threads)
+        if "error" not in result:
+            result = dict(result[args.setting][kind[6:]], wall_s=result["wall_s"])
     elif kind.startswith("trl:"):
         result = measure_child("speed_trl.py", kind[4:], "--setting", args.setting, "--steps", str(args.steps),
                                "--warmup", str(args.warmup), threads=args.threads)
@@ -182,20 +188,24 @@ def step_lines(results: dict, args, trl_version) -> list:
     lines = ["## Milliseconds per training step", "",
              "| algorithm | implementation | step (ms) | peak memory (MiB) |", "| --- | --- | --- | --- |"]
     for algo in args.algos:
-        for impl in ("ours", "trl"):
+        for impl in ("ours", "trl", "floor"):
             r = results.get(f"{impl}:{algo}")
             if r is None:
                 continue
-            name = "ours" if impl == "ours" else f"TRL {r.get('trl_version', '')}".strip()
+            name = {"ours": "ours", "floor": "floor: ours' model calls, bare"}.get(
+                impl, f"TRL {r.get('trl_version', '')}".strip())
             lines.append(f"| {algo} | {name} | failed: {r['error']} | |" if "error" in r else
-                         f"| {algo} | {name} | {ms(r['step'])} | {r['peak_rss_mib']:.0f} |")
+                         f"| {algo} | {name} | {ms(r['step'])} | {r['peak_rss_mib']:.0f} |" if impl != "floor" else
+                         f"| {algo} | {name} | {ms(r['step'])} ({', '.join(f'{k} {ms(v)}' for k, v in r['passes'].items())}) | - |")
     lines.append("")
     if trl_version is None or args.no_trl:
         return lines + ["TRL comparison skipped: " + ("`--no_trl` given." if args.no_trl else "trl is not installed "
                         "(`pip install --no-deps -r benchmark/requirements-bench.txt`)."), ""]
+    floor_cols = args.floor and any(f"floor:{algo}" in results for algo in args.algos)
     lines += ["## Ours over TRL (same run)", "",
-              "| algorithm | step time ratio | range over rounds | target | peak memory ratio | target met |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| algorithm | step time ratio | range over rounds | target | peak memory ratio | target met |"
+              + (" floor / TRL | range over rounds |" if floor_cols else ""),
+              "| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if floor_cols else "")]
     for algo in args.algos:
         ours, theirs = results.get(f"ours:{algo}"), results.get(f"trl:{algo}")
         if algo not in TRL_ALGOS:
@@ -208,8 +218,16 @@ def step_lines(results: dict, args, trl_version) -> list:
             step_ratio, mem_ratio = ours["step"] / theirs["step"], ours["peak_rss_mib"] / theirs["peak_rss_mib"]
             target = TARGET[args.setting].get(algo)
             met = "no target set" if target is None else "yes" if step_ratio <= target and mem_ratio <= 1.0 else "no"
+            floor = results.get(f"floor:{algo}")
+            floor_cells = ""
+            if floor_cols and floor and "error" not in floor:
+                floor_rounds = paired_ratios(floor, theirs)
+                floor_cells = (f" {floor['step'] / theirs['step']:.2f}x | {min(floor_rounds):.2f}-"
+                               f"{max(floor_rounds):.2f}x |")
+            elif floor_cols:
+                floor_cells = " n/a | |"
             lines.append(f"| {algo} | {step_ratio:.2f}x | {spread} | {'-' if target is None else f'<= {target}x'} | "
-                         f"{mem_ratio:.2f}x | {met} |")
+                         f"{mem_ratio:.2f}x | {met} |" + floor_cells)
     notes = [f"- {algo}: " + "; ".join(results[f"trl:{algo}"]["unmatched"])
              for algo in TRL_ALGOS if results.get(f"trl:{algo}", {}).get("unmatched")]
     return lines + ["", "Settings that could not be matched exactly:", *notes,
@@ -258,8 +276,9 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
              f"Written by `python benchmark/speed.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}.",
              f"Machine: {machine()}. Each measurement in its own process, one at a time, {args.threads} threads; "
              f"a run's step time is the mean over {args.steps} steps after {args.warmup} warm-up steps; every "
-             f"training measurement ran {args.rounds} times, ours and TRL alternating, and the run with the median "
-             f"step time is shown; 1-min load average {LOAD0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
+             f"training measurement ran {args.rounds} times, ours and TRL alternating"
+             f"{' (and the floor, benchmark/floor.py, after them in each round)' if args.floor else ''}, and the run "
+             f"with the median step time is shown (floor / TRL: the medians' ratio, and each round's); 1-min load average {LOAD0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
              "(other work on the machine inflates times).", "",
              SETTING_TEXT[args.setting] + " Peak memory = peak resident set size of the measuring process (whole "
              "process: Python, libraries, models, optimizer, activations).", "",
@@ -283,6 +302,8 @@ def main():
                         help="alternating runs of every step measurement (ours, TRL, ours, ...); the median is reported")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of every measuring process")
     parser.add_argument("--no_trl", action="store_true", help="skip TRL even when it is installed")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time the floor (benchmark/floor.py) in every round, after ours and TRL")
     parser.add_argument("--no_baselines", action="store_true", help="skip the generation / sharing / log-prob baselines")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "speed.md"))
     args = parser.parse_args()
@@ -296,8 +317,9 @@ def main():
     if not args.no_trl and trl_version is None:
         print("[speed] trl is not installed: TRL comparison skipped (pip install --no-deps -r "
               "benchmark/requirements-bench.txt)", flush=True)
-    step_kinds = [f"{impl}:{algo}" for algo in args.algos for impl in ("ours", "trl")
-                  if impl == "ours" or (trl_version and algo in TRL_ALGOS)]
+    step_kinds = [f"{impl}:{algo}" for algo in args.algos for impl in ("ours", "trl", "floor")
+                  if impl == "ours" or (impl == "trl" and trl_version and algo in TRL_ALGOS)
+                  or (impl == "floor" and args.floor and algo in TRL_ALGOS)]
     runs = {kind: [] for kind in step_kinds}
     for _ in range(args.rounds):  # ours and TRL alternate, so slow spells of the machine hit both
         for kind in step_kinds:

@@ -105,7 +105,8 @@ def test_speed_report_plumbing(tmp_path):
     results = {"ours:rloo": speed.median_run(ours_runs), "trl:rloo": speed.median_run(trl_runs)}
     assert results["ours:rloo"]["step"] == 0.3 and results["trl:rloo"]["step"] == 0.6  # median run; failures dropped
     assert speed.paired_ratios(results["ours:rloo"], results["trl:rloo"]) == pytest.approx([0.5, 0.5, 0.4])
-    args = argparse.Namespace(algos=["rloo"], steps=2, warmup=1, threads=1, no_trl=False, rounds=4, setting="toy")
+    args = argparse.Namespace(algos=["rloo"], steps=2, warmup=1, threads=1, no_trl=False, rounds=4, setting="toy",
+                              floor=False)
     out = tmp_path / "speed.md"
     speed.write_report(results, args, str(out), "1.16.0")
     text = out.read_text()
@@ -126,6 +127,13 @@ def test_speed_report_plumbing(tmp_path):
     speed.write_report(grpo_results, tldr_args, str(out), "1.16.0")
     assert "| grpo | 0.25x | - | <= 0.3x | 1.17x | no |" in out.read_text()
     assert "- grpo: y" in text
+    # --floor: the floor's passes in the step table, floor / TRL (medians) and each round's next to ours / TRL
+    floor_runs = [dict(step=s, passes={"generate": s / 2, "forward + backward": s / 2}) for s in (0.25, 0.3, 0.15, 0.2)]
+    results["floor:rloo"] = speed.median_run(floor_runs)
+    speed.write_report(results, argparse.Namespace(**dict(vars(args), floor=True)), str(out), "1.16.0")
+    text = out.read_text()
+    assert "| rloo | floor: ours' model calls, bare | 200.0 (generate 100.0, forward + backward 100.0) | - |" in text
+    assert "| rloo | 0.50x | 0.40-0.50x | <= 0.65x | 0.83x | yes | 0.33x | 0.30-0.50x |" in text
 
 
 def test_speed_measures_the_unmodified_script(toy, tmp_path):
@@ -133,12 +141,17 @@ def test_speed_measures_the_unmodified_script(toy, tmp_path):
     steps are timed from the rows it writes."""
     out = tmp_path / "speed.md"
     run_script("benchmark/speed.py", "--algos", "dpo", "--steps", "2", "--warmup", "1", "--rounds", "1", "--no_trl",
-               "--no_baselines", "--threads", "1", "--out", str(out), timeout=300)
-    result = json.loads((tmp_path / "speed.json").read_text())["results"]["ours:dpo"]
+               "--no_baselines", "--floor", "--threads", "1", "--out", str(out), timeout=300)
+    results = json.loads((tmp_path / "speed.json").read_text())["results"]
+    result = results["ours:dpo"]
     assert "error" not in result, result
     assert 0 < result["step"] < result["wall_s"] / 3 and result["peak_rss_mib"] > 50
     assert "--max_steps 4 --eval_steps 0" in result["command"]  # warm-up + measured + one untimed last step
     assert "| dpo | ours |" in out.read_text()
+    floor = results["floor:dpo"]  # --floor: floor.py in a child process, its passes summed
+    assert list(floor["passes"]) == ["reference log-probs", "forward + backward", "AdamW step"]
+    assert floor["step"] == pytest.approx(sum(floor["passes"].values())) and floor["step"] > 0
+    assert "| dpo | floor: ours' model calls, bare |" in out.read_text()
 
 
 def test_shared_prompt_baseline(toy, tmp_path):
