@@ -19,6 +19,20 @@ def toy():
     return toy_task.build(verbose=False)
 
 
+@pytest.fixture(scope="session")
+def fresh_toy_run(tmp_path_factory):
+    """A new user's first `python rloo.py` (10 steps), on a machine without the toy world: built by that run into an
+    empty cache. Returns (the CompletedProcess, the run's output folder, the cache folder). Shared by the test of
+    what the run prints and the test that a second build equals the first byte for byte (one build, not two)."""
+    tmp = tmp_path_factory.mktemp("fresh_toy")
+    out, cache = str(tmp / "run"), str(tmp / "cache")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--max_steps", "10", "--eval_steps", "5",
+                           "--num_eval_prompts", "16", "--output_dir", out], cwd=ROOT,
+                          env={**script_env(), "TOY_TASK_CACHE": cache}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out, cache
+
+
 def script_env(threads: int = 2) -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false",

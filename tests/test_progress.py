@@ -7,25 +7,15 @@ import os
 import pytest
 
 import run_utils as ru
-from conftest import run_script, script_env
+from conftest import run_script
 
 NOISE = ("LOAD REPORT", "Setting accelerator", "Saving the dataset", "Loading weights", "Writing model shards")
 
 
-def test_fresh_toy_build_and_run_are_quiet_and_end_with_a_summary(tmp_path):
+def test_fresh_toy_build_and_run_are_quiet_and_end_with_a_summary(fresh_toy_run):
     """A new user's first `python rloo.py`, on a machine without the toy world (built here into an empty cache):
     none of the libraries' noise, progress lines, and a summary with gold before -> after and the model path."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    out = str(tmp_path / "run")
-    env = {**script_env(), "TOY_TASK_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--max_steps", "10", "--eval_steps", "5",
-                           "--num_eval_prompts", "16", "--output_dir", out], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, out, _ = fresh_toy_run
     text = proc.stdout + proc.stderr
     assert "[toy] sft trained" in text  # the world was built in this run
     assert not [n for n in NOISE if n in text], [n for n in NOISE if n in text]

@@ -40,15 +40,21 @@ def _all_files(root):
                   if not (f.startswith("cache-") and f.endswith(".arrow")))
 
 
-def test_build_is_deterministic_and_cached(toy, tmp_path):
-    """A second build with the same seed (fresh cache folder) writes byte-identical files."""
-    again = toy_task.build(seed=0, cache_dir=str(tmp_path), verbose=False)
+def test_build_is_deterministic_and_cached(toy, fresh_toy_run):
+    """A second build with the same seed (into a fresh cache folder, by a new user's first `python rloo.py`) writes
+    byte-identical files; asking for it again reuses it."""
+    cache = fresh_toy_run[2]
+    built = [p for p in os.listdir(cache) if os.path.isdir(os.path.join(cache, p)) and ".tmp-" not in p]
+    assert built == [toy_task.folder_name(0)], os.listdir(cache)
+    mtimes = {f: os.path.getmtime(os.path.join(cache, built[0], f)) for f in _all_files(os.path.join(cache, built[0]))}
+    again = toy_task.build(seed=0, cache_dir=cache, verbose=False)  # reused, not rebuilt
+    assert again["root"] == os.path.join(cache, built[0])
+    assert {f: os.path.getmtime(os.path.join(again["root"], f)) for f in mtimes} == mtimes
     files = _all_files(toy["root"])
     assert files == _all_files(again["root"])
     _, mismatch, errors = filecmp.cmpfiles(toy["root"], again["root"], files, shallow=False)
     assert not mismatch and not errors, mismatch
-    assert toy_task.build(seed=0, cache_dir=str(tmp_path), verbose=False) == again  # reused, not rebuilt
-    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+    assert not [p for p in os.listdir(cache) if ".tmp-" in p]
 
 
 def test_half_written_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
