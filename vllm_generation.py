@@ -127,8 +127,7 @@ class VLLMGenerator:
         atexit.register(shutil.rmtree, self.folder, True)  # a crashed run leaves no weights behind in /dev/shm
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
-        unwrapped = pc.unwrap(policy)
-        config = (getattr(unwrapped, submodule) if submodule else unwrapped).config  # no gather needed for it
+        config = self._lm(pc.unwrap(policy)).config  # no gather needed for it
         dtype = "bfloat16" if bf16 else "float32"
         saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")}
         if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
@@ -158,10 +157,14 @@ class VLLMGenerator:
         if sleep_mode:
             self.llm.sleep(level=1)
 
+    def _lm(self, model: nn.Module) -> nn.Module:
+        """The causal LM inside an unwrapped model (its `submodule`, e.g. PPO's policy-and-value wrapper's policy)."""
+        return getattr(model, self.submodule) if self.submodule else model
+
     def _model(self, policy: nn.Module, fn):
         """fn(the causal LM), inside `unwrap_for_generation` (ZeRO-3 shards gathered for the block)."""
         with pc.unwrap_for_generation(policy, self.accelerator) as model:
-            return fn(getattr(model, self.submodule) if self.submodule else model)
+            return fn(self._lm(model))
 
     def save_weights(self, policy: nn.Module) -> None:
         """Write the policy's current (merged) weights and config into the engine's folder."""

@@ -33,6 +33,7 @@ for p in (ROOT, HERE):
 from speed_settings import hyper, setting_paths  # noqa: E402
 
 ALGOS = ("rloo", "grpo", "dpo", "kto")
+REPEATS = {"toy": 20, "tldr": 5}  # timed calls of each pass, by setting, unless --repeats
 
 
 def timed(fn, repeats: int) -> float:
@@ -167,7 +168,7 @@ def main():
     parser.add_argument("--setting", nargs="+", default=["toy", "tldr"], choices=("toy", "tldr"))
     parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     parser.add_argument("--repeats", type=int, help="timed calls of each pass (median), after a warm-up; default "
-                        "20 (toy), 5 (tldr)")
+                        f"{REPEATS['toy']} (toy), {REPEATS['tldr']} (tldr)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "floor.md"),
                         help="the report; a path ending in .json gets {setting: {algo: {passes, step}}} in seconds "
@@ -180,14 +181,14 @@ def main():
         results = {}
         for setting in args.setting:
             for algo in args.algos:
-                passes = measure(setting, algo, args.repeats or {"toy": 20, "tldr": 5}[setting])
+                passes = measure(setting, algo, args.repeats or REPEATS[setting])
                 results.setdefault(setting, {})[algo] = dict(passes=passes, step=sum(passes.values()))
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
         return
     lines = ["# The floor under a step: model work of the passes that remain", "",
              f"Written by `python benchmark/floor.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}"
-             f"; {args.threads} threads, median of {args.repeats or '20 (toy) / 5 (tldr)'} timings after a warm-up. "
+             f"; {args.threads} threads, median of {args.repeats or ' / '.join(f'{n} ({setting})' for setting, n in REPEATS.items())} timings after a warm-up. "
              "Each pass timed bare, "
              "alone (benchmark/floor.py's docstring). 'floor / TRL' divides the sum by TRL's step from the speed "
              "report named (a different process and minute: an estimate, good to the machine's ~10-20% noise).", ""]
@@ -197,7 +198,7 @@ def main():
                   "floor / TRL | ours / TRL | report |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for algo in args.algos:
             print(f"[floor] {setting} {algo}", flush=True)
-            passes = measure(setting, algo, args.repeats or {"toy": 20, "tldr": 5}[setting])
+            passes = measure(setting, algo, args.repeats or REPEATS[setting])
             floor = sum(passes.values())
             detail = ", ".join(f"{name} {1000 * t:.1f}" for name, t in passes.items())
             ours, trl, report = steps.get(algo, (None, None, "-"))

@@ -194,9 +194,13 @@ def step_lines(results: dict, args, trl_version) -> list:
                 continue
             name = {"ours": "ours", "floor": "floor: ours' model calls, bare"}.get(
                 impl, f"TRL {r.get('trl_version', '')}".strip())
-            lines.append(f"| {algo} | {name} | failed: {r['error']} | |" if "error" in r else
-                         f"| {algo} | {name} | {ms(r['step'])} | {r['peak_rss_mib']:.0f} |" if impl != "floor" else
-                         f"| {algo} | {name} | {ms(r['step'])} ({', '.join(f'{k} {ms(v)}' for k, v in r['passes'].items())}) | - |")
+            if "error" in r:
+                lines.append(f"| {algo} | {name} | failed: {r['error']} | |")
+            elif impl == "floor":  # its passes instead of a peak memory (timed in one process, not alone)
+                passes = ", ".join(f"{k} {ms(v)}" for k, v in r["passes"].items())
+                lines.append(f"| {algo} | {name} | {ms(r['step'])} ({passes}) | - |")
+            else:
+                lines.append(f"| {algo} | {name} | {ms(r['step'])} | {r['peak_rss_mib']:.0f} |")
     lines.append("")
     if trl_version is None or args.no_trl:
         return lines + ["TRL comparison skipped: " + ("`--no_trl` given." if args.no_trl else "trl is not installed "
@@ -277,8 +281,10 @@ def write_report(results: dict, args, path: str, trl_version) -> None:
              f"Machine: {machine()}. Each measurement in its own process, one at a time, {args.threads} threads; "
              f"a run's step time is the mean over {args.steps} steps after {args.warmup} warm-up steps; every "
              f"training measurement ran {args.rounds} times, ours and TRL alternating"
-             f"{' (and the floor, benchmark/floor.py, after them in each round)' if args.floor else ''}, and the run "
-             f"with the median step time is shown (floor / TRL: the medians' ratio, and each round's); 1-min load average {LOAD0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
+             + (" (and the floor, benchmark/floor.py, after them in each round)" if args.floor else "")
+             + ", and the run with the median step time is shown"
+             + (" (floor / TRL: the medians' ratio, and each round's)" if args.floor else "")
+             + f"; 1-min load average {LOAD0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end "
              "(other work on the machine inflates times).", "",
              SETTING_TEXT[args.setting] + " Peak memory = peak resident set size of the measuring process (whole "
              "process: Python, libraries, models, optimizer, activations).", "",

@@ -26,10 +26,8 @@ def fresh_toy_run(tmp_path_factory):
     what the run prints and the test that a second build equals the first byte for byte (one build, not two)."""
     tmp = tmp_path_factory.mktemp("fresh_toy")
     out, cache = str(tmp / "run"), str(tmp / "cache")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "rloo.py"), "--max_steps", "10", "--eval_steps", "5",
-                           "--num_eval_prompts", "16", "--output_dir", out], cwd=ROOT,
-                          env={**script_env(), "TOY_TASK_CACHE": cache}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_script("rloo.py", "--max_steps", "10", "--eval_steps", "5", "--num_eval_prompts", "16",
+                      "--output_dir", out, env={"TOY_TASK_CACHE": cache})
     return proc, out, cache
 
 
@@ -40,10 +38,12 @@ def script_env(threads: int = 2) -> dict:
     return env
 
 
-def run_script(script: str, *args: str, check: bool = True, threads: int = 2, timeout: int = 600):
-    """Run `python <script> <args>` from the repository root; returns the CompletedProcess (text output)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT, env=script_env(threads),
-                          capture_output=True, text=True, timeout=timeout)
+def run_script(script: str, *args: str, check: bool = True, threads: int = 2, timeout: int = 600,
+               env: dict | None = None):
+    """Run `python <script> <args>` from the repository root (`env`: variables over script_env's); returns the
+    CompletedProcess (text output)."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
+                          env={**script_env(threads), **(env or {})}, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
