@@ -8,6 +8,7 @@ once per step by every process, never a number of times that depends on one proc
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import json
@@ -138,16 +139,23 @@ def quiet_libraries(verbose: bool) -> None:
 
 
 def main_guard(main: Callable[[], None]) -> None:
-    """Run `main()`; a `UserError` becomes a one-line message on stderr and exit code 2 (no traceback). After a
-    finished run the process group (several processes) is destroyed before exit, not left to interpreter teardown
-    (a 2-rank CPU run once aborted at exit with "terminate called without an active exception")."""
+    """Run `main()`; a `UserError` becomes a one-line message on stderr and exit code 2 (no traceback).
+    A finished run of several processes waits for all of them, destroys the process group, runs the exit handlers
+    and leaves with os._exit(0), skipping C++ teardown: DDP keeps the gloo group and its threads alive past
+    destroy_process_group (torch 2.13), and tearing them down at exit aborted finished 2-process CPU runs now and
+    then ("terminate called without an active exception", exit -6) after every file was written."""
     try:
         main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()  # the main process saves last; no process leaves before it is done
         torch.distributed.destroy_process_group()
+        atexit._run_exitfuncs()  # e.g. wandb's and vLLM's clean-ups, which os._exit would skip
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def fit_length(args, flag: str, room: Optional[int], why: str) -> int:

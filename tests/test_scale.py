@@ -50,6 +50,32 @@ def run_distributed(script, *args, nproc=2, timeout=600):
     return proc
 
 
+EXIT_SCRIPT = """
+import atexit, os, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, {root!r})
+import run_utils as ru
+
+def main():
+    dist.init_process_group("gloo")
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))  # keeps the group alive past destroy
+    model(torch.ones(1, 2)).sum().backward()
+    rank = dist.get_rank()
+    atexit.register(lambda: open(os.path.join({out!r}, f"exit-handler-ran-{{rank}}"), "w").close())
+
+ru.main_guard(main)
+sys.exit(3)  # not reached: a finished multi-process run leaves from main_guard with code 0
+"""
+
+
+def test_finished_multi_process_run_exits_zero_after_its_exit_handlers(tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(EXIT_SCRIPT.format(root=ROOT, out=str(tmp_path)))
+    run_distributed(str(script), timeout=120)
+    assert sorted(p.name for p in tmp_path.glob("exit-handler-ran-*")) == ["exit-handler-ran-0", "exit-handler-ran-1"]
+
+
 @pytest.mark.parametrize("case", sorted(SHORT))
 def test_two_processes(case, tmp_path, toy):
     out = tmp_path / "run"
