@@ -469,16 +469,16 @@ class MetricsLogger:
     def __init__(self, output_dir: str, args, is_main_process: bool = True, track: bool = False,
                  wandb_project: str = "policy-rlhf", run_name: Optional[str] = None,
                  resume_step: Optional[int] = None):
-        """A fresh run refuses an output folder that already holds metrics (it is never overwritten); a
-        resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
+        """A fresh run refuses an output folder that already holds metrics (it is never overwritten), on every
+        process; a resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
         self.active, self.track = is_main_process, track and is_main_process
         self.output_dir, self.path, self.started = output_dir, os.path.join(output_dir, "metrics.jsonl"), False
         self.bar, self.samples_shown = None, 0
         self.config, self.wandb_project, self.run_name = config_dict(args), wandb_project, run_name
+        if os.path.exists(self.path) and resume_step is None:  # every process stops, not the main one alone
+            raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
+                            "or pass --resume_from")
         if self.active and os.path.exists(self.path):
-            if resume_step is None:
-                raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
-                                "or pass --resume_from")
             with open(self.path) as f:
                 rows = [line for line in f if json.loads(line)["step"] <= resume_step]
             with open(self.path, "w") as f:

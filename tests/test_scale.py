@@ -88,6 +88,14 @@ def test_two_processes(case, tmp_path, toy):
     assert os.path.exists(out / "model" / "config.json")
 
 
+def test_every_process_refuses_a_used_output_folder(tmp_path, toy):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(AssertionError) as failed:
+        run_distributed("rloo.py", "--max_steps", "1", "--output_dir", str(tmp_path), timeout=300)
+    assert str(failed.value).count("already holds a run (metrics.jsonl)") == 2, failed.value  # one line per process
+    assert "[rank1]: Traceback" not in str(failed.value)  # not a collective left waiting for the main process
+
+
 def test_dpo_first_step_loss_independent_of_process_count(tmp_path, toy):
     """The same global batch of 8 pairs: one process x 8, or two processes x 4. The first step's loss (before
     any update) must agree."""
