@@ -140,22 +140,27 @@ def quiet_libraries(verbose: bool) -> None:
 
 def main_guard(main: Callable[[], None]) -> None:
     """Run `main()`; a `UserError` becomes a one-line message on stderr and exit code 2 (no traceback).
-    A finished run of several processes waits for all of them, destroys the process group, runs the exit handlers
-    and leaves with os._exit(0), skipping C++ teardown: DDP keeps the gloo group and its threads alive past
-    destroy_process_group (torch 2.13), and tearing them down at exit aborted finished 2-process CPU runs now and
-    then ("terminate called without an active exception", exit -6) after every file was written."""
+    A run of several processes (a finished one first waits for all of them) destroys the process group, runs the
+    exit handlers and leaves with os._exit, skipping C++ teardown: DDP keeps the gloo group and its threads alive
+    past destroy_process_group (torch 2.13), and tearing them down at exit aborted finished 2-process CPU runs now
+    and then ("terminate called without an active exception", exit -6) after every file was written."""
+    code = 0
     try:
         main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        code = 2
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        if code:
+            sys.exit(code)
+        return
+    if code == 0:
         torch.distributed.barrier()  # the main process saves last; no process leaves before it is done
-        torch.distributed.destroy_process_group()
-        atexit._run_exitfuncs()  # e.g. wandb's and vLLM's clean-ups, which os._exit would skip
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    torch.distributed.destroy_process_group()
+    atexit._run_exitfuncs()  # e.g. wandb's and vLLM's clean-ups, which os._exit would skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def fit_length(args, flag: str, room: Optional[int], why: str) -> int:

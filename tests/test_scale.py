@@ -94,6 +94,7 @@ def test_every_process_refuses_a_used_output_folder(tmp_path, toy):
         run_distributed("rloo.py", "--max_steps", "1", "--output_dir", str(tmp_path), timeout=300)
     assert str(failed.value).count("already holds a run (metrics.jsonl)") == 2, failed.value  # one line per process
     assert "[rank1]: Traceback" not in str(failed.value)  # not a collective left waiting for the main process
+    assert str(failed.value).count("exitcode  : 2 (pid") == 2, failed.value  # the usage-error code on both
 
 
 def test_dpo_first_step_loss_independent_of_process_count(tmp_path, toy):
