@@ -1,4 +1,5 @@
-"""Shared test fixtures: the toy world (built once, cached) and a runner for the scripts as subprocesses."""
+"""Shared test fixtures: the toy world (built once, cached), runners for the scripts (as subprocesses, and in this
+process for runs that stop early with a usage error)."""
 
 import json
 import os
@@ -48,6 +49,41 @@ def run_script(script: str, *args: str, check: bool = True, threads: int = 2, ti
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def run_script_in_process(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `script`'s main() through run_utils.main_guard in this process, with sys.argv as `python <script> <args>`
+    sets it; returns a CompletedProcess (returncode: the exit code; stdout, stderr). For runs that stop early with a
+    usage error (exit 2): a fresh process spends ~6 s importing torch and transformers, this process once. An
+    unexpected exception propagates (the test fails with its traceback). The random generators and the SIGTERM /
+    SIGINT handlers (a run installs its own) are restored after."""
+    import contextlib
+    import importlib
+    import io
+    import random
+    import signal
+
+    import numpy as np
+    import torch
+
+    import run_utils
+
+    module = importlib.import_module(script.removesuffix(".py"))
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    argv, sys.argv = sys.argv, [os.path.join(ROOT, script), *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            run_utils.main_guard(module.main)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    finally:
+        sys.argv = argv
+        random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(output_dir: str) -> list:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 
 import policy_common as pc
 from dpo import (Args, completion_sums, concatenated_inputs, dpo_loss, pair_losses, reference_logps,
@@ -198,8 +198,8 @@ def short_run(toy, tmp_path_factory):
     return out
 
 
-def run_dpo(*args, check=True):
-    return run_script("dpo.py", *args, check=check, threads=1)  # the toy model gains nothing from more threads
+def run_dpo(*args):
+    return run_script("dpo.py", *args, threads=1)  # the toy model gains nothing from more threads
 
 
 def load_weights(folder):
@@ -335,7 +335,7 @@ def test_bad_input_fails_fast_without_output_folder(case, toy, tmp_path):
         if case == "missing_column":
             f.write(json.dumps({"prompt": "a b =", "chosen": " a b"}) + "\n")
     out = str(tmp_path / "out")
-    proc = run_dpo("--dataset", data, "--output_dir", out, check=False)
+    proc = run_script_in_process("dpo.py", "--dataset", data, "--output_dir", out)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and lines[-1].startswith("error: ") and "Traceback" not in proc.stderr
     assert {"missing_column": "['rejected']", "empty": "empty"}[case] in lines[-1]
@@ -359,7 +359,7 @@ def empty_split_data(toy, tmp_path_factory):
 @pytest.mark.parametrize("split", ["train", "test"])
 def test_empty_split_is_a_one_line_error(split, empty_split_data, tmp_path):
     out = str(tmp_path / "out")
-    proc = run_dpo("--dataset", empty_split_data[split], "--output_dir", out, check=False)
+    proc = run_script_in_process("dpo.py", "--dataset", empty_split_data[split], "--output_dir", out)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1].startswith("error: ") and f"split '{split}' is empty" in lines[-1]
@@ -403,7 +403,7 @@ def test_lengths_fit_a_model_with_32_positions(short_model, toy, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and all(math.isfinite(rows[-1][k]) for k in REQUIRED)
     assert "eval/gold_score" in rows[0] and "eval/gold_score" in rows[-1]
     for flag, value in (("--max_length", "33"), ("--response_length", str(33 - longest_query))):
-        proc = run_dpo(*flags, flag, value, "--output_dir", str(tmp_path / "refused"), check=False)
+        proc = run_script_in_process("dpo.py", *flags, flag, value, "--output_dir", str(tmp_path / "refused"))
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and lines[-1].startswith(f"error: {flag} {value} does not fit"), proc.stderr
         assert not os.path.exists(tmp_path / "refused")

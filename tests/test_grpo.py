@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import read_metrics, run_script, run_two_processes
+from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
 from grpo import adaptive_kl_coef, aggregate_loss, group_advantages, per_token_loss
 
 NAN = math.nan
@@ -546,7 +546,7 @@ def test_resume_in_place_equals_uninterrupted_run(run_resumable, tmp_path):
 ])
 def test_bad_flags_fail_cleanly(toy, tmp_path, args, message):
     out = str(tmp_path / "never")
-    proc = run_script("grpo.py", *args, "--output_dir", out, check=False, threads=1)
+    proc = run_script_in_process("grpo.py", *args, "--output_dir", out)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 
 SCRIPTS = ["rloo.py", "ppo.py", "dpo.py", "kto.py"]
 FEW_STEPS = {
@@ -31,8 +31,7 @@ def test_unknown_model_fails_in_one_line_and_leaves_output_untouched(script, tmp
     out.mkdir()
     (out / "keep.txt").write_text("finished work")
     rl = ["--reward_model", "toy"] if script in ("rloo.py", "ppo.py") else []
-    proc = run_script(script, "--model", "pythia-3b", *rl, "--dataset", "toy", "--output_dir", str(out),
-                      check=False, threads=1)
+    proc = run_script_in_process(script, "--model", "pythia-3b", *rl, "--dataset", "toy", "--output_dir", str(out))
     assert "pythia-3b" in one_line_error(proc)
     assert sorted(os.listdir(out)) == ["keep.txt"] and (out / "keep.txt").read_text() == "finished work"
 
@@ -110,7 +109,7 @@ def test_an_empty_split_fails_in_one_line(script, empty_split, tmp_path, toy):
                  for split, rows in splits.items()}).save_to_disk(str(data))
     rl = ["--reward_model", "toy"] if script in ("rloo.py", "ppo.py") else []
     out = tmp_path / "run"
-    proc = run_script(script, "--dataset", str(data), *rl, "--output_dir", str(out), check=False, threads=1)
+    proc = run_script_in_process(script, "--dataset", str(data), *rl, "--output_dir", str(out))
     message = one_line_error(proc)
     assert "empty" in message and repr(empty_split) in message, message
     assert not os.path.exists(out)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import run_utils as ru
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 from kto import kl_reference_point, kto_losses, loss_weights, make_kl_groups, step_groups, to_unpaired, weight_advice
 from policy_common import UserError
 
@@ -368,7 +368,7 @@ def test_bad_input_exits_without_creating_the_output_folder(toy, tmp_path, rows,
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "out"
-    proc = run_script("kto.py", "--dataset", str(data), "--eval_split", "train", "--output_dir", str(out), check=False)
+    proc = run_script_in_process("kto.py", "--dataset", str(data), "--eval_split", "train", "--output_dir", str(out))
     assert proc.returncode == 2
     last = proc.stderr.strip().splitlines()[-1]  # above it only the datasets progress bars
     assert last.startswith("error: ") and message in last and "Traceback" not in proc.stderr
@@ -384,7 +384,7 @@ def test_an_empty_split_stops_with_a_one_line_error(toy, tmp_path, empty, shards
     data = DatasetDict({s: data[s].select([] if s == empty else range(64)) for s in ("train", "test")})
     data.save_to_disk(str(tmp_path / "data"), num_shards=shards and {"train": shards, "test": shards})
     out = tmp_path / "out"
-    proc = run_script("kto.py", "--dataset", str(tmp_path / "data"), "--output_dir", str(out), check=False)
+    proc = run_script_in_process("kto.py", "--dataset", str(tmp_path / "data"), "--output_dir", str(out))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and f"split {empty!r} is empty" in last
@@ -428,8 +428,8 @@ def test_lengths_and_class_weights_fit_a_model_with_32_positions(short_model, tm
     # explicit lengths that cannot fit: a one-line error before anything is written
     for flag, value in (("--max_length", "40"), ("--response_length", "53")):
         failed = tmp_path / flag.strip("-")
-        proc = run_script("kto.py", "--model", short_model, "--dataset", "toy", "--output_dir", str(failed), flag, value,
-                          check=False)
+        proc = run_script_in_process("kto.py", "--model", short_model, "--dataset", "toy", "--output_dir", str(failed),
+                                     flag, value)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {flag} {value} does not fit")
         assert not failed.exists()

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import read_metrics
+from conftest import read_metrics, run_script_in_process
 from conftest import run_script as _run_script
 
 import run_utils as ru
@@ -286,7 +286,7 @@ def test_single_token_responses_in_batches_of_one(toy, tmp_path):
 ])
 def test_bad_input_fails_early_without_output(toy, tmp_path, flags, message):
     out = str(tmp_path / "never")
-    proc = run_script("ppo.py", "--output_dir", out, *flags, check=False)
+    proc = run_script_in_process("ppo.py", "--output_dir", out, *flags)
     assert proc.returncode == 2
     last_line = proc.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error:") and message in last_line and "Traceback" not in proc.stderr, proc.stderr
@@ -343,8 +343,8 @@ def test_defaults_fit_a_model_with_32_positions(short_models, tmp_path):
 def test_explicit_response_length_that_cannot_fit_fails_in_one_line(short_models, tmp_path):
     policy, reward = short_models
     out = str(tmp_path / "never")
-    proc = run_script("ppo.py", "--model", policy, "--reward_model", reward, *SHORT_RUN, "--response_length", "30",
-                      "--output_dir", out, check=False)
+    proc = run_script_in_process("ppo.py", "--model", policy, "--reward_model", reward, *SHORT_RUN,
+                                 "--response_length", "30", "--output_dir", out)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("error: --response_length 30 does not fit: the longest prompt "
                                                     "(7 tokens) in the model's 32 positions leaves 25 positions")
@@ -361,7 +361,7 @@ def test_empty_held_out_split_fails_in_one_line(toy, tmp_path):
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"prompt": ["a b c =", "d e f ="]}, features=features),
                           "test": datasets.Dataset.from_dict({"prompt": []}, features=features)}).save_to_disk(path)
     out = str(tmp_path / "never")
-    proc = run_script("ppo.py", "--reward_model", "toy", "--dataset", path, "--output_dir", out, check=False)
+    proc = run_script_in_process("ppo.py", "--reward_model", "toy", "--dataset", path, "--output_dir", out)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     last_line = proc.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error:") and "empty" in last_line and "'test'" in last_line, last_line

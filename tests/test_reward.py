@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 
 import policy_common as pc
 from reward import (Args, RewardModel, bradley_terry_loss, init_score_head, load_reward_model, pair_rewards,
@@ -150,8 +150,8 @@ def test_tokenize_pairs_margin_dropped_rows_and_types(toy_reward_model):
 SHORT = ["--max_steps", "30", "--eval_steps", "15", "--save_steps", "15", "--seed", "3"]
 
 
-def run_reward(*args, check=True):
-    return run_script("reward.py", *args, check=check, threads=1)  # the toy model gains nothing from more threads
+def run_reward(*args):
+    return run_script("reward.py", *args, threads=1)  # the toy model gains nothing from more threads
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +269,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case, empty_test_split, tmp_pa
         with open(data, "w") as f:
             f.write(json.dumps({"prompt": "a b =", "chosen": " a b"}) + "\n")
     out = str(tmp_path / "out")
-    proc = run_reward("--dataset", data, "--output_dir", out, check=False)
+    proc = run_script_in_process("reward.py", "--dataset", data, "--output_dir", out)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1].startswith("error: ") and {"missing_column": "['rejected']",

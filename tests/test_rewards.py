@@ -13,7 +13,7 @@ import torch
 import policy_common as pc
 import rewards as rw
 import run_utils as ru
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 from test_scale import run_distributed
 
 
@@ -310,7 +310,7 @@ def test_bad_reward_sources_fail_in_one_line_with_no_run_folder(funcs, other_voc
     out = str(tmp_path / "never")
     flags = [f.format(file=funcs.file, other=other_vocab_rm) for f in flags]
     data = [] if "--dataset" in flags else ["--dataset", funcs.train, "--eval_split", "train"]
-    proc = run_script(script, *flags, *data, *TINY, "--output_dir", out, check=False)
+    proc = run_script_in_process(script, *flags, *data, *TINY, "--output_dir", out)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]

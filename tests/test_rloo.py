@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import policy_common as pc
 import run_utils as ru
-from conftest import read_metrics, run_script, run_two_processes
+from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
 from rloo import (adaptive_kl_coef, clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
                   token_level_returns)
 
@@ -383,8 +383,7 @@ def test_default_lengths_fit_a_32_position_model(short_models, tmp_path):
 
 def test_explicit_response_length_that_cannot_fit_fails_in_one_line(short_models, tmp_path):
     out = str(tmp_path / "never")
-    proc = run_script("rloo.py", *short_models, *SHORT_RUN, "--response_length", "40", "--output_dir", out,
-                      check=False)
+    proc = run_script_in_process("rloo.py", *short_models, *SHORT_RUN, "--response_length", "40", "--output_dir", out)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--response_length 40 does not fit" in errors[0] and "32 positions" in errors[0]
@@ -443,7 +442,7 @@ def empty_eval_split(toy, tmp_path):
 ])
 def test_bad_inputs_fail_cleanly(toy, tmp_path, make_args, message):
     out = str(tmp_path / "never")
-    proc = run_script("rloo.py", *make_args(toy, tmp_path), "--output_dir", out, check=False)
+    proc = run_script_in_process("rloo.py", *make_args(toy, tmp_path), "--output_dir", out)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-2000:]

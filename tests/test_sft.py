@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 import policy_common as pc
@@ -235,8 +235,8 @@ def test_invalid_hyper_parameters(flags, match):
 SHORT = ["--max_steps", "8", "--eval_steps", "4", "--save_steps", "4", "--num_eval_prompts", "64", "--seed", "3"]
 
 
-def run_sft(*args, check=True):
-    return run_script("sft.py", *args, check=check, threads=1)  # the toy model gains nothing from more threads
+def run_sft(*args):
+    return run_script("sft.py", *args, threads=1)  # the toy model gains nothing from more threads
 
 
 @pytest.fixture(scope="module")
@@ -329,7 +329,7 @@ def test_bad_files_fail_fast_without_output_folder(case, toy, tmp_path):
         if case == "missing_column":
             f.write(json.dumps({"prompt": "a b =", "answer": " a b"}) + "\n")
     out = str(tmp_path / "out")
-    proc = run_sft("--dataset", data, "--output_dir", out, check=False)
+    proc = run_script_in_process("sft.py", "--dataset", data, "--output_dir", out)
     assert_one_line_error(proc, {"missing_column": "missing column(s) ['completion']", "empty_file": "empty"}[case],
                           out)
 
@@ -342,7 +342,7 @@ def test_empty_split_is_a_one_line_error(split, toy, tmp_path):
     folder = str(tmp_path / f"empty_{split}")
     DatasetDict({**demos, split: demos[split].select([])}).save_to_disk(folder)
     out = str(tmp_path / "out")
-    proc = run_sft("--dataset", folder, "--output_dir", out, check=False)
+    proc = run_script_in_process("sft.py", "--dataset", folder, "--output_dir", out)
     assert_one_line_error(proc, f"split '{split}' is empty", out)
 
 
