@@ -231,21 +231,16 @@ class Reference:
             with policy.disable_adapter():
                 yield self.policy
 
-    @torch.no_grad()
     def logprobs(self, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                  temperature: float = 1.0, chunk_size: Optional[int] = None, share_prompts: bool = False):
-        """(B, T) ids -> (B, T - context_length) reference log-probs of the response tokens, `chunk_size` rows
-        per forward (all at once by default); `share_prompts` as in `forward_logits`."""
+        """No-grad (B, T) ids -> (B, T - context_length) reference log-probs of the response tokens, `chunk_size`
+        rows per forward (all at once by default); `share_prompts` as in `forward_logits`."""
         if self.mode == "none":
             return torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
                                device=query_responses.device)
         with self._model() as model:
-            chunk_size = chunk_size or query_responses.shape[0]
-            return torch.cat([
-                response_logprobs(model, query_responses[i:i + chunk_size], context_length, pad_token_id, temperature,
-                                  share_prompts)
-                for i in range(0, query_responses.shape[0], chunk_size)
-            ])
+            return rollout_logprobs(model, query_responses, context_length, pad_token_id, temperature, chunk_size,
+                                    share_prompts)
 
     def free(self) -> None:
         """Drop the frozen copy (e.g. after precomputing reference log-probs); later calls are an error."""
