@@ -140,10 +140,11 @@ def quiet_libraries(verbose: bool) -> None:
 
 def main_guard(main: Callable[[], None]) -> None:
     """Run `main()`; a `UserError` becomes a one-line message on stderr and exit code 2 (no traceback).
-    A run of several processes (a finished one first waits for all of them) destroys the process group, runs the
-    exit handlers and leaves with os._exit, skipping C++ teardown: DDP keeps the gloo group and its threads alive
-    past destroy_process_group (torch 2.13), and tearing them down at exit aborted finished 2-process CPU runs now
-    and then ("terminate called without an active exception", exit -6) after every file was written."""
+    A process of a multi-process run leaves with os._exit after running the exit handlers, skipping C++ teardown: DDP
+    keeps the gloo group and its threads alive past destroy_process_group (torch 2.13), and tearing them down at
+    exit aborted finished 2-process CPU runs now and then ("terminate called without an active exception", exit -6)
+    after every file was written. A finished run first waits for every process and destroys the group; after a
+    usage error, which may be this process's alone, no collective call is made."""
     code = 0
     try:
         main()
@@ -156,7 +157,7 @@ def main_guard(main: Callable[[], None]) -> None:
         return
     if code == 0:
         torch.distributed.barrier()  # the main process saves last; no process leaves before it is done
-    torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()
     atexit._run_exitfuncs()  # e.g. wandb's and vLLM's clean-ups, which os._exit would skip
     sys.stdout.flush()
     sys.stderr.flush()
