@@ -374,15 +374,23 @@ def run_name(script: str, dataset: str, seed: int) -> str:
 
 def output_dir(args, dataset: str, accelerator) -> str:
     """The run folder, the same on every process: `--output_dir` if given; else the folder that holds
-    `--resume_from` (a resumed run continues in place); else runs/<run_name> with the main process's clock
-    (broadcast: every process calls this once, at the same point)."""
-    if args.output_dir:
-        return args.output_dir
-    if args.resume_from:
-        return os.path.dirname(os.path.abspath(args.resume_from))
+    `--resume_from` (a resumed run continues in place); else runs/<run_name> with the main process's clock.
+    A fresh run refuses a folder that already holds a run (metrics.jsonl) on every process together, before any
+    process writes: the main process looks and tells the others (broadcasts: every process calls this once, at the
+    same point)."""
     from accelerate.utils import broadcast_object_list
 
-    return os.path.join("runs", broadcast_object_list([run_name(args.exp_name, dataset, args.seed)])[0])
+    if args.resume_from:
+        return args.output_dir or os.path.dirname(os.path.abspath(args.resume_from))
+    if args.output_dir:
+        folder = args.output_dir
+    else:
+        folder = os.path.join("runs", broadcast_object_list([run_name(args.exp_name, dataset, args.seed)])[0])
+    used = os.path.exists(os.path.join(folder, "metrics.jsonl")) if accelerator.process_index == 0 else None
+    if broadcast_object_list([used])[0]:
+        raise UserError(f"{folder!r} already holds a run (metrics.jsonl); choose another --output_dir or pass "
+                        "--resume_from")
+    return folder
 
 
 def epoch_permutation(num_items: int, seed: int, epoch: int) -> List[int]:
@@ -475,16 +483,16 @@ class MetricsLogger:
     def __init__(self, output_dir: str, args, is_main_process: bool = True, track: bool = False,
                  wandb_project: str = "policy-rlhf", run_name: Optional[str] = None,
                  resume_step: Optional[int] = None):
-        """A fresh run refuses an output folder that already holds metrics (it is never overwritten), on every
-        process; a resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
+        """A fresh run refuses an output folder that already holds metrics (it is never overwritten); a
+        resumed run (`resume_step` = the checkpoint's step) keeps the rows up to that step."""
         self.active, self.track = is_main_process, track and is_main_process
         self.output_dir, self.path, self.started = output_dir, os.path.join(output_dir, "metrics.jsonl"), False
         self.bar, self.samples_shown = None, 0
         self.config, self.wandb_project, self.run_name = config_dict(args), wandb_project, run_name
-        if os.path.exists(self.path) and resume_step is None:  # every process stops, not the main one alone
-            raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
-                            "or pass --resume_from")
         if self.active and os.path.exists(self.path):
+            if resume_step is None:
+                raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
+                                "or pass --resume_from")
             with open(self.path) as f:
                 rows = [line for line in f if json.loads(line)["step"] <= resume_step]
             with open(self.path, "w") as f:

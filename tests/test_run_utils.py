@@ -260,6 +260,16 @@ def test_global_means_and_agreement_over_two_processes():
     assert not ru.StopSignal().agreed(one)
 
 
+def test_output_dir_refuses_a_folder_holding_a_run_unless_resuming(tmp_path):
+    args = SimpleNamespace(output_dir=str(tmp_path), resume_from=None, exp_name="rloo", seed=1)
+    assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path)  # an empty (or other) folder is fine
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(pc.UserError, match="already holds a run"):
+        ru.output_dir(args, "toy", _Processes())
+    args.resume_from = str(tmp_path / "checkpoint-2")
+    assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path)
+
+
 def test_output_dir_resume_continues_in_place(tmp_path):
     args = SimpleNamespace(output_dir=None, resume_from=str(tmp_path / "runs" / "x" / "checkpoint-4"),
                            exp_name="rloo", seed=1)
