@@ -388,9 +388,15 @@ def output_dir(args, dataset: str, accelerator) -> str:
         folder = os.path.join("runs", broadcast_object_list([run_name(args.exp_name, dataset, args.seed)])[0])
     used = os.path.exists(os.path.join(folder, "metrics.jsonl")) if accelerator.process_index == 0 else None
     if broadcast_object_list([used])[0]:
-        raise UserError(f"{folder!r} already holds a run (metrics.jsonl); choose another --output_dir or pass "
-                        "--resume_from")
+        raise used_folder_error(folder)
     return folder
+
+
+def used_folder_error(folder: str) -> UserError:
+    """The one refusal of a fresh run's folder that already holds a run (output_dir's, and MetricsLogger's for
+    direct users)."""
+    return UserError(f"{folder!r} already holds a run (metrics.jsonl); choose another --output_dir or pass "
+                     "--resume_from")
 
 
 def epoch_permutation(num_items: int, seed: int, epoch: int) -> List[int]:
@@ -491,8 +497,7 @@ class MetricsLogger:
         self.config, self.wandb_project, self.run_name = config_dict(args), wandb_project, run_name
         if self.active and os.path.exists(self.path):
             if resume_step is None:
-                raise UserError(f"{output_dir!r} already holds a run (metrics.jsonl); choose another --output_dir "
-                                "or pass --resume_from")
+                raise used_folder_error(output_dir)
             with open(self.path) as f:
                 rows = [line for line in f if json.loads(line)["step"] <= resume_step]
             with open(self.path, "w") as f:
