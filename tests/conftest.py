@@ -80,7 +80,9 @@ def run_script_in_process(script: str, *args: str) -> subprocess.CompletedProces
         code = e.code if isinstance(e.code, int) else 1
     finally:
         sys.argv = argv
-        random.setstate(states[0]), np.random.set_state(states[1]), torch.set_rng_state(states[2])
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
