@@ -500,6 +500,7 @@ def main():
                             optimizer.zero_grad()
                             ru.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
                                                  loss=loss, grad_norm=grad_norm)
+                        lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
                         scheduler.step()
                         optimizer.zero_grad()
         state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + skipped,
@@ -523,7 +524,7 @@ def main():
             metrics["objective/beta"] = beta
             state["beta"] = adaptive_kl_coef(beta, metrics["objective/kl"], batch_size, args.kl_target,
                                              args.kl_horizon)
-        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
+        metrics.update({"lr": lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts,

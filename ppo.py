@@ -381,10 +381,11 @@ def main():
                                     ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
 
-    # 4. one optimizer over policy + value; lr decays linearly per update (not prepared: checkpoints carry it as JSON)
+    # 4. one optimizer over policy + value; lr decays linearly per optimizer step (not prepared: checkpoints carry it)
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: 1.0 - u / num_total_batches)
+    num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
     kl_coef, start_update = args.kl_coef, 1
@@ -491,6 +492,8 @@ def main():
                             before = {"step": update - 1, "kl_coef": kl_coef}
                             ru.stop_on_nonfinite(accelerator, output_dir, update, before, scheduler, loss=loss,
                                                  grad_norm=grad_norm)
+                        lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
+                        scheduler.step()
                         optimizer.zero_grad()
                 with torch.no_grad():
                     mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
@@ -512,16 +515,13 @@ def main():
                 "adv/mean": masked_mean(raw_advantages, response_mask),
                 "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
                 "returns/mean": masked_mean(returns, response_mask),
-                "lr": scheduler.get_last_lr()[0], "episode": update * batch_size,
+                "lr": lr, "episode": update * batch_size, "nonfinite/skipped": skipped,
             }
-            if args.skip_nonfinite:
-                metrics["nonfinite/skipped"] = skipped
             if generator is not None:
                 metrics.update(is_stats, **{"time/vllm_sync": generator.last_sync_seconds})
             metrics = ru.reduce_metrics(accelerator, metrics)
             metrics.update(reward_sources.metrics(source_scores, accelerator))
         kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target, args.kl_horizon)
-        scheduler.step()
         metrics["time/episodes_per_second"] = (update - start_update + 1) * batch_size / (time.time() - start_time)
 
         # 12. evaluation, checkpoints, stop signal

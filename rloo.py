@@ -465,6 +465,7 @@ def main():
                                 optimizer.zero_grad()
                                 ru.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
                                                      loss=loss, grad_norm=grad_norm)
+                            lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
                             scheduler.step()
                             optimizer.zero_grad()
                 losses += mini_losses
@@ -491,7 +492,7 @@ def main():
         metrics["objective/kl_coef"] = kl_coef
         state["kl_coef"] = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                             args.kl_horizon)
-        metrics.update({"lr": scheduler.get_last_lr()[0], "episode": state["episode"],
+        metrics.update({"lr": lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts,
