@@ -27,10 +27,14 @@ import torch
 import torch.nn.functional as F
 from transformers import get_scheduler
 
+import data_utils as du
+import metrics_log as ml
+import models
 import policy_common as pc
 import prompt_sharing as ps
 import run_utils as ru
-from run_utils import UserError
+import train_loop as tl
+from errors import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {
@@ -168,18 +172,18 @@ def validate(args: Args) -> None:
 # Data: (prompt, chosen, rejected) -> token ids
 def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
     """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected` (EOS
-    appended to completions, then cut by ru.tokenize_prompt_completion's rule); a pair with a completion cut to nothing
+    appended to completions, then cut by du.tokenize_prompt_completion's rule); a pair with a completion cut to nothing
     is dropped and counted. A value that is neither text nor a list of messages is a UserError."""
     rows, dropped = [], 0
     for i, example in enumerate(dataset):
         for column in ("prompt", "chosen", "rejected"):
             value = example[column]
-            if not (isinstance(value, str) or ru.is_conversational(value)):
+            if not (isinstance(value, str) or du.is_conversational(value)):
                 raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
                                 f"{{role, content}} messages, got {type(value).__name__}")
-        prompt = ru.render_prompt(tokenizer, example["prompt"])
-        (prompt_ids, chosen_ids), (_, rejected_ids) = [ru.tokenize_prompt_completion(
-            tokenizer, prompt, ru.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
+        prompt = du.render_prompt(tokenizer, example["prompt"])
+        (prompt_ids, chosen_ids), (_, rejected_ids) = [du.tokenize_prompt_completion(
+            tokenizer, prompt, du.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
             max_length) for column in ("chosen", "rejected")]
         if not prompt_ids or not chosen_ids or not rejected_ids:
             dropped += 1
@@ -335,30 +339,30 @@ def main() -> None:
     ru.seed_everything(args.seed, accelerator.process_index)
 
     # 1. data: pairs, held-out prompts (gold score), lengths fitted to the model, token ids (before the models load)
-    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_data = ru.load_preference_dataset(args.dataset, "train")
-    ru.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
-    eval_data = ru.load_preference_dataset(args.dataset, args.eval_split)
-    ru.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
+    train_data = du.load_preference_dataset(args.dataset, "train")
+    du.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
+    eval_data = du.load_preference_dataset(args.dataset, args.eval_split)
+    du.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
     if args.max_eval_pairs:
         eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
-    scorer = ru.gold_scorer(args.dataset) if args.num_eval_prompts else None
-    eval_prompts = (ru.load_prompt_dataset(args.dataset, args.eval_split)["prompt"][:args.num_eval_prompts]
+    scorer = du.gold_scorer(args.dataset) if args.num_eval_prompts else None
+    eval_prompts = (du.load_prompt_dataset(args.dataset, args.eval_split)["prompt"][:args.num_eval_prompts]
                     if scorer else [])  # held-out prompts to complete greedily
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
     if args.max_prompt_length is None:  # the longest prompt (values neither text nor messages fail below)
-        args.max_prompt_length = max((len(tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
+        args.max_prompt_length = max((len(tokenizer(du.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
                                       for p in [*train_data["prompt"], *eval_data["prompt"], *eval_prompts]
-                                      if isinstance(p, str) or ru.is_conversational(p)), default=1)
+                                      if isinstance(p, str) or du.is_conversational(p)), default=1)
     ru.fit_length(args, "max_prompt_length", args.max_length - 1,
                   f"one completion token of --max_length {args.max_length}")
     train_rows, dropped = tokenize_preferences(tokenizer, train_data, args.max_prompt_length, args.max_length,
                                                args.dataset)
     eval_rows, eval_dropped = tokenize_preferences(tokenizer, eval_data, args.max_prompt_length, args.max_length,
                                                    f"{args.dataset}:{args.eval_split}")
-    eval_queries = ru.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
+    eval_queries = du.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
     if eval_queries:
         longest = max(len(q) for q in eval_queries)
         ru.fit_length(args, "response_length", None if positions is None else positions - longest,
@@ -373,7 +377,7 @@ def main() -> None:
                                                             args.max_length - args.max_prompt_length)
 
     # 2. models: policy, reference (frozen copy / adapter-off base / none)
-    policy = pc.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
+    policy = models.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
     reference = pc.create_reference(
         policy, tokenizer, policy_name=policy_path, ref_model=args.ref_model and ru.resolve_model(args.ref_model),
         use_peft=args.use_peft, reference_free=args.reference_free, accelerator=accelerator, bf16=args.bf16,
@@ -385,12 +389,12 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
     start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
 
     # 4. the run folder (every input is valid by now) and the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(os.path.normpath(output_dir)),
                               resume_step=start_step if args.resume_from else None)
     logger.progress(total_steps, start_step, batch_size, "pairs", ("loss", "rewards/accuracies", "eval/gold_score"))
@@ -412,13 +416,13 @@ def main() -> None:
 
     # 7. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
     # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
-    stop = ru.StopSignal()
+    stop = tl.StopSignal()
     start_time = time.time()
     policy.train()
     for step in range(start_step, total_steps):
         epoch, position = divmod(step, steps_per_epoch)
         if step == start_step or position == 0:
-            order = ru.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
+            order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums = {}
         for micro in range(args.gradient_accumulation_steps):
@@ -440,7 +444,7 @@ def main() -> None:
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
                                  scheduler, loss=metrics["loss"], grad_norm=grad_norm)
         metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
                         "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
@@ -456,7 +460,7 @@ def main() -> None:
         logger.log(metrics, step=global_step)
         stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
         if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
+            tl.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
                                {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
         if stopping:
             accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
@@ -464,7 +468,7 @@ def main() -> None:
             return
 
     # 9. final save
-    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 
 

@@ -11,10 +11,10 @@ Paired data (prompt, chosen, rejected) is unpaired automatically: chosen -> desi
     accelerate launch kto.py --model pythia-1b      # TL;DR preference data, unpaired
 
 Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py):
-- Mismatched pairs: the examples are shuffled once (ru.epoch_permutation, epoch 0) into fixed micro-batches;
+- Mismatched pairs: the examples are shuffled once (du.epoch_permutation, epoch 0) into fixed micro-batches;
   inside one, example k is also scored on example k-1's completion (as TRL's _get_kl_dataset), so each pair is
   fixed and reference log-probs can be precomputed (--precompute_ref_logprobs). Epoch e visits the micro-batches
-  in the order ru.epoch_permutation(n, seed, e).
+  in the order du.epoch_permutation(n, seed, e).
 - z0 is recomputed every micro-batch (paper sec. 4.2; TRL). No reference-free mode: without pi_ref the "KL" term
   would be a plain log-likelihood.
 - Prompts longer than twice the completions (TL;DR): each prompt encoded once for its own and mismatched
@@ -35,10 +35,14 @@ from typing import List, Optional, Tuple
 import torch
 from transformers import get_scheduler
 
+import data_utils as du
+import metrics_log as ml
+import models
 import policy_common as pc
 import prompt_sharing as ps
 import run_utils as ru
-from policy_common import UserError
+import train_loop as tl
+from errors import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds real-scale values.
 ALIAS_DEFAULTS = {
@@ -204,14 +208,14 @@ def to_unpaired(dataset, name: str):
     from datasets import Dataset
 
     if "completion" not in dataset.column_names and {"chosen", "rejected"} <= set(dataset.column_names):
-        ru.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
+        du.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
         rows = {"prompt": [], "completion": [], "label": []}
         for prompt, chosen, rejected in zip(dataset["prompt"], dataset["chosen"], dataset["rejected"]):
             rows["prompt"] += [prompt, prompt]
             rows["completion"] += [chosen, rejected]
             rows["label"] += [True, False]
         return Dataset.from_dict(rows)
-    ru.require_columns(dataset, ["prompt", "completion", "label"], name)
+    du.require_columns(dataset, ["prompt", "completion", "label"], name)
     dtype = getattr(dataset.features["label"], "dtype", type(dataset.features["label"]).__name__)
     if dtype != "bool":
         raise UserError(f"dataset {name!r}: column 'label' must be boolean (true = desirable), got {dtype}")
@@ -223,9 +227,9 @@ def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: in
     Rows whose prompt or completion is emptied by truncation are dropped and counted."""
     examples, dropped = [], 0
     for row in dataset:
-        prompt = ru.render_prompt(tokenizer, row["prompt"])
-        completion = ru.render_completion(tokenizer, row["prompt"], row["completion"])
-        prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
+        prompt = du.render_prompt(tokenizer, row["prompt"])
+        completion = du.render_completion(tokenizer, row["prompt"], row["completion"])
+        prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
                                                                    max_length)
         if not prompt_ids or not completion_ids:
             dropped += 1
@@ -243,7 +247,7 @@ def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) 
     and kl_completion_ids (cut to fit max_length)."""
     if group_size < 2:
         raise UserError(f"batch size {group_size}: KTO needs >= 2 examples per micro-batch for mismatched KL pairs")
-    order, groups = ru.epoch_permutation(len(examples), seed, 0), []
+    order, groups = du.epoch_permutation(len(examples), seed, 0), []
     for start in range(0, len(order) - group_size + 1, group_size):
         group = [dict(examples[i]) for i in order[start:start + group_size]]
         for k, example in enumerate(group):
@@ -256,9 +260,9 @@ def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) 
 
 def step_groups(step: int, n_groups: int, groups_per_step: int, seed: int) -> List[int]:
     """Micro-batches of optimizer step `step` (0-based): epoch e visits them in the order
-    ru.epoch_permutation(n_groups, seed, e), groups_per_step (= processes x accumulation) at a time."""
+    du.epoch_permutation(n_groups, seed, e), groups_per_step (= processes x accumulation) at a time."""
     epoch, position = divmod(step, n_groups // groups_per_step)
-    return ru.epoch_permutation(n_groups, seed, epoch)[position * groups_per_step:(position + 1) * groups_per_step]
+    return du.epoch_permutation(n_groups, seed, epoch)[position * groups_per_step:(position + 1) * groups_per_step]
 
 
 def collate(group: list, pad_token_id: int) -> dict:
@@ -425,20 +429,20 @@ def main():
 
     # 1. data: unpaired train and held-out examples, lengths fitted to the model's positions (before any model
     # loads), fixed micro-batches with mismatched pairs, eval prompts, the class weights
-    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_data = to_unpaired(ru.load_unpaired_dataset(dataset_name, "train"), dataset_name)
-    eval_data = to_unpaired(ru.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
+    train_data = to_unpaired(du.load_unpaired_dataset(dataset_name, "train"), dataset_name)
+    eval_data = to_unpaired(du.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
     eval_data = eval_data.select(range(min(args.num_eval_examples or len(eval_data), len(eval_data))))
     gen_prompts = []  # token ids of held-out prompts to complete greedily (cut to max_prompt_length below)
     if args.num_eval_prompts > 0:
-        prompt_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
-        ru.require_columns(prompt_data, ["prompt"], dataset_name)
-        gen_prompts = ru.tokenize_prompts(tokenizer, prompt_data["prompt"][:args.num_eval_prompts])
+        prompt_data = du.load_prompt_dataset(dataset_name, args.eval_split)
+        du.require_columns(prompt_data, ["prompt"], dataset_name)
+        gen_prompts = du.tokenize_prompts(tokenizer, prompt_data["prompt"][:args.num_eval_prompts])
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "max_length", positions, f"the model has {positions} positions")
     if args.max_prompt_length is None:  # the longest prompt in the data
-        texts = {ru.render_prompt(tokenizer, p) for data in (train_data, eval_data) for p in data["prompt"]}
+        texts = {du.render_prompt(tokenizer, p) for data in (train_data, eval_data) for p in data["prompt"]}
         ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
         args.max_prompt_length = max(len(prompt_ids) for prompt_ids in ids + gen_prompts)
     ru.fit_length(args, "max_prompt_length", args.max_length - 1,
@@ -455,7 +459,7 @@ def main():
     if steps_per_epoch == 0 or len(eval_groups) < world:
         raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not "
                         f"fill one batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
-    scorer = ru.gold_scorer(dataset_name)
+    scorer = du.gold_scorer(dataset_name)
     n_desirable = sum(e["label"] for e in examples)
     n_undesirable = len(examples) - n_desirable
     args.desirable_weight, args.undesirable_weight = loss_weights(n_desirable, n_undesirable, args.desirable_weight,
@@ -469,7 +473,7 @@ def main():
     total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
-    policy = pc.load_policy(policy_path, tokenizer, args)
+    policy = models.load_policy(policy_path, tokenizer, args)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
@@ -488,9 +492,9 @@ def main():
 
     # TRY NOT TO MODIFY: run folder, logger, resume
     output_dir = ru.output_dir(args, dataset_name, accelerator)
-    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
     step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
-    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=step if args.resume_from else None)
     logger.progress(total_steps, step, batch_size, "examples", ("loss", "kl", "eval/gold_score"))
 
@@ -504,7 +508,7 @@ def main():
                     "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight},
                    step=0)
         evaluate_and_log(0)
-    stop = ru.StopSignal()
+    stop = tl.StopSignal()
     policy.train()
 
     # 3. training loop: one optimizer step = gradient_accumulation_steps micro-batches on every process
@@ -528,7 +532,7 @@ def main():
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
                                  scheduler, loss=metrics["loss"], grad_norm=grad_norm)
         optimizer.zero_grad()
         scheduler.step()
@@ -541,7 +545,7 @@ def main():
             evaluate_and_log(step)
         stopping = stop.agreed(accelerator) and step < total_steps
         if (args.save_steps and step % args.save_steps == 0) or stopping:
-            ru.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"),
+            tl.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"),
                                {"step": step, "nonfinite_skipped": skipped}, scheduler)
         if stopping:
             accelerator.print(f"stop signal received: checkpoint-{step} written; resume with --resume_from")
@@ -549,7 +553,7 @@ def main():
             return
 
     # 4. final save
-    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 
 

@@ -1,7 +1,7 @@
-"""The helpers every algorithm script imports: loading, the reference model, generation, padding-safe
-log-probs and small tensor utilities. Nothing algorithm-specific, and nothing about runs (arguments, data,
-logging, checkpoints: run_utils.py). Imports nothing from the project but prompt_sharing.py (the optional
-path that encodes a repeated prompt once).
+"""The model helpers every algorithm script uses: the reference model, generation, padding-safe forwards and
+log-probs, and small tensor utilities. Nothing algorithm-specific, and nothing about runs (arguments, data,
+logging, checkpoints). Loading by name is models.py; the optional path that encodes a repeated prompt once is
+prompt_sharing.py.
 
 Conventions used throughout (shapes in docstrings use these names):
   B  batch size            Lq  query (prompt) length, LEFT-padded with pad_token_id
@@ -16,191 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
-import os
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import models
 import prompt_sharing
-
-
-class UserError(ValueError):
-    """Bad input from the command line or data: printed as one line by `run_utils.main_guard`, exit code 2."""
+from errors import UserError
 
 
 INVALID_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Loading models and tokenizers (`name`: a hub id or a local folder)
-# ---------------------------------------------------------------------------------------------------------
-
-
-_HUB_REACHABLE: Optional[bool] = None
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """One quick TCP connect to the hub endpoint (cached). Hub libraries retry for about a minute when offline;
-    this lets a run fail in seconds instead."""
-    global _HUB_REACHABLE
-    if _HUB_REACHABLE is None:
-        import socket
-        from urllib.parse import urlparse
-
-        if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-            _HUB_REACHABLE = False
-        else:
-            url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-            try:
-                socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-                _HUB_REACHABLE = True
-            except OSError:
-                _HUB_REACHABLE = False
-    return _HUB_REACHABLE
-
-
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def _from_pretrained(loader, name: str, **kwargs):
-    """`loader.from_pretrained(name)` with one-line errors: a local path that does not exist, or a hub id not
-    in the local cache while the hub is unreachable, fails at once."""
-    path = os.path.expanduser(name)
-    if not os.path.exists(path) and (name.startswith((".", "/", "~")) or name.count("/") > 1):
-        raise UserError(f"model {name!r}: local path does not exist")
-    try:
-        if os.path.exists(path):
-            return loader.from_pretrained(path, **kwargs)
-        try:
-            return loader.from_pretrained(name, local_files_only=True, **kwargs)
-        except OSError:
-            if not hub_reachable():
-                raise UserError(f"could not load {name!r}: not a local folder, not in the local hub cache, and the "
-                                "hub is unreachable (offline)") from None
-            return loader.from_pretrained(name, **kwargs)
-    except OSError as e:  # missing files, unknown id: transformers raises OSError
-        raise UserError(f"could not load {name!r}: {_first_line(e)}") from None
-
-
-def load_tokenizer(name: str, trust_remote_code: bool = False):
-    """Load the tokenizer of `name`. Guarantees an EOS token and a pad token distinct from EOS: when the
-    tokenizer has no pad (or pad == eos), a new `[PAD]` token is added, and the model loaders below resize
-    embeddings to `len(tokenizer)`. Raises UserError when there is no EOS token."""
-    from transformers import AutoTokenizer
-
-    tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
-    if tokenizer.eos_token_id is None:
-        raise UserError(f"tokenizer of {name!r} has no EOS token; responses could never end")
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
-        tokenizer.add_special_tokens({"pad_token": "[PAD]"})
-    return tokenizer
-
-
-def disable_dropout(model: nn.Module) -> None:
-    """Switch off every dropout: RL log-ratios and DPO rewards assume a deterministic forward. Covers
-    nn.Dropout modules, float `*dropout*` attributes that attention layers pass to functional dropout, and
-    the config's dropout fields."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for name, value in list(vars(module).items()):
-            if "dropout" in name and isinstance(value, float):
-                setattr(module, name, 0.0)
-    config = getattr(model, "config", None)
-    for name in list(vars(config)) if config is not None else []:
-        if "dropout" in name and isinstance(getattr(config, name), float):
-            setattr(config, name, 0.0)
-
-
-def model_dtype(bf16: bool) -> torch.dtype:
-    """float32 on CPU; bfloat16 only when asked for and a GPU is present."""
-    if bf16 and not torch.cuda.is_available():
-        raise UserError("--bf16 needs a GPU; on a CPU the scripts run in float32")
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-def load_causal_lm(name: str, tokenizer, bf16: bool = False, trust_remote_code: bool = False,
-                   load_in_4bit: bool = False):
-    """AutoModelForCausalLM for `name`, dropout off, embeddings resized to the tokenizer, pad id set."""
-    from transformers import AutoModelForCausalLM
-
-    kwargs = dict(dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
-    if load_in_4bit:
-        from transformers import BitsAndBytesConfig
-
-        kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=model_dtype(bf16))
-    model = _from_pretrained(AutoModelForCausalLM, name, **kwargs)
-    _fit_to_tokenizer(model, tokenizer)
-    disable_dropout(model)
-    return model
-
-
-def enable_activation_checkpointing(model) -> None:
-    """Recompute activations in the backward pass (non-reentrant, so frozen LoRA bases need no input grads).
-    transformers 5.20 renamed gradient_checkpointing_enable to activation_checkpointing_enable: either is taken."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable({"use_reentrant": False})
-
-
-def load_policy(name: str, tokenizer, args):
-    """The trainable policy `name`, set up by the shared flags of every script (`args.bf16`, `trust_remote_code`,
-    `load_in_4bit`, `gradient_checkpointing`, `use_peft`, `lora_*`): loaded, optionally activation-checkpointed,
-    optionally wrapped with a fresh LoRA adapter. 4-bit weights without `--use_peft` are a UserError (nothing
-    would train)."""
-    if args.load_in_4bit and not args.use_peft:
-        raise UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
-    policy = load_causal_lm(name, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                            load_in_4bit=args.load_in_4bit)
-    if args.gradient_checkpointing:
-        enable_activation_checkpointing(policy)
-    if args.use_peft:
-        policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
-    return policy
-
-
-def load_scalar_model(name: str, tokenizer, bf16: bool = False, trust_remote_code: bool = False):
-    """AutoModelForSequenceClassification with one output (a reward or value model), dropout off."""
-    from transformers import AutoModelForSequenceClassification
-
-    model, info = _from_pretrained(AutoModelForSequenceClassification, name, num_labels=1, output_loading_info=True,
-                                   dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
-    if info["missing_keys"]:  # e.g. a value model started from a causal LM: its scalar head is new (expected)
-        print(f"note: {name}: new {', '.join(sorted(info['missing_keys']))} initialised (not in the checkpoint)",
-              flush=True)
-    _fit_to_tokenizer(model, tokenizer)
-    disable_dropout(model)
-    return model
-
-
-def _fit_to_tokenizer(model, tokenizer) -> None:
-    if model.get_input_embeddings().num_embeddings < len(tokenizer):
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.pad_token_id = tokenizer.pad_token_id
-
-
-def check_same_vocab(tokenizer_a, tokenizer_b, what: str = "reward model") -> None:
-    """Scoring token ids produced by one tokenizer with a model of another is silently wrong: refuse it."""
-    if tokenizer_a.get_vocab() != tokenizer_b.get_vocab():
-        raise UserError(f"the {what}'s tokenizer differs from the policy's (vocab sizes {len(tokenizer_b)} vs "
-                        f"{len(tokenizer_a)}); they must share a vocabulary")
-
-
-def add_lora(model, r: int, alpha: int, dropout: float, target_modules: Optional[Sequence[str]] = None,
-             task_type: str = "CAUSAL_LM"):
-    """Wrap `model` with a fresh LoRA adapter (PEFT). The base weights stay frozen; `target_modules=None`
-    lets PEFT choose the architecture's default projections."""
-    from peft import LoraConfig, get_peft_model
-
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
-                        target_modules=list(target_modules) if target_modules else None)
-    return get_peft_model(model, config)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -261,8 +88,9 @@ def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_mode
             return Reference("adapter_off", policy=policy)
         ref_model = policy_name
     else:
-        check_same_vocab(tokenizer, load_tokenizer(ref_model, trust_remote_code=trust_remote_code), "reference model")
-    model = load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
+        models.check_same_vocab(tokenizer, models.load_tokenizer(ref_model, trust_remote_code=trust_remote_code),
+                                "reference model")
+    model = models.load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
     if accelerator is not None:
         model = prepare_frozen(model, accelerator)
@@ -596,16 +424,6 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     mean, var = masked_mean(values, mask), masked_var(values, mask)
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     return whitened if shift_mean else whitened + mean
-
-
-def is_finite(value) -> bool:
-    """True for a finite number or tensor (all elements), and for None: the gradient norm that accelerate returns
-    under DeepSpeed may be None (DeepSpeed clips, and steps, inside `accelerator.backward`)."""
-    if value is None:
-        return True
-    if isinstance(value, torch.Tensor):
-        return bool(torch.isfinite(value).all())
-    return math.isfinite(float(value))
 
 
 def exact_div(a: int, b: int, what: str) -> int:

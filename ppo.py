@@ -3,7 +3,7 @@
 # Ziegler et al. 2019 (adaptive KL controller).
 #   python ppo.py                                  # the offline toy task on a CPU, a few minutes
 #   accelerate launch ppo.py --model pythia-1b     # TL;DR with the published Pythia SFT and reward models
-# The reward: a reward model and/or reward functions, weighted (rewards.py), at the last token of the response.
+# The reward: a reward model and/or reward functions, weighted (reward_sources.py), at the last token of the response.
 # Metrics (metrics.jsonl, a row per update): objective/* (scores, kl, non_score_reward, rlhf_reward, entropy, kl_coef),
 # reward/<source>/mean and /std (each reward source on its own, before weights and penalty), loss/policy, loss/value,
 # policy/*, val/*, adv/*, returns/mean, lr, episode; eval/* (greedy, held-out prompts): scores, kl, response_length,
@@ -20,11 +20,16 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import data_utils as du
+import metrics_log as ml
+import models
 import policy_common as pc
-import rewards as rw
+import reward_sources as rs
 import run_utils as ru
+import train_loop as tl
 import vllm_generation as vg
-from policy_common import UserError, masked_mean, masked_var, masked_whiten
+from errors import UserError
+from policy_common import masked_mean, masked_var, masked_whiten
 
 
 @dataclass
@@ -346,37 +351,37 @@ def main():
     policy_path = ru.resolve_model(args.model)
 
     # 2. data: training and held-out prompts, tokenised; the response length fitted to the model's positions
-    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    train_data = ru.load_prompt_dataset(dataset_name, "train")
-    eval_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
+    tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    train_data = du.load_prompt_dataset(dataset_name, "train")
+    eval_data = du.load_prompt_dataset(dataset_name, args.eval_split)
     for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
-        ru.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
-    train_prompts = ru.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+        du.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
+    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
     eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
+    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
     eval_rows = eval_data.to_list()
     longest_prompt = max(len(p) for p in train_prompts + eval_prompts)
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "response_length", None if positions is None else positions - longest_prompt,
                   f"the longest prompt ({longest_prompt} tokens) in the model's {positions} positions")
-    gold = ru.gold_scorer(dataset_name)
+    gold = du.gold_scorer(dataset_name)
 
-    # 3. models: reward sources (a frozen reward model and/or functions: rewards.py), policy (+LoRA), value model,
+    # 3. models: reward sources (a frozen reward model and/or functions: reward_sources.py), policy (+LoRA), value model,
     #    frozen reference
-    reward_sources = rw.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
+    reward_sources = rs.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
     if args.value_model is not None:
         value_path = ru.resolve_reward_model(args.value_model)
-        pc.check_same_vocab(tokenizer, pc.load_tokenizer(value_path, trust_remote_code=args.trust_remote_code),
+        models.check_same_vocab(tokenizer, models.load_tokenizer(value_path, trust_remote_code=args.trust_remote_code),
                             "value model")
     else:  # a value model reads the policy's token ids: the reward model's weights only if it does too
         value_path = reward_sources.path if reward_sources.mode == "tokens" and reward_sources.path else policy_path
-    policy = pc.load_policy(policy_path, tokenizer, args)
+    policy = models.load_policy(policy_path, tokenizer, args)
     # a value model from the reward model was trained to read the last token only: its values at earlier positions
     # start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by update 15); the
     # clipped value loss absorbs this without a separate warm-up phase. From the policy, its scalar head is new.
-    value_model = pc.load_scalar_model(value_path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    value_model = models.load_scalar_model(value_path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
-        pc.enable_activation_checkpointing(value_model)
+        models.enable_activation_checkpointing(value_model)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
@@ -390,10 +395,10 @@ def main():
     model.train()
     kl_coef, start_update = args.kl_coef, 1
     if args.resume_from:
-        state = ru.load_checkpoint(accelerator, args.resume_from, scheduler)
+        state = tl.load_checkpoint(accelerator, args.resume_from, scheduler)
         start_update, kl_coef = state["step"] + 1, state["kl_coef"]
     output_dir = ru.output_dir(args, dataset_name, accelerator)
-    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
     logger.progress(num_total_batches, start_update - 1, batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
@@ -405,12 +410,12 @@ def main():
                              submodule="policy")
 
     def checkpoint(update: int, name: str) -> None:
-        ru.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)
+        tl.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)
 
     # 5. evaluate the starting policy (step 0; a resumed run has done so already)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-    stop, skipped, start_time = ru.StopSignal(), 0, time.time()
+    stop, skipped, start_time = tl.StopSignal(), 0, time.time()
     if start_update == 1:
         metrics = evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args, accelerator,
                            gold, logger, 0)
@@ -418,7 +423,7 @@ def main():
 
     for update in range(start_update, num_total_batches + 1):
         # this process's slice of the update's batch_size positions of the data order (a function of the update)
-        indices = ru.data_positions(len(train_prompts), args.seed, (update - 1) * batch_size, batch_size)
+        indices = du.data_positions(len(train_prompts), args.seed, (update - 1) * batch_size, batch_size)
         indices = indices[accelerator.process_index * local_batch_size:][:local_batch_size]
         queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
         context_length = queries.shape[1]  # queries: (B, Lq)
@@ -453,7 +458,7 @@ def main():
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk)
             ref_logprobs = ref_logprobs * response_mask
             rows = [train_data[i] for i in indices]  # the dataset row of each completion
-            with ru.checkpoint_on_error(rw.RewardFunctionError, accelerator, output_dir,
+            with tl.checkpoint_on_error(rs.RewardFunctionError, accelerator, output_dir,
                                         {"step": update - 1, "kl_coef": kl_coef}, scheduler):
                 scores, source_scores = reward_sources(query_responses, context_length, rows,
                                                        accelerator)  # (B,), (B, sources)
@@ -490,7 +495,7 @@ def main():
                             skipped += 1
                         else:
                             before = {"step": update - 1, "kl_coef": kl_coef}
-                            ru.stop_on_nonfinite(accelerator, output_dir, update, before, scheduler, loss=loss,
+                            tl.stop_on_nonfinite(accelerator, output_dir, update, before, scheduler, loss=loss,
                                                  grad_norm=grad_norm)
                         lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
                         scheduler.step()
@@ -540,10 +545,10 @@ def main():
     # 13. final save
     if generator is not None:
         generator.close()
-    ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
+    tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
                   submodule="policy")
     if args.save_value_model:
-        ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "value_model"), submodule="value_model")
+        tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "value_model"), submodule="value_model")
     logger.close(os.path.join(output_dir, "model"))
 
 

@@ -17,11 +17,11 @@ Implementation details, with where they come from:
 2. Input (--reward_model_input; None = tokens, the convention of SfFD and TRL's RewardTrainer):
      tokens  prompt ids + completion ids + the EOS token, scored at the last non-pad token (the EOS);
      text    the same ids without the appended EOS, scored at the last token: how TRL's RLOO/GRPO trainers (and
-             rewards.py's text mode) read a reward model, which then never sees EOS.
+             reward_sources.py's text mode) read a reward model, which then never sees EOS.
    Prompt and completion are tokenised apart, as the RL scripts see them; prompts longer than --max_prompt_length
-   keep their last tokens, completions their first (run_utils.tokenize_prompt_completion; a cut completion has no
+   keep their last tokens, completions their first (data_utils.tokenize_prompt_completion; a cut completion has no
    EOS); a pair with a completion cut to nothing is dropped and counted (data/dropped). The mode is saved in the
-   model's config.json as `reward_model_input`, which rewards.py follows by default, so the RL scripts read the
+   model's config.json as `reward_model_input`, which reward_sources.py follows by default, so the RL scripts read the
    model as it was trained (with --use_peft only --merge_peft writes a config.json).
 3. Batches: chosen and rejected completions of b pairs in one forward (2b rows: prompts left-padded, completions
    right-padded; positions count real tokens only, so a score does not depend on the padding around it); with
@@ -55,10 +55,14 @@ import torch
 import torch.nn.functional as F
 from transformers import get_scheduler
 
+import data_utils as du
+import metrics_log as ml
+import models
 import policy_common as pc
 import prompt_sharing as ps
 import run_utils as ru
-from run_utils import UserError
+import train_loop as tl
+from errors import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {
@@ -172,10 +176,10 @@ def validate(args: Args) -> None:
 
 # Data: (prompt, chosen, rejected[, margin]) -> token ids, as the reward model will read them
 def reward_input_ids(tokenizer, prompt: str, completion: str, max_prompt_length: int, max_length: int, mode: str):
-    """(prompt_ids, completion_ids) of one completion as read in `mode`: tokens = run_utils.tokenize_prompt_completion
+    """(prompt_ids, completion_ids) of one completion as read in `mode`: tokens = data_utils.tokenize_prompt_completion
     (EOS appended, then the prompt cut from the left and the completion from the right); text = the same without the
     appended EOS (a cut completion has none in either mode)."""
-    prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
+    prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
                                                                max_length)
     if mode == "text" and completion_ids and completion_ids[-1] == tokenizer.eos_token_id:
         completion_ids = completion_ids[:-1]
@@ -191,15 +195,15 @@ def tokenize_pairs(tokenizer, dataset, max_prompt_length: int, max_length: int, 
     for i, example in enumerate(dataset):
         for column in ("prompt", "chosen", "rejected"):
             value = example[column]
-            if not (isinstance(value, str) or ru.is_conversational(value)):
+            if not (isinstance(value, str) or du.is_conversational(value)):
                 raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
                                 f"{{role, content}} messages, got {type(value).__name__}")
         margin = example["margin"] if has_margin else 0.0
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
             raise UserError(f"dataset {name!r} row {i} column 'margin': expected a finite number, got {margin!r}")
-        prompt = ru.render_prompt(tokenizer, example["prompt"])
+        prompt = du.render_prompt(tokenizer, example["prompt"])
         (prompt_ids, chosen_ids), (_, rejected_ids) = [reward_input_ids(
-            tokenizer, prompt, ru.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
+            tokenizer, prompt, du.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
             max_length, mode) for column in ("chosen", "rejected")]
         if not chosen_ids or not rejected_ids:
             dropped += 1
@@ -285,17 +289,17 @@ def init_score_head(score: torch.nn.Linear) -> None:
 
 
 def load_reward_model(path: str, tokenizer, args):
-    """The trainable reward model from `path` (pc.load_scalar_model: one label, dropout off): a new scalar head
+    """The trainable reward model from `path` (models.load_scalar_model: one label, dropout off): a new scalar head
     (the checkpoint is not a sequence classifier) initialised by init_score_head; then activation checkpointing
     and a LoRA adapter (task SEQ_CLS: PEFT also trains and saves the `score` head, modules_to_save) as flagged."""
     architectures = getattr(ru.model_config(path, args.trust_remote_code), "architectures", None) or []
-    model = pc.load_scalar_model(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    model = models.load_scalar_model(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         init_score_head(model.score)
     if args.gradient_checkpointing:
-        pc.enable_activation_checkpointing(model)
+        models.enable_activation_checkpointing(model)
     if args.use_peft:
-        model = pc.add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
+        model = models.add_lora(model, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules,
                             task_type="SEQ_CLS")
     return model
 
@@ -338,20 +342,20 @@ def main() -> None:
     ru.seed_everything(args.seed, accelerator.process_index)
 
     # 1. data: pairs, lengths fitted to the model, token ids as the reward model reads them (before the model loads)
-    tokenizer = pc.load_tokenizer(model_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = models.load_tokenizer(model_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_data = ru.load_preference_dataset(args.dataset, "train")
-    ru.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
-    eval_data = ru.load_preference_dataset(args.dataset, args.eval_split)
-    ru.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
+    train_data = du.load_preference_dataset(args.dataset, "train")
+    du.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
+    eval_data = du.load_preference_dataset(args.dataset, args.eval_split)
+    du.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
     if args.max_eval_pairs:
         eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
     positions = ru.model_positions(model_path, args.trust_remote_code)
     ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
     if args.max_prompt_length is None:  # the longest prompt (values neither text nor messages fail below)
-        args.max_prompt_length = max((len(tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
+        args.max_prompt_length = max((len(tokenizer(du.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
                                       for p in [*train_data["prompt"], *eval_data["prompt"]]
-                                      if isinstance(p, str) or ru.is_conversational(p)), default=1)
+                                      if isinstance(p, str) or du.is_conversational(p)), default=1)
     ru.fit_length(args, "max_prompt_length", args.max_length - 1,
                   f"one completion token of --max_length {args.max_length}")
     train_rows, dropped = tokenize_pairs(tokenizer, train_data, args.max_prompt_length, args.max_length,
@@ -377,12 +381,12 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
     start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
 
     # 4. the run folder (every input is valid by now) and the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(os.path.normpath(output_dir)),
                               resume_step=start_step if args.resume_from else None)
     logger.progress(total_steps, start_step, batch_size, "pairs", ("loss", "accuracy", "eval/accuracy"))
@@ -395,13 +399,13 @@ def main() -> None:
 
     # 6. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
     # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
-    stop = ru.StopSignal()
+    stop = tl.StopSignal()
     start_time = time.time()
     model.train()
     for step in range(start_step, total_steps):
         epoch, position = divmod(step, steps_per_epoch)
         if step == start_step or position == 0:
-            order = ru.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
+            order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums = {}
         for micro in range(args.gradient_accumulation_steps):
@@ -422,7 +426,7 @@ def main() -> None:
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
                                  scheduler, loss=metrics["loss"], grad_norm=grad_norm)
         metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
                         "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
@@ -438,16 +442,16 @@ def main() -> None:
         logger.log(metrics, step=global_step)
         stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
         if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
+            tl.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
                                {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
         if stopping:
             accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
             logger.close()
             return
 
-    # 8. final save, with the input convention in config.json (rewards.py reads the model the same way by default)
+    # 8. final save, with the input convention in config.json (reward_sources.py reads the model the same way by default)
     pc.unwrap(model).model.config.reward_model_input = args.reward_model_input
-    ru.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
+    tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
                   submodule="model")
     logger.close(os.path.join(output_dir, "model"))
 

@@ -4,7 +4,7 @@
 #   python rloo.py                                  # toy task, CPU, about a minute
 #   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
 # Per step: sample rloo_k completions per prompt, score them (reward model and/or reward functions, weighted:
-# rewards.py; minus missing_eos_penalty without EOS), subtract kl_coef * KL(policy || reference), take advantage =
+# reward_sources.py; minus missing_eos_penalty without EOS), subtract kl_coef * KL(policy || reference), take advantage =
 # reward - mean reward of the prompt's other k-1 completions, and step on the clipped REINFORCE loss (one epoch, one
 # mini-batch by default = plain REINFORCE). --kl_target adapts kl_coef (Ziegler et al. 2019) to hold the KL there.
 # Metrics (metrics.jsonl, a row per step): objective/scores (reward after the EOS penalty), objective/kl (sequence
@@ -25,11 +25,16 @@ from typing import List, Literal, Optional
 
 import torch
 
+import data_utils as du
+import metrics_log as ml
+import models
 import policy_common as pc
 import prompt_sharing as ps
-import rewards as rw
+import reward_sources as rs
 import run_utils as ru
+import train_loop as tl
 import vllm_generation as vg
+from errors import UserError
 
 
 @dataclass
@@ -311,18 +316,18 @@ def main():
     # 1. arguments: validate and derive every batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     if args.rloo_k < 2:
-        raise pc.UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
+        raise UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
     if args.kl_coef < 0 or args.cliprange <= 0 or args.learning_rate <= 0 or args.max_grad_norm <= 0:
-        raise pc.UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
+        raise UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
-        raise pc.UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
+        raise UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
     vg.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
            args.gradient_accumulation_steps, args.response_length, args.total_episodes,
            args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1:
-        raise pc.UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
+        raise UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
                            "--max_steps must be >= 1")
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     # sequences per process per step; the k completions of a prompt stay on one process
@@ -335,20 +340,20 @@ def main():
     chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 2. tokenizer of the policy and its reference (a reward model may have its own: rewards.py)
+    # 2. tokenizer of the policy and its reference (a reward model may have its own: reward_sources.py)
     policy_path = ru.resolve_model(args.model)
-    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
 
     # 3. data and lengths: prompts tokenised once; completions must fit in the model's positions after a prompt
     dataset_name = args.dataset or ru.default_dataset(args.model)
-    train_data = ru.load_prompt_dataset(dataset_name, "train")
-    eval_data = ru.load_prompt_dataset(dataset_name, args.eval_split)
-    ru.require_columns(train_data, ["prompt"], dataset_name)
-    ru.require_columns(eval_data, ["prompt"], dataset_name)
-    train_prompts = ru.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+    train_data = du.load_prompt_dataset(dataset_name, "train")
+    eval_data = du.load_prompt_dataset(dataset_name, args.eval_split)
+    du.require_columns(train_data, ["prompt"], dataset_name)
+    du.require_columns(eval_data, ["prompt"], dataset_name)
+    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
     eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = ru.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
+    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
     if args.max_prompt_length is None:
         args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
     positions = ru.model_positions(policy_path, args.trust_remote_code)
@@ -356,16 +361,16 @@ def main():
                   f"the model's {positions} positions minus prompts of up to {args.max_prompt_length} tokens")
     share = args.share_prompts and ps.worth_sharing(  # one decision, from sizes the same on every process
         min(args.per_device_train_batch_size, chunk), args.rloo_k, args.max_prompt_length, args.response_length)
-    gold = ru.gold_scorer(dataset_name)
+    gold = du.gold_scorer(dataset_name)
     generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
     output_dir = ru.output_dir(args, dataset_name, accelerator)
 
     # 4. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
-    policy = pc.load_policy(policy_path, tokenizer, args)
+    policy = models.load_policy(policy_path, tokenizer, args)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-    reward_sources = rw.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
+    reward_sources = rs.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
     eval_rows = eval_data.to_list()
 
     # 5. optimizer, linear decay per optimizer step, checkpointable state
@@ -376,12 +381,12 @@ def main():
     # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, skipped=0, kl_coef=args.kl_coef)
     if args.resume_from:
-        state.update(ru.load_checkpoint(accelerator, args.resume_from, scheduler))
-    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
+    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
-    stop = ru.StopSignal()
+    stop = tl.StopSignal()
     generator = vg.from_args(args, policy, tokenizer, accelerator, weights_version=state["step"],  # None: no vLLM
                              max_model_len=args.max_prompt_length + args.response_length,
                              rows_per_call=local_batch_size)
@@ -393,7 +398,7 @@ def main():
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
         # 6. generate: this process's local_prompts prompts of the stream, each repeated rloo_k times in a row
-        indices = ru.data_positions(len(train_prompts), args.seed,
+        indices = du.data_positions(len(train_prompts), args.seed,
                                     state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts)
         queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
         queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
@@ -415,7 +420,7 @@ def main():
         # 7. score: reference log-probs, reward
         with torch.no_grad():
             rows = [train_data[i] for i in indices for _ in range(args.rloo_k)]  # the dataset row of each completion
-            with ru.checkpoint_on_error(rw.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
+            with tl.checkpoint_on_error(rs.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
                 scores, source_scores = reward_sources(query_responses, context_length, rows, accelerator, chunk,
                                                 share_prompts=share)  # (B,), (B, sources)
             ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk,
@@ -463,7 +468,7 @@ def main():
                                 skipped += 1
                             else:
                                 optimizer.zero_grad()
-                                ru.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
+                                tl.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
                                                      loss=loss, grad_norm=grad_norm)
                             lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
                             scheduler.step()
@@ -502,7 +507,7 @@ def main():
         # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then all exit cleanly)
         stopping = stop.agreed(accelerator) and step < num_total_batches
         if (args.save_steps and step % args.save_steps == 0) or stopping:
-            ru.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
+            tl.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
         if stopping:
             accelerator.print(f"stop signal received: checkpoint-{step} written, stopping")
             logger.close()
@@ -511,7 +516,7 @@ def main():
     # 12. final save
     if generator is not None:
         generator.close()
-    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 
 

@@ -6,7 +6,7 @@ Trains a policy on (prompt, completion) demonstrations with no reference, no rew
            / the number of those completion tokens
 - Prompt tokens carry no loss: the prompt is context only (TRL's SFTTrainer default for prompt-completion data,
   `completion_only_loss`). Huang et al.'s sft.py (below) trained on the query tokens as well.
-- EOS is appended to every completion, so the policy learns where to stop (ru.tokenize_prompt_completion: the prompt
+- EOS is appended to every completion, so the policy learns where to stop (du.tokenize_prompt_completion: the prompt
   keeps its last --max_prompt_length tokens, the completion + EOS its first --max_length minus prompt tokens; a cut
   completion has no EOS). An example with an empty prompt or nothing left of its completion is dropped and counted.
 - Normalisation: a token mean over the whole optimizer step (every micro-batch of every process), not a mean of
@@ -48,9 +48,13 @@ from typing import List, Literal, Optional
 import torch
 from transformers import get_scheduler
 
+import data_utils as du
+import metrics_log as ml
+import models
 import policy_common as pc
 import run_utils as ru
-from run_utils import UserError
+import train_loop as tl
+from errors import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {
@@ -172,7 +176,7 @@ def toy_demonstrations(split: str, kind: str, seed: int):
     import datasets
     import toy_task
 
-    prompts = ru.load_prompt_dataset(ru.TOY_ALIAS, split)["prompt"]
+    prompts = du.load_prompt_dataset(du.TOY_ALIAS, split)["prompt"]
     if kind == "sorted":
         completions = [toy_task.target_completion(p) for p in prompts]
     else:
@@ -184,11 +188,11 @@ def toy_demonstrations(split: str, kind: str, seed: int):
 def load_demonstrations(args: Args, split: str):
     """`split` of the SFT data: the toy demonstrations for `toy`, else the dataset (alias `tldr` = trl-lib/tldr, whose
     columns are prompt and completion; a hub id, folder or files) with its columns checked."""
-    if args.dataset == ru.TOY_ALIAS:
+    if args.dataset == du.TOY_ALIAS:
         return toy_demonstrations(split, args.toy_demonstrations, args.seed)
-    data = ru.load_prompt_dataset(args.dataset, split)
+    data = du.load_prompt_dataset(args.dataset, split)
     if "messages" not in data.column_names:
-        ru.require_columns(data, ["prompt", "completion"], args.dataset)
+        du.require_columns(data, ["prompt", "completion"], args.dataset)
     return data
 
 
@@ -201,12 +205,12 @@ def prompt_completion_pairs(data, name: str) -> list:
             prompt, completion = example["prompt"], example["completion"]
         else:
             messages = example["messages"]
-            if not (ru.is_conversational(messages) and len(messages) >= 2 and messages[-1].get("role") == "assistant"):
+            if not (du.is_conversational(messages) and len(messages) >= 2 and messages[-1].get("role") == "assistant"):
                 raise UserError(f"dataset {name!r} row {i} column 'messages': expected a list of two or more "
                                 "{role, content} messages ending with the assistant's")
             prompt, completion = messages[:-1], messages[-1:]
         for column, value in (("prompt", prompt), ("completion", completion)):
-            if not (isinstance(value, str) or ru.is_conversational(value)):
+            if not (isinstance(value, str) or du.is_conversational(value)):
                 raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
                                 f"{{role, content}} messages, got {type(value).__name__}")
         pairs.append((prompt, completion))
@@ -215,12 +219,12 @@ def prompt_completion_pairs(data, name: str) -> list:
 
 def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length: int, name: str):
     """[(prompt, completion)] -> (rows, dropped): rows of token-id lists `prompt`, `completion` (EOS appended, then
-    cut by ru.tokenize_prompt_completion's rule); an example with an empty prompt or a completion cut to nothing is
+    cut by du.tokenize_prompt_completion's rule); an example with an empty prompt or a completion cut to nothing is
     dropped and counted. No example left is a UserError."""
     rows, dropped = [], 0
     for prompt, completion in pairs:
-        prompt_ids, completion_ids = ru.tokenize_prompt_completion(
-            tokenizer, ru.render_prompt(tokenizer, prompt), ru.render_completion(tokenizer, prompt, completion),
+        prompt_ids, completion_ids = du.tokenize_prompt_completion(
+            tokenizer, du.render_prompt(tokenizer, prompt), du.render_completion(tokenizer, prompt, completion),
             max_prompt_length, max_length)
         if not prompt_ids or not completion_ids:
             dropped += 1
@@ -328,17 +332,17 @@ def main() -> None:
 
     # 1. data: demonstrations, held-out prompts (gold score), lengths fitted to the model, token ids (before the
     # model loads)
-    tokenizer = pc.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     train_pairs = prompt_completion_pairs(load_demonstrations(args, "train"), args.dataset)
     eval_pairs = prompt_completion_pairs(load_demonstrations(args, args.eval_split), args.dataset)
     if args.max_eval_examples:
         eval_pairs = eval_pairs[:args.max_eval_examples]
-    scorer = ru.gold_scorer(args.dataset) if args.num_eval_prompts else None
+    scorer = du.gold_scorer(args.dataset) if args.num_eval_prompts else None
     eval_prompts = [p for p, _ in eval_pairs[:args.num_eval_prompts]] if scorer else []  # completed greedily
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
     if args.max_prompt_length is None:  # the longest prompt
-        args.max_prompt_length = max(len(tokenizer(ru.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
+        args.max_prompt_length = max(len(tokenizer(du.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
                                      for p, _ in [*train_pairs, *eval_pairs])
     ru.fit_length(args, "max_prompt_length", args.max_length - 1,
                   f"one completion token of --max_length {args.max_length}")
@@ -346,7 +350,7 @@ def main() -> None:
                                                   args.dataset)
     eval_rows, eval_dropped = tokenize_demonstrations(tokenizer, eval_pairs, args.max_prompt_length, args.max_length,
                                                       f"{args.dataset}:{args.eval_split}")
-    eval_queries = ru.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
+    eval_queries = du.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
     if eval_queries:
         longest = max(len(q) for q in eval_queries)
         ru.fit_length(args, "response_length", None if positions is None else positions - longest,
@@ -360,18 +364,18 @@ def main() -> None:
 
     # 2. the policy (+ LoRA with --use_peft), optimizer, schedule (not given to prepare: accelerate would step it on
     # every process; checkpoints save it). eps 1e-5 as in Huang et al.'s sft.py.
-    policy = pc.load_policy(policy_path, tokenizer, args)
+    policy = models.load_policy(policy_path, tokenizer, args)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=args.weight_decay)
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = ru.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
+    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
     start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
 
     # 3. the run folder (every input is valid by now) and the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ru.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
                               os.path.basename(os.path.normpath(output_dir)),
                               resume_step=start_step if args.resume_from else None)
     # not eval/loss: the bar names a key by its last part, so it would show as loss (each evaluation prints a line)
@@ -385,13 +389,13 @@ def main() -> None:
 
     # 5. training: every optimizer step takes the next `batch_size` examples of the epoch's permutation (the same
     # global order for any number of processes)
-    stop = ru.StopSignal()
+    stop = tl.StopSignal()
     start_time = time.time()
     policy.train()
     for step in range(start_step, total_steps):
         epoch, position = divmod(step, steps_per_epoch)
         if step == start_step or position == 0:
-            order = ru.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
+            order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums, num_tokens = accumulate_gradients(policy, accelerator, train_rows, batch_index, local_micro_batch_size,
                                                 tokenizer.pad_token_id)
@@ -404,7 +408,7 @@ def main() -> None:
         elif args.skip_nonfinite:
             skipped += 1
         else:
-            ru.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
+            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
                                  scheduler, loss=metrics["loss"], grad_norm=grad_norm)
         metrics.update({"num_tokens": num_tokens, "lr": scheduler.get_last_lr()[0],
                         "epoch": (step + 1) / steps_per_epoch, "nonfinite/skipped": skipped,
@@ -421,7 +425,7 @@ def main() -> None:
         logger.log(metrics, step=global_step)
         stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
         if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            ru.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
+            tl.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
                                {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
         if stopping:
             accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
@@ -429,7 +433,7 @@ def main() -> None:
             return
 
     # 7. final save
-    ru.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 
 

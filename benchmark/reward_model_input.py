@@ -20,6 +20,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import data_utils as du  # noqa: E402
+import models  # noqa: E402
 import policy_common as pc  # noqa: E402
 import run_utils as ru  # noqa: E402
 
@@ -27,15 +29,15 @@ import run_utils as ru  # noqa: E402
 @torch.no_grad()
 def pair_accuracies(reward_path: str, dataset: str, split: str, num_pairs: int, batch_size: int = 64) -> dict:
     """{"tokens": accuracy, "text": accuracy, "pairs": n}: how often chosen outscores rejected, read each way."""
-    tokenizer = pc.load_tokenizer(reward_path)
-    model = pc.load_scalar_model(reward_path, tokenizer).eval()
-    data = ru.load_preference_dataset(dataset, split)
-    ru.require_columns(data, ["prompt", "chosen", "rejected"], dataset)
+    tokenizer = models.load_tokenizer(reward_path)
+    model = models.load_scalar_model(reward_path, tokenizer).eval()
+    data = du.load_preference_dataset(dataset, split)
+    du.require_columns(data, ["prompt", "chosen", "rejected"], dataset)
     data = data.select(range(min(num_pairs, len(data))))
     texts = []  # chosen, rejected, chosen, rejected, ...
     for row in data:
-        prompt = ru.render_prompt(tokenizer, row["prompt"])
-        texts += [prompt + ru.render_completion(tokenizer, row["prompt"], row[c]) for c in ("chosen", "rejected")]
+        prompt = du.render_prompt(tokenizer, row["prompt"])
+        texts += [prompt + du.render_completion(tokenizer, row["prompt"], row[c]) for c in ("chosen", "rejected")]
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     out = {"pairs": len(data)}
     for mode, suffix in (("tokens", [tokenizer.eos_token_id]), ("text", [])):

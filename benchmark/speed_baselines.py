@@ -33,9 +33,10 @@ for p in (os.path.dirname(HERE), HERE):
 
 import torch  # noqa: E402
 
+import data_utils as du  # noqa: E402
+import models  # noqa: E402
 import policy_common as pc  # noqa: E402
 import prompt_sharing as ps  # noqa: E402
-import run_utils as ru  # noqa: E402
 import speed_settings as settings  # noqa: E402
 from toy import vm_hwm_mib  # noqa: E402
 
@@ -53,10 +54,10 @@ def toy_rloo_batch():
 
     d = rloo.ALIAS_DEFAULTS["toy"]
     paths = settings.setting_paths("toy")
-    tok = pc.load_tokenizer(paths["policy"])
-    model = pc.load_causal_lm(paths["policy"], tok)
-    prompts = ru.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][:d["per_device_train_batch_size"] // d["rloo_k"]]
-    return model, tok, pc.pad_sequences(ru.tokenize_prompts(tok, prompts), tok.pad_token_id, "left"), d
+    tok = models.load_tokenizer(paths["policy"])
+    model = models.load_causal_lm(paths["policy"], tok)
+    prompts = du.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][:d["per_device_train_batch_size"] // d["rloo_k"]]
+    return model, tok, pc.pad_sequences(du.tokenize_prompts(tok, prompts), tok.pad_token_id, "left"), d
 
 
 def generation(repeats: int) -> dict:
@@ -151,10 +152,10 @@ def logprobs(variant: str, shape: str, repeats: int) -> dict:
     torch.manual_seed(0)
     if shape == "toy":  # 64 toy prompts with random 8-token responses through the toy policy, no grad
         paths = settings.setting_paths("toy")
-        tok = pc.load_tokenizer(paths["policy"])
-        model = pc.load_causal_lm(paths["policy"], tok).eval()
-        prompts = ru.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][:64]
-        q = pc.pad_sequences(ru.tokenize_prompts(tok, prompts), tok.pad_token_id, "left")
+        tok = models.load_tokenizer(paths["policy"])
+        model = models.load_causal_lm(paths["policy"], tok).eval()
+        prompts = du.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][:64]
+        q = pc.pad_sequences(du.tokenize_prompts(tok, prompts), tok.pad_token_id, "left")
         qr, ctx, pad = torch.cat([q, torch.randint(3, len(tok), (q.shape[0], 8))], 1), q.shape[1], tok.pad_token_id
 
         @torch.no_grad()

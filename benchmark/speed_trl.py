@@ -25,6 +25,7 @@ for p in (os.path.dirname(HERE), HERE):
         sys.path.insert(0, p)
 
 import speed_settings as settings  # noqa: E402
+import models
 
 
 def common_fields(output_dir: str, max_steps: int) -> dict:
@@ -61,11 +62,10 @@ def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
     import datasets
     import trl
 
-    import policy_common as pc
-
+    
     paths, d = settings.setting_paths(setting), settings.hyper(setting, algo)
-    tokenizer = pc.load_tokenizer(paths["policy"])
-    model = pc.load_causal_lm(paths["policy"], tokenizer)
+    tokenizer = models.load_tokenizer(paths["policy"])
+    model = models.load_causal_lm(paths["policy"], tokenizer)
     common = dict(common, per_device_train_batch_size=d["per_device_train_batch_size"], gradient_accumulation_steps=1,
                   learning_rate=d["learning_rate"])
     if algo == "rloo":

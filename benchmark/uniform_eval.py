@@ -25,9 +25,10 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+import data_utils as du  # noqa: E402
+import models  # noqa: E402
 import policy_common as pc  # noqa: E402
 import prompt_sharing as ps  # noqa: E402
-import run_utils as ru  # noqa: E402
 import toy_task  # noqa: E402
 
 RESPONSE_LENGTH = toy_task.MAX_NEW_TOKENS  # 8, the toy scripts' --response_length
@@ -39,12 +40,12 @@ class ToyEvaluator:
 
     def __init__(self, toy_seed: int = 0, num_prompts: int = 256, samples_per_prompt: int = 4, seed: int = 1234):
         paths = toy_task.build(seed=toy_seed, verbose=False)
-        self.tokenizer = pc.load_tokenizer(paths["policy"])
+        self.tokenizer = models.load_tokenizer(paths["policy"])
         self.sft_path = paths["policy"]
-        self.reference = pc.load_causal_lm(paths["policy"], self.tokenizer).eval()
-        self.reward_model = pc.load_scalar_model(paths["reward"], self.tokenizer).eval()
-        self.prompts = list(ru.load_prompt_dataset(paths["prompt_dataset"], "test")["prompt"][:num_prompts])
-        self.queries = pc.pad_sequences(ru.tokenize_prompts(self.tokenizer, self.prompts), self.tokenizer.pad_token_id,
+        self.reference = models.load_causal_lm(paths["policy"], self.tokenizer).eval()
+        self.reward_model = models.load_scalar_model(paths["reward"], self.tokenizer).eval()
+        self.prompts = list(du.load_prompt_dataset(paths["prompt_dataset"], "test")["prompt"][:num_prompts])
+        self.queries = pc.pad_sequences(du.tokenize_prompts(self.tokenizer, self.prompts), self.tokenizer.pad_token_id,
                                         "left")
         self.samples_per_prompt, self.seed = samples_per_prompt, seed
         # the KL samples repeat each prompt samples_per_prompt times: encode it once when that saves enough
@@ -55,7 +56,7 @@ class ToyEvaluator:
         """A saved model folder (`DIR/model`), or an accelerate checkpoint folder holding model.safetensors
         (loaded into the SFT architecture; PPO's `policy.` prefix and value-head weights are handled)."""
         if os.path.exists(os.path.join(path, "config.json")):
-            return pc.load_causal_lm(path, self.tokenizer).eval()
+            return models.load_causal_lm(path, self.tokenizer).eval()
         from safetensors.torch import load_file
 
         files = [f for f in ("model.safetensors", "pytorch_model.bin") if os.path.exists(os.path.join(path, f))]
@@ -63,7 +64,7 @@ class ToyEvaluator:
             raise FileNotFoundError(f"{path}: neither a model folder nor a checkpoint with model.safetensors")
         state = load_file(os.path.join(path, files[0])) if files[0].endswith(".safetensors") else torch.load(
             os.path.join(path, files[0]), map_location="cpu")
-        model = pc.load_causal_lm(self.sft_path, self.tokenizer)
+        model = models.load_causal_lm(self.sft_path, self.tokenizer)
         wanted = set(model.state_dict())
         for prefix in ("", "policy.", "module.", "module.policy.", "base_model.model."):
             candidate = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}

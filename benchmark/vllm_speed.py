@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def setting(name: str):
     """(policy folder, prompts as token lists, rows per prompt, response_length, temperature) of a setting."""
-    import policy_common as pc
+    import data_utils as du
+    import models
     import run_utils as ru
     from speed_settings import TLDR, build_tldr_shaped
 
@@ -37,18 +38,18 @@ def setting(name: str):
 
         defaults = rloo.ALIAS_DEFAULTS["toy"]
         path = ru.resolve_model("toy")
-        tokenizer = pc.load_tokenizer(path)
-        prompts = ru.tokenize_prompts(tokenizer, ru.load_prompt_dataset(ru.default_dataset("toy"), "train")["prompt"],
+        tokenizer = models.load_tokenizer(path)
+        prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(ru.default_dataset("toy"), "train")["prompt"],
                                       defaults["max_prompt_length"])
         k = defaults["rloo_k"]
         return path, prompts[:defaults["per_device_train_batch_size"] // k], k, defaults["response_length"], \
             defaults["temperature"]
     paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))
-    tokenizer = pc.load_tokenizer(paths["policy"])
+    tokenizer = models.load_tokenizer(paths["policy"])
     import datasets
 
     prompts = datasets.load_from_disk(paths["prompt_dataset"])["train"]["prompt"]
-    prompts = ru.tokenize_prompts(tokenizer, prompts[:TLDR["rloo_batch"] // TLDR["rloo_k"]])
+    prompts = du.tokenize_prompts(tokenizer, prompts[:TLDR["rloo_batch"] // TLDR["rloo_k"]])
     return paths["policy"], prompts, TLDR["rloo_k"], TLDR["response_length"], TLDR["temperature"]
 
 
@@ -56,15 +57,16 @@ def run(name: str, rounds: int) -> dict:
     import torch
     from accelerate import Accelerator
 
+    import models
     import policy_common as pc
     import prompt_sharing as ps
     import vllm_generation as vg
 
     torch.manual_seed(0)
     path, prompts, k, response_length, temperature = setting(name)
-    tokenizer = pc.load_tokenizer(path)
+    tokenizer = models.load_tokenizer(path)
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    policy = pc.load_causal_lm(path, tokenizer).eval()
+    policy = models.load_causal_lm(path, tokenizer).eval()
     queries = pc.pad_sequences(prompts, pad, "left").repeat_interleave(k, 0)
     config = pc.make_generation_config(tokenizer, response_length, temperature)
     share = ps.worth_sharing(len(queries), k, queries.shape[1], response_length)
@@ -106,12 +108,12 @@ def sync_only(layers: int, width: int, rounds: int) -> dict:
     from accelerate import Accelerator
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    import policy_common as pc
+    import models
     import vllm_generation as vg
     from speed_settings import build_tldr_shaped
 
     paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))
-    tokenizer = pc.load_tokenizer(paths["policy"])
+    tokenizer = models.load_tokenizer(paths["policy"])
     torch.manual_seed(0)
     policy = GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,

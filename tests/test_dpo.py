@@ -8,9 +8,12 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+import models
+import policy_common as pc
+from errors import UserError
+
 from conftest import read_metrics, run_script, run_script_in_process
 
-import policy_common as pc
 from dpo import (Args, completion_sums, concatenated_inputs, dpo_loss, pair_losses, reference_logps,
                  sequence_ref_logps, tokenize_preferences, validate)
 
@@ -95,8 +98,8 @@ def test_ipo_uses_length_normalised_logps_and_rpo_adds_chosen_nll():
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def toy_model(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
-    return tokenizer, pc.load_causal_lm(toy["policy"], tokenizer)
+    tokenizer = models.load_tokenizer(toy["policy"])
+    return tokenizer, models.load_causal_lm(toy["policy"], tokenizer)
 
 
 def encode(tokenizer, text):
@@ -134,7 +137,7 @@ def test_precomputed_reference_equals_on_the_fly(toy_model, toy):
 
     tokenizer, _ = toy_model
     pad, rows = tokenizer.pad_token_id, hand_rows(tokenizer)
-    reference = pc.Reference("copy", model=pc.load_causal_lm(toy["policy"], tokenizer))
+    reference = pc.Reference("copy", model=models.load_causal_lm(toy["policy"], tokenizer))
     # (N, 2), batches of 2 with each prompt encoded once for its chosen and rejected rows; on the fly: plainly
     precomputed = sequence_ref_logps(reference, rows, 2, pad, Accelerator(cpu=True), share_prompts=True)
     assert precomputed.shape == (len(rows), 2)
@@ -163,9 +166,9 @@ def test_tokenisation_truncation_rule_and_dropped_rows(toy_model):
     assert rows[2]["rejected"] == encode(tokenizer, " b c") + [eos]
     rows, dropped = tokenize_preferences(tokenizer, data, max_prompt_length=4, max_length=4, name="hand")
     assert dropped == 2 and len(rows) == 1  # rows 0 and 1 have 4-token prompts: nothing is left of a completion
-    with pytest.raises(pc.UserError, match="no pair is left"):
+    with pytest.raises(UserError, match="no pair is left"):
         tokenize_preferences(tokenizer, data.select([0, 1]), max_prompt_length=4, max_length=4, name="hand")
-    with pytest.raises(pc.UserError, match="'rejected'"):
+    with pytest.raises(UserError, match="'rejected'"):
         tokenize_preferences(tokenizer, Dataset.from_list([{"prompt": "a =", "chosen": " a", "rejected": 3}]), 4, 8,
                              name="hand")
 
@@ -269,7 +272,7 @@ def test_resume_without_output_dir_continues_in_the_checkpoint_folder(short_run,
 
 def test_two_processes_match_one_for_the_same_global_batch(short_run, tmp_path):
     """torchrun with 2 CPU ranks, half the per-device batch: the same pairs per step, so the same metrics.
-    No checkpoints here: pc.save_checkpoint renames the folder while another rank may still be writing its RNG
+    No checkpoints here: tl.save_checkpoint renames the folder while another rank may still be writing its RNG
     state into it (no barrier after accelerator.save_state): the likely cause of one failure seen in six runs."""
     import subprocess
     import sys
@@ -372,7 +375,7 @@ def short_model(toy, tmp_path_factory):
     53 ask for), with the toy tokenizer."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
@@ -392,7 +395,7 @@ def test_lengths_fit_a_model_with_32_positions(short_model, toy, tmp_path):
     proc = run_dpo(*flags, "--output_dir", out)
     with open(os.path.join(out, "args.json")) as f:
         args = json.load(f)
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     pairs, prompts = load_from_disk(toy["preference_dataset"]), load_from_disk(toy["prompt_dataset"])["test"]["prompt"]
     longest = max(len(encode(tokenizer, p)) for p in [*pairs["train"]["prompt"], *pairs["test"]["prompt"][:16]])
     longest_query = max(len(encode(tokenizer, p)) for p in prompts[:4])
@@ -414,5 +417,5 @@ def test_lengths_fit_a_model_with_32_positions(short_model, toy, tmp_path):
                                          (dict(reference_free=True, precompute_ref_logprobs=True), "reference_free"),
                                          (dict(max_prompt_length=8, max_length=8), "max_length")])
 def test_invalid_hyper_parameters(flags, match):
-    with pytest.raises(pc.UserError, match=match):
+    with pytest.raises(UserError, match=match):
         validate(Args(**flags))

@@ -99,9 +99,9 @@ def test_format_reward():
 
 
 def test_loads_as_reward_function():
-    """rewards.py loads the checker from its path (as --reward_funcs path.py:function) and it scores a batch."""
-    rewards = pytest.importorskip("rewards")
-    fn = rewards.load_reward_function(os.path.join(GSM8K, "gsm8k_reward.py") + ":gsm8k_accuracy", "data/gsm8k")
+    """reward_sources.py loads the checker from its path (as --reward_funcs path.py:function) and it scores a batch."""
+    reward_sources = pytest.importorskip("reward_sources")
+    fn = reward_sources.load_reward_function(os.path.join(GSM8K, "gsm8k_reward.py") + ":gsm8k_accuracy", "data/gsm8k")
     assert fn.fn(prompts=["q", "q"], completions=["#### 72", "#### 7"], completion_ids=[[1], [2]],
                  answer=["72", "72"]) == [1.0, 0.0]
 
@@ -121,15 +121,15 @@ def test_convert_is_a_prompt_dataset(tmp_path):
     """convert() on an in-memory GSM8K DatasetDict: columns prompt/answer only, saved and loaded back as the RL
     scripts load a prompt dataset (train split, test split for evaluation)."""
     datasets = pytest.importorskip("datasets")
-    run_utils = pytest.importorskip("run_utils")
+    data_utils = pytest.importorskip("data_utils")
     source = datasets.DatasetDict({
         "train": datasets.Dataset.from_dict({"question": ["How many clips?", "How much profit?"],
                                              "answer": [NATALIA, HOUSE]}),
         "test": datasets.Dataset.from_dict({"question": ["How cold?"], "answer": [TEMPERATURE]}),
     })
     prepare_data.convert(source).save_to_disk(str(tmp_path / "gsm8k"))
-    train = run_utils.load_prompt_dataset(str(tmp_path / "gsm8k"), "train")
-    test = run_utils.load_prompt_dataset(str(tmp_path / "gsm8k"), "test")
+    train = data_utils.load_prompt_dataset(str(tmp_path / "gsm8k"), "train")
+    test = data_utils.load_prompt_dataset(str(tmp_path / "gsm8k"), "test")
     assert sorted(train.column_names) == ["answer", "prompt"]
     assert train["answer"] == ["72", "195000"] and test["answer"] == ["-3"]
     assert test["prompt"][0][0]["role"] == "user" and test["prompt"][0][0]["content"].startswith("How cold?\n")

@@ -13,10 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import run_utils as ru
+import data_utils as du
+import models
+from errors import UserError
+
 from conftest import read_metrics, run_script, run_script_in_process
 from kto import kl_reference_point, kto_losses, loss_weights, make_kl_groups, step_groups, to_unpaired, weight_advice
-from policy_common import UserError
 
 SHORT = ["--num_eval_prompts", "32", "--num_eval_examples", "128"]
 TRAIN_KEYS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected",
@@ -87,14 +89,14 @@ def test_mismatched_pairs_never_use_the_examples_own_completion(n, group_size, s
         assert sorted(e["kl_partner"] for e in group) == sorted(indices)
     assert make_kl_groups(examples, group_size, seed, 32) == groups  # fixed per seed: precomputable
     # the grouping is the shared data order's epoch 0
-    assert [e["index"] for g in groups for e in g] == ru.epoch_permutation(n, seed, 0)[:len(groups) * group_size]
+    assert [e["index"] for g in groups for e in g] == du.epoch_permutation(n, seed, 0)[:len(groups) * group_size]
 
 
 def test_each_epoch_visits_the_micro_batches_in_the_shared_data_order():
     # 10 micro-batches, 3 per step: 3 steps per epoch, each epoch leaving a different one out
     for step in range(7):
         epoch, position = divmod(step, 3)
-        assert step_groups(step, 10, 3, seed=5) == ru.epoch_permutation(10, 5, epoch)[3 * position:3 * position + 3]
+        assert step_groups(step, 10, 3, seed=5) == du.epoch_permutation(10, 5, epoch)[3 * position:3 * position + 3]
     assert len(set(sum((step_groups(s, 10, 3, 5) for s in range(3)), []))) == 9
 
 
@@ -246,7 +248,7 @@ def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                         eos_token_id=1, bos_token_id=1)
     models = {"neox": GPTNeoXForCausalLM(neox), "llama": LlamaForCausalLM(llama),
-              "lora": pc.add_lora(GPTNeoXForCausalLM(neox), r=4, alpha=8, dropout=0.0)}
+              "lora": models.add_lora(GPTNeoXForCausalLM(neox), r=4, alpha=8, dropout=0.0)}
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 40) for _ in range(rng.randrange(20, 30))] for _ in range(3)]
     group = [dict(prompt_ids=prompts[i % 3],  # paired data: a prompt can come twice in one micro-batch
@@ -396,9 +398,7 @@ def short_model(toy, tmp_path_factory):
     """A tiny GPT-NeoX with only 32 positions (a model this project never saw), saved with the toy tokenizer."""
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    import policy_common as pc
-
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     torch.manual_seed(0)
     config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                            intermediate_size=64, max_position_embeddings=32, eos_token_id=tokenizer.eos_token_id,

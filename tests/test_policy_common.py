@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
                           GenerationConfig)
 
+import models
 import policy_common as pc
 import prompt_sharing as ps
+from errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 40
 
@@ -77,7 +79,7 @@ def test_masked_var_and_whiten_of_fewer_than_two_values():
 
 def test_exact_div():
     assert pc.exact_div(12, 4, "x") == 3
-    with pytest.raises(pc.UserError, match="local_batch_size: 10 is not divisible by 4"):
+    with pytest.raises(UserError, match="local_batch_size: 10 is not divisible by 4"):
         pc.exact_div(10, 4, "local_batch_size")
 
 
@@ -173,7 +175,7 @@ def test_shared_prompts_other_architecture_and_lora():
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                          pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)).eval()
-    lora = pc.add_lora(GPTNeoXForCausalLM(tiny_config()), r=4, alpha=8, dropout=0.0).eval()
+    lora = models.add_lora(GPTNeoXForCausalLM(tiny_config()), r=4, alpha=8, dropout=0.0).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(6), [2, 3])
     for model in (llama, lora):
         calls = CountCalls(model)
@@ -191,7 +193,7 @@ def test_shared_prompts_fall_back_under_activation_checkpointing():
     model = GPTNeoXForCausalLM(tiny_config()).train()
     query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(8), [3, 2])
     expected = pc.response_logprobs(model, query_responses, lq, PAD)
-    pc.enable_activation_checkpointing(model)
+    models.enable_activation_checkpointing(model)
     calls = CountCalls(model)
     torch.testing.assert_close(pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True), expected)
     assert calls.n == 1
@@ -373,7 +375,7 @@ def test_batch_generation_ignores_the_models_own_sampling_defaults(lora):
     model = eos_biased_model(seed=9)
     model.generation_config.repetition_penalty, model.generation_config.top_k = 3.0, 2
     if lora:
-        model = pc.add_lora(model, r=4, alpha=8, dropout=0.0)
+        model = models.add_lora(model, r=4, alpha=8, dropout=0.0)
     q = pc.pad_sequences(random_queries(torch.Generator().manual_seed(10), [3, 2, 4, 3]), PAD, "left")
     config = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=8,
                               pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD])
@@ -436,7 +438,7 @@ def test_make_generation_config():
     assert sample.max_new_tokens == 10 and sample.min_new_tokens == 2
     assert sample.pad_token_id == PAD and sample.eos_token_id == EOS
     assert not pc.make_generation_config(Tok, 10, greedy=True).do_sample
-    with pytest.raises(pc.UserError, match="temperature"):
+    with pytest.raises(UserError, match="temperature"):
         pc.make_generation_config(Tok, 10, temperature=0.0)
 
 
@@ -479,7 +481,7 @@ def test_adapter_off_reference_is_the_base_model_before_and_after_training():
     base = GPTNeoXForCausalLM(tiny_config()).eval()
     base_copy = GPTNeoXForCausalLM(tiny_config()).eval()
     base_copy.load_state_dict(base.state_dict())
-    policy = pc.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value", "dense"])
+    policy = models.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value", "dense"])
     reference = pc.Reference("adapter_off", policy=policy)
     ids = torch.tensor([[PAD, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, PAD]])
     with torch.no_grad():
@@ -500,8 +502,8 @@ def test_frozen_copy_unchanged_by_training(tmp_path):
     torch.manual_seed(10)
     GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "m")
     _save_tiny_tokenizer(tmp_path / "m", with_pad=True)
-    tokenizer = pc.load_tokenizer(str(tmp_path / "m"))
-    policy = pc.load_causal_lm(str(tmp_path / "m"), tokenizer)
+    tokenizer = models.load_tokenizer(str(tmp_path / "m"))
+    policy = models.load_causal_lm(str(tmp_path / "m"), tokenizer)
     reference = pc.create_reference(policy, tokenizer, policy_name=str(tmp_path / "m"))
     assert reference.mode == "copy" and reference.model is not policy
     assert not any(p.requires_grad for p in reference.model.parameters())
@@ -534,9 +536,9 @@ def test_tokenizer_without_pad_gets_a_distinct_one_and_model_is_resized(tmp_path
     torch.manual_seed(11)
     GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path)
     _save_tiny_tokenizer(tmp_path, with_pad=False)
-    tokenizer = pc.load_tokenizer(str(tmp_path))
+    tokenizer = models.load_tokenizer(str(tmp_path))
     assert tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id
-    model = pc.load_causal_lm(str(tmp_path), tokenizer)
+    model = models.load_causal_lm(str(tmp_path), tokenizer)
     assert model.get_input_embeddings().num_embeddings >= len(tokenizer)
     assert model.config.pad_token_id == tokenizer.pad_token_id
 
@@ -548,16 +550,16 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", unk_token="t2").save_pretrained(tmp_path)
-    with pytest.raises(pc.UserError, match="no EOS token"):
-        pc.load_tokenizer(str(tmp_path))
+    with pytest.raises(UserError, match="no EOS token"):
+        models.load_tokenizer(str(tmp_path))
 
 
 def test_dropout_disabled_and_dtype(tmp_path):
     torch.manual_seed(12)
     GPTNeoXForCausalLM(tiny_config(hidden_dropout=0.3, attention_dropout=0.3)).save_pretrained(tmp_path)
     _save_tiny_tokenizer(tmp_path, with_pad=True)
-    tokenizer = pc.load_tokenizer(str(tmp_path))
-    model = pc.load_causal_lm(str(tmp_path), tokenizer).train()
+    tokenizer = models.load_tokenizer(str(tmp_path))
+    model = models.load_causal_lm(str(tmp_path), tokenizer).train()
     assert all(m.p == 0.0 for m in model.modules() if isinstance(m, torch.nn.Dropout))
     assert next(model.parameters()).dtype == torch.float32
     ids = torch.tensor([[3, 4, 5, 6]])
@@ -565,19 +567,19 @@ def test_dropout_disabled_and_dtype(tmp_path):
 
 
 def test_bad_model_names_fail_in_one_line():
-    with pytest.raises(pc.UserError, match="does not exist"):
-        pc.load_tokenizer("./no/such/model")
-    with pytest.raises(pc.UserError, match="unreachable|could not load"):
-        pc.load_tokenizer("no-such-model-xyz")
+    with pytest.raises(UserError, match="does not exist"):
+        models.load_tokenizer("./no/such/model")
+    with pytest.raises(UserError, match="unreachable|could not load"):
+        models.load_tokenizer("no-such-model-xyz")
 
 
 def test_check_same_vocab(tmp_path):
     _save_tiny_tokenizer(tmp_path / "a", with_pad=True)
     _save_tiny_tokenizer(tmp_path / "b", with_pad=False)
-    a, b = pc.load_tokenizer(str(tmp_path / "a")), pc.load_tokenizer(str(tmp_path / "b"))
-    pc.check_same_vocab(a, a)
-    with pytest.raises(pc.UserError, match="share a vocabulary"):
-        pc.check_same_vocab(a, b)
+    a, b = models.load_tokenizer(str(tmp_path / "a")), models.load_tokenizer(str(tmp_path / "b"))
+    models.check_same_vocab(a, a)
+    with pytest.raises(UserError, match="share a vocabulary"):
+        models.check_same_vocab(a, b)
 
 
 def _shared_flags(**overrides):
@@ -591,12 +593,12 @@ def _shared_flags(**overrides):
 def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
     """Activation checkpointing on a LoRA policy (frozen base) still gives the adapter its gradients, equal to
     those of the same policy without checkpointing."""
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     ids = torch.tensor([[5, 6, 7, 3, 5, 6, 7, 1]])
     grads = []
     for checkpointing in (False, True):
         torch.manual_seed(0)
-        policy = pc.load_policy(toy["policy"], tokenizer,
+        policy = models.load_policy(toy["policy"], tokenizer,
                                 _shared_flags(use_peft=True, gradient_checkpointing=checkpointing)).train()
         with torch.no_grad():
             for name, p in policy.named_parameters():
@@ -607,20 +609,20 @@ def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
     assert grads[0] and all(g.abs().sum() > 0 for g in grads[1].values())
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], atol=1e-5, rtol=1e-4)
-    with pytest.raises(pc.UserError, match="--load_in_4bit needs --use_peft"):
-        pc.load_policy(toy["policy"], tokenizer, _shared_flags(load_in_4bit=True))
+    with pytest.raises(UserError, match="--load_in_4bit needs --use_peft"):
+        models.load_policy(toy["policy"], tokenizer, _shared_flags(load_in_4bit=True))
 
 
 def test_create_reference_defaults_to_the_starting_policy_and_checks_vocab(toy, tmp_path):
-    tokenizer = pc.load_tokenizer(toy["policy"])
-    policy = pc.load_policy(toy["policy"], tokenizer, _shared_flags())
+    tokenizer = models.load_tokenizer(toy["policy"])
+    policy = models.load_policy(toy["policy"], tokenizer, _shared_flags())
     reference = pc.create_reference(policy, tokenizer, policy_name=toy["policy"])
     assert reference.mode == "copy" and reference.model is not policy
     for a, b in zip(reference.model.parameters(), policy.parameters()):
         assert torch.equal(a, b)
     GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "other")
     _save_tiny_tokenizer(tmp_path / "other", with_pad=True)
-    with pytest.raises(pc.UserError, match="reference model's tokenizer differs"):
+    with pytest.raises(UserError, match="reference model's tokenizer differs"):
         pc.create_reference(policy, tokenizer, policy_name=toy["policy"], ref_model=str(tmp_path / "other"))
 
 

@@ -7,10 +7,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import data_utils as du
+
 from conftest import read_metrics, run_script_in_process
 from conftest import run_script as _run_script
 
-import run_utils as ru
 from ppo import (adaptive_kl_coef, batch_advantages, compute_gae, penalise_missing_eos,
                  per_token_rewards, ppo_losses)
 
@@ -130,14 +131,14 @@ def test_advantages_of_a_single_response_token_are_finite(whiten_rewards):
 
 
 def test_batch_indices_follow_the_shared_data_order():
-    """Updates read the data order of every script (ru.epoch_permutation per pass) position after position,
+    """Updates read the data order of every script (du.epoch_permutation per pass) position after position,
     across pass boundaries."""
     num_prompts, batch_size, seed = 10, 4, 3
-    order = [i for epoch in range(3) for i in ru.epoch_permutation(num_prompts, seed, epoch)]
-    read = [i for update in range(1, 8) for i in ru.data_positions(num_prompts, seed, (update - 1) * batch_size,
+    order = [i for epoch in range(3) for i in du.epoch_permutation(num_prompts, seed, epoch)]
+    read = [i for update in range(1, 8) for i in du.data_positions(num_prompts, seed, (update - 1) * batch_size,
                                                                    batch_size)]
     assert read == order[:28]
-    assert ru.data_positions(num_prompts, seed, 5 * batch_size, batch_size) == order[20:24]  # resume at update 6
+    assert du.data_positions(num_prompts, seed, 5 * batch_size, batch_size) == order[20:24]  # resume at update 6
 
 
 def test_ppo_losses_against_elementwise_definition():

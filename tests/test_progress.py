@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import run_utils as ru
+import metrics_log as ml
 from conftest import run_script
 
 NOISE = ("LOAD REPORT", "Setting accelerator", "Saving the dataset", "Loading weights", "Writing model shards")
@@ -27,7 +27,7 @@ def test_fresh_toy_build_and_run_are_quiet_and_end_with_a_summary(fresh_toy_run)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     gold = [r["eval/gold_score"] for r in rows if "eval/gold_score" in r]
-    assert any(line.split() == ["eval/gold_score", ru._short_number(gold[0]), "->", ru._short_number(gold[-1]),
+    assert any(line.split() == ["eval/gold_score", ml.short_number(gold[0]), "->", ml.short_number(gold[-1]),
                                 "(step", "0", "->", "10)"] for line in summary), summary
     assert summary[-3:] == [f"  model:   {out}/model", f"  metrics: {out}/metrics.jsonl",
                             f"  plot:    python benchmark/plot.py {out}"]
@@ -45,7 +45,7 @@ def test_verbose_brings_the_library_output_back(toy, tmp_path):
 
 
 def test_progress_on_a_non_terminal_prints_a_line_every_tenth(capsys):
-    progress = ru.Progress(total=20, done=0, items_per_step=64, items="episodes", keys=("objective/kl",
+    progress = ml.Progress(total=20, done=0, items_per_step=64, items="episodes", keys=("objective/kl",
                                                                                         "eval/gold_score"))
     for step in range(1, 21):
         progress.update(step, {"objective/kl": step / 10, **({"eval/gold_score": 0.5} if step == 5 else {})})
@@ -55,7 +55,7 @@ def test_progress_on_a_non_terminal_prints_a_line_every_tenth(capsys):
 
 
 def test_samples_rotate_and_the_summary_reads_the_first_and_last_evaluation(tmp_path, capsys):
-    logger = ru.MetricsLogger(str(tmp_path / "run"), {"seed": 1})
+    logger = ml.MetricsLogger(str(tmp_path / "run"), {"seed": 1})
     rows = [{"prompt": f"p{i}", "completion": "x", "score": float(i)} for i in range(10)]
     shown = []
     for step in range(3):
@@ -77,4 +77,4 @@ def test_samples_rotate_and_the_summary_reads_the_first_and_last_evaluation(tmp_
 @pytest.mark.parametrize("value, text", [(0.0, "0"), (3, "3"), (0.123456, "0.1235"), (-4.15432, "-4.154"),
                                          (1234567.0, "1.235e+06"), (True, "True")])
 def test_short_numbers(value, text):
-    assert ru._short_number(value) == text
+    assert ml.short_number(value) == text

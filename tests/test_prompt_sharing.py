@@ -7,6 +7,7 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, StaticCache
 
+import models
 import policy_common as pc
 import prompt_sharing as ps
 
@@ -26,7 +27,7 @@ def llama():
                                         pad_token_id=PAD, eos_token_id=1, bos_token_id=1))
 
 
-MODELS = {"neox": neox, "llama": llama, "lora": lambda: pc.add_lora(neox(), r=4, alpha=8, dropout=0.0)}
+MODELS = {"neox": neox, "llama": llama, "lora": lambda: models.add_lora(neox(), r=4, alpha=8, dropout=0.0)}
 
 
 def batch(seed: int):

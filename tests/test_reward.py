@@ -8,9 +8,11 @@ import os
 
 import pytest
 import torch
+import models
+from errors import UserError
+
 from conftest import read_metrics, run_script, run_script_in_process
 
-import policy_common as pc
 from reward import (Args, RewardModel, bradley_terry_loss, init_score_head, load_reward_model, pair_rewards,
                     pair_stats, reward_input_ids, tokenize_pairs, validate)
 
@@ -53,7 +55,7 @@ def test_margin_column_and_centring_term_by_hand():
                                          (dict(max_prompt_length=8, max_length=8), "max_length"),
                                          (dict(weight_decay=-0.1), "weight_decay")])
 def test_invalid_hyper_parameters(flags, match):
-    with pytest.raises(pc.UserError, match=match):
+    with pytest.raises(UserError, match=match):
         validate(Args(**flags))
 
 
@@ -66,21 +68,21 @@ def test_new_head_is_initialised_as_sffd_and_an_existing_head_is_kept(toy):
     init_score_head(head)
     assert head.weight.std().item() == pytest.approx(1 / 64, rel=0.05) and abs(head.weight.mean().item()) < 1e-3
     assert head.bias.item() == 0.0
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     torch.manual_seed(0)
     fresh = load_reward_model(toy["policy"], tokenizer, Args())  # a causal LM: its head is new
     torch.manual_seed(0)
     expected = torch.nn.Linear(fresh.config.hidden_size, 1, bias=False)
     init_score_head(expected)
     assert torch.equal(fresh.score.weight, expected.weight)
-    trained = pc.load_scalar_model(toy["reward"], tokenizer)
+    trained = models.load_scalar_model(toy["reward"], tokenizer)
     assert torch.equal(load_reward_model(toy["reward"], tokenizer, Args()).score.weight, trained.score.weight)
 
 
 @pytest.fixture(scope="module")
 def toy_reward_model(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
-    model = pc.load_scalar_model(toy["reward"], tokenizer).eval()
+    tokenizer = models.load_tokenizer(toy["policy"])
+    model = models.load_scalar_model(toy["reward"], tokenizer).eval()
     return tokenizer, model
 
 
@@ -136,10 +138,10 @@ def test_tokenize_pairs_margin_dropped_rows_and_types(toy_reward_model):
     rows, dropped = tokenize_pairs(tokenizer, data, 3, 8, "text", "hand")
     assert dropped == 1 and len(rows) == 1 and rows[0]["chosen"] == encode(tokenizer, " a b")  # ... nothing as text
     assert "margin" not in tokenize_pairs(tokenizer, data.remove_columns("margin"), 3, 8, "tokens", "hand")[0][0]
-    with pytest.raises(pc.UserError, match="'margin'"):
+    with pytest.raises(UserError, match="'margin'"):
         tokenize_pairs(tokenizer, Dataset.from_list([{"prompt": "a =", "chosen": " a", "rejected": " b",
                                                       "margin": "big"}]), 3, 8, "tokens", "hand")
-    with pytest.raises(pc.UserError, match="'rejected'"):
+    with pytest.raises(UserError, match="'rejected'"):
         tokenize_pairs(tokenizer, Dataset.from_list([{"prompt": "a =", "chosen": " a", "rejected": 3}]), 3, 8,
                        "tokens", "hand")
 

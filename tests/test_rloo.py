@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import models
 import policy_common as pc
 import run_utils as ru
 from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
@@ -228,8 +229,8 @@ def test_peft_reference_is_adapter_off_base(toy):
 
     args = ru.parse_args(Args, ALIAS_DEFAULTS, argv=["--use_peft"])
     policy_path = ru.resolve_model(args.model)
-    tokenizer = pc.load_tokenizer(policy_path)
-    policy = pc.load_policy(policy_path, tokenizer, args)  # the same calls rloo.py makes
+    tokenizer = models.load_tokenizer(policy_path)
+    policy = models.load_policy(policy_path, tokenizer, args)  # the same calls rloo.py makes
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft)
     assert reference.mode == "adapter_off"
     torch.manual_seed(0)
@@ -237,7 +238,7 @@ def test_peft_reference_is_adapter_off_base(toy):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # make the adapter matter
-    base = pc.load_causal_lm(policy_path, tokenizer)
+    base = models.load_causal_lm(policy_path, tokenizer)
     queries = pc.pad_sequences([tokenizer("b a c =", add_special_tokens=False)["input_ids"]], tokenizer.pad_token_id, "left")
     query_responses = torch.cat([queries, torch.tensor([[tokenizer.convert_tokens_to_ids(t) for t in "abc"]])], 1)
     ctx = queries.shape[1]

@@ -9,16 +9,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
 
-import policy_common as pc
+import data_utils as du
+import metrics_log as ml
+import models
 import run_utils as ru
+import train_loop as tl
+from errors import UserError
 from conftest import run_two_processes
 from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 
 # --------------------------------------------------------------------------------------------- saving
 def test_save_then_reload_gives_identical_logits(tmp_path, lm):
     _save_tiny_tokenizer(tmp_path / "tok", with_pad=True)
-    tokenizer = pc.load_tokenizer(str(tmp_path / "tok"))
-    ru.save_model(None, lm, tokenizer, str(tmp_path / "model"))
+    tokenizer = models.load_tokenizer(str(tmp_path / "tok"))
+    tl.save_model(None, lm, tokenizer, str(tmp_path / "model"))
     assert os.path.exists(tmp_path / "model" / "model.safetensors")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     ids = torch.tensor([[3, 4, 5, 6, 7]])
@@ -31,7 +35,7 @@ def test_peft_save_adapter_and_merged(tmp_path):
     torch.manual_seed(13)
     base = GPTNeoXForCausalLM(tiny_config()).eval()
     base.save_pretrained(tmp_path / "base")
-    policy = pc.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value"])
+    policy = models.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value"])
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -39,9 +43,9 @@ def test_peft_save_adapter_and_merged(tmp_path):
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
         expected = policy(input_ids=ids).logits
-    ru.save_model(None, policy, None, str(tmp_path / "adapter"))
+    tl.save_model(None, policy, None, str(tmp_path / "adapter"))
     assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
-    ru.save_model(None, policy, None, str(tmp_path / "merged"), merge_peft=True)
+    tl.save_model(None, policy, None, str(tmp_path / "merged"), merge_peft=True)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
@@ -51,10 +55,10 @@ def test_peft_save_adapter_and_merged(tmp_path):
 
 def test_atomic_dir_keeps_old_folder_on_failure(tmp_path):
     target = tmp_path / "ckpt"
-    with ru.atomic_dir(str(target)) as tmp:
+    with tl.atomic_dir(str(target)) as tmp:
         open(os.path.join(tmp, "a.txt"), "w").write("first")
     with pytest.raises(RuntimeError):
-        with ru.atomic_dir(str(target)) as tmp:
+        with tl.atomic_dir(str(target)) as tmp:
             open(os.path.join(tmp, "a.txt"), "w").write("half")
             raise RuntimeError("killed mid-write")
     assert open(target / "a.txt").read() == "first"
@@ -63,67 +67,67 @@ def test_atomic_dir_keeps_old_folder_on_failure(tmp_path):
 
 # --------------------------------------------------------------------------------------------- data
 def test_tokenize_prompt_completion_truncation_rule(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     ids = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
-    prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, "a b c d =", " a b c", 3, 6)
+    prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, "a b c d =", " a b c", 3, 6)
     assert prompt_ids == ids("c d =")  # prompt keeps its last 3 tokens
     assert completion_ids == ids(" a b c")  # 6 - 3 = 3 tokens: EOS truncated away
-    prompt_ids, completion_ids = ru.tokenize_prompt_completion(tokenizer, "a b =", " a b", 5, 10)
+    prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, "a b =", " a b", 5, 10)
     assert completion_ids == ids(" a b") + [tokenizer.eos_token_id]
-    _, completion_ids = ru.tokenize_prompt_completion(tokenizer, "a b c d =", " a", 5, 5)
+    _, completion_ids = du.tokenize_prompt_completion(tokenizer, "a b c d =", " a", 5, 5)
     assert completion_ids == []  # nothing of the completion survives: callers drop and count the row
 
 
 def test_tokenize_prompts_refuses_long_prompts(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
-    assert len(ru.tokenize_prompts(tokenizer, ["a b ="], 3)[0]) == 3
-    with pytest.raises(pc.UserError, match="prompt 1 has 4 tokens, more than --max_prompt_length 3"):
-        ru.tokenize_prompts(tokenizer, ["a b =", "a b c ="], 3)
+    tokenizer = models.load_tokenizer(toy["policy"])
+    assert len(du.tokenize_prompts(tokenizer, ["a b ="], 3)[0]) == 3
+    with pytest.raises(UserError, match="prompt 1 has 4 tokens, more than --max_prompt_length 3"):
+        du.tokenize_prompts(tokenizer, ["a b =", "a b c ="], 3)
 
 
 def test_load_dataset_sources_and_errors(tmp_path, toy):
     rows = [{"prompt": "a b =", "chosen": " a b", "rejected": " b a"}] * 3
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("\n".join(json.dumps(r) for r in rows))
-    ds = ru.load_preference_dataset(str(jsonl), "train")
+    ds = du.load_preference_dataset(str(jsonl), "train")
     assert ds.column_names == ["prompt", "chosen", "rejected"] and len(ds) == 3
-    toy_pref = ru.load_preference_dataset("toy", "test")
-    ru.require_columns(toy_pref, ["prompt", "chosen", "rejected"], "toy")
-    assert len(ru.load_prompt_dataset(toy["prompt_dataset"], "test")) == 256
-    with pytest.raises(pc.UserError, match=r"missing column\(s\) \['label'\]"):
-        ru.require_columns(ds, ["prompt", "label"], "d.jsonl")
+    toy_pref = du.load_preference_dataset("toy", "test")
+    du.require_columns(toy_pref, ["prompt", "chosen", "rejected"], "toy")
+    assert len(du.load_prompt_dataset(toy["prompt_dataset"], "test")) == 256
+    with pytest.raises(UserError, match=r"missing column\(s\) \['label'\]"):
+        du.require_columns(ds, ["prompt", "label"], "d.jsonl")
     (tmp_path / "empty.jsonl").write_text("")
-    with pytest.raises(pc.UserError):
-        ru.load_preference_dataset(str(tmp_path / "empty.jsonl"), "train")
-    with pytest.raises(pc.UserError, match="not found"):
-        ru.load_preference_dataset(str(tmp_path / "missing.json"), "train")
-    with pytest.raises(pc.UserError, match="no split 'validation'"):
-        ru.load_prompt_dataset("toy", "validation")
+    with pytest.raises(UserError):
+        du.load_preference_dataset(str(tmp_path / "empty.jsonl"), "train")
+    with pytest.raises(UserError, match="not found"):
+        du.load_preference_dataset(str(tmp_path / "missing.json"), "train")
+    with pytest.raises(UserError, match="no split 'validation'"):
+        du.load_prompt_dataset("toy", "validation")
 
 
 def test_render_conversational(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
     prompt = [{"role": "user", "content": "b a"}]
-    assert ru.render_prompt(tokenizer, prompt) == "b a ="
-    assert ru.render_prompt(tokenizer, "b a =") == "b a ="
-    assert ru.is_conversational(prompt) and not ru.is_conversational("x")
+    assert du.render_prompt(tokenizer, prompt) == "b a ="
+    assert du.render_prompt(tokenizer, "b a =") == "b a ="
+    assert du.is_conversational(prompt) and not du.is_conversational("x")
 
 
 # --------------------------------------------------------------------------------------------- runs
 def test_metrics_logger_appends_refuses_and_resumes(tmp_path):
     out = str(tmp_path / "run")
-    logger = ru.MetricsLogger(out, {"lr": 1.0})
+    logger = ml.MetricsLogger(out, {"lr": 1.0})
     logger.log({"loss": torch.tensor(0.5), "lr": 1.0}, step=1)
     logger.log({"loss": 0.25}, step=2)
     rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     assert rows == [{"step": 1, "loss": 0.5, "lr": 1.0}, {"step": 2, "loss": 0.25}]
     assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0}
-    with pytest.raises(pc.UserError, match="already holds a run"):
-        ru.MetricsLogger(out, {"lr": 1.0})
-    ru.MetricsLogger(out, {"lr": 1.0}, resume_step=1)
+    with pytest.raises(UserError, match="already holds a run"):
+        ml.MetricsLogger(out, {"lr": 1.0})
+    ml.MetricsLogger(out, {"lr": 1.0}, resume_step=1)
     assert [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))] == [1]
-    ru.MetricsLogger(str(tmp_path / "other"), {}, is_main_process=False).log({"x": 1}, step=1)
+    ml.MetricsLogger(str(tmp_path / "other"), {}, is_main_process=False).log({"x": 1}, step=1)
     assert not os.path.exists(tmp_path / "other")
 
 
@@ -174,10 +178,10 @@ def test_parse_args_records_the_flags_given_and_fit_length(capsys):
     assert ru.fit_length(args, "response_length", None, "no limit") == 30
     args = ru.parse_args(Args, {}, argv=["--response_length", "40"])
     assert args.given_flags == {"response_length"}
-    with pytest.raises(pc.UserError, match="--response_length 40 does not fit: the longest prompt leaves 30"):
+    with pytest.raises(UserError, match="--response_length 40 does not fit: the longest prompt leaves 30"):
         ru.fit_length(args, "response_length", 30, "the longest prompt")
     args = ru.parse_args(Args, {}, argv=[])
-    with pytest.raises(pc.UserError, match="leaves 0 positions"):  # real prompts that leave no room
+    with pytest.raises(UserError, match="leaves 0 positions"):  # real prompts that leave no room
         ru.fit_length(args, "response_length", -3, "a 35-token prompt in 32 positions")
 
 
@@ -187,25 +191,25 @@ def test_aliases_resolve_without_importing_the_toy_task_until_named(toy):
     assert ru.resolve_model("org/some-model") == "org/some-model"
     assert ru.resolve_model("toy") == toy["policy"] and ru.resolve_reward_model("toy") == toy["reward"]
     assert ru.default_dataset("pythia-2.8b") == "tldr" and ru.default_reward_model("toy") == "toy"
-    with pytest.raises(pc.UserError, match="--dataset is required"):
+    with pytest.raises(UserError, match="--dataset is required"):
         ru.default_dataset("org/some-model")
     assert ru.model_positions(toy["policy"]) == 64
 
 
 def test_epoch_permutation_is_seeded_per_epoch():
-    a = ru.epoch_permutation(50, seed=1, epoch=0)
-    assert sorted(a) == list(range(50)) and a == ru.epoch_permutation(50, seed=1, epoch=0)
-    assert a != ru.epoch_permutation(50, seed=1, epoch=1) and a != ru.epoch_permutation(50, seed=2, epoch=0)
-    assert ru.epoch_permutation(50, seed=1, epoch=1) != ru.epoch_permutation(50, seed=2, epoch=0)  # no seed+epoch aliasing
+    a = du.epoch_permutation(50, seed=1, epoch=0)
+    assert sorted(a) == list(range(50)) and a == du.epoch_permutation(50, seed=1, epoch=0)
+    assert a != du.epoch_permutation(50, seed=1, epoch=1) and a != du.epoch_permutation(50, seed=2, epoch=0)
+    assert du.epoch_permutation(50, seed=1, epoch=1) != du.epoch_permutation(50, seed=2, epoch=0)  # no seed+epoch aliasing
 
 
 def test_data_positions_read_the_permutations_pass_after_pass():
-    first = ru.data_positions(10, seed=1, start=0, count=10)
+    first = du.data_positions(10, seed=1, start=0, count=10)
     assert sorted(first) == list(range(10))
-    assert first == ru.epoch_permutation(10, 1, 0)  # the data order every script shares
-    assert ru.data_positions(10, seed=1, start=25, count=3) == ru.epoch_permutation(10, 1, 2)[5:8]
-    assert ru.data_positions(10, 1, 3, 12) == (first + ru.data_positions(10, 1, 10, 10))[3:15]
-    assert ru.data_positions(10, seed=2, start=0, count=10) != first
+    assert first == du.epoch_permutation(10, 1, 0)  # the data order every script shares
+    assert du.data_positions(10, seed=1, start=25, count=3) == du.epoch_permutation(10, 1, 2)[5:8]
+    assert du.data_positions(10, 1, 3, 12) == (first + du.data_positions(10, 1, 10, 10))[3:15]
+    assert du.data_positions(10, seed=2, start=0, count=10) != first
 
 
 class _Processes:
@@ -237,7 +241,7 @@ def _processes_worker(rank, port, results):
     try:
         # uneven items: 3 on process 0, 1 on process 1; the same calls on both
         sums, count = ({"x": 1.0 + 2.0 + 3.0}, 3) if rank == 0 else ({"x": 10.0}, 1)
-        stop = ru.StopSignal()
+        stop = tl.StopSignal()
         stop.received = "SIGTERM" if rank == 1 else None
         if rank == 1:
             time.sleep(1.2)  # its own clock would name another run folder
@@ -257,14 +261,14 @@ def test_global_means_and_agreement_over_two_processes():
     one = _Processes()
     assert ru.global_means(one, {"x": 6.0}, 3) == {"x": 2.0}
     assert ru.all_finite(one, 1.0, None) and not ru.all_finite(one, torch.tensor([1.0, float("inf")]))
-    assert not ru.StopSignal().agreed(one)
+    assert not tl.StopSignal().agreed(one)
 
 
 def test_output_dir_refuses_a_folder_holding_a_run_unless_resuming(tmp_path):
     args = SimpleNamespace(output_dir=str(tmp_path), resume_from=None, exp_name="rloo", seed=1)
     assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path)  # an empty (or other) folder is fine
     (tmp_path / "metrics.jsonl").write_text("{}\n")
-    with pytest.raises(pc.UserError, match="already holds a run"):
+    with pytest.raises(UserError, match="already holds a run"):
         ru.output_dir(args, "toy", _Processes())
     args.resume_from = str(tmp_path / "checkpoint-2")
     assert ru.output_dir(args, "toy", _Processes()) == str(tmp_path)

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-import policy_common as pc
-import run_utils as ru
+import models
+import train_loop as tl
 
 EVIL_MODULE = '''import os
 open(os.environ["EVIL_MARKER"], "w").write("remote code ran")
@@ -27,11 +27,11 @@ def test_remote_code_runs_only_with_trust_remote_code(toy, tmp_path, monkeypatch
     config = json.loads((model_dir / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
     (model_dir / "config.json").write_text(json.dumps(config))
-    tokenizer = pc.load_tokenizer(str(model_dir))
-    pc.load_causal_lm(str(model_dir), tokenizer)
+    tokenizer = models.load_tokenizer(str(model_dir))
+    models.load_causal_lm(str(model_dir), tokenizer)
     assert not marker.exists()
     # the same folder does run its code when the user opts in: the check above can fail
-    pc.load_causal_lm(str(model_dir), tokenizer, trust_remote_code=True)
+    models.load_causal_lm(str(model_dir), tokenizer, trust_remote_code=True)
     assert marker.exists()
 
 
@@ -54,7 +54,7 @@ def test_checkpoints_load_without_unpickling(tmp_path, monkeypatch):
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()
     scheduler.step()
-    ru.save_checkpoint(accelerator, str(tmp_path / "ckpt"), {"step": 1}, scheduler=scheduler)
+    tl.save_checkpoint(accelerator, str(tmp_path / "ckpt"), {"step": 1}, scheduler=scheduler)
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
     # accelerate unpickles registered custom objects with weights_only=False: there must be none
     assert not [f for f in os.listdir(tmp_path / "ckpt") if f.startswith("custom_checkpoint")]
@@ -70,7 +70,7 @@ def test_checkpoints_load_without_unpickling(tmp_path, monkeypatch):
     fresh_model = fresh.prepare(torch.nn.Linear(3, 2))
     fresh_optimizer = fresh.prepare(torch.optim.AdamW(fresh_model.parameters(), lr=1e-2))
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, lambda s: 1 - s / 10)
-    state = ru.load_checkpoint(fresh, str(tmp_path / "ckpt"), scheduler=fresh_scheduler)
+    state = tl.load_checkpoint(fresh, str(tmp_path / "ckpt"), scheduler=fresh_scheduler)
     assert state == {"step": 1}
     assert fresh_scheduler.get_last_lr() == scheduler.get_last_lr()
     for a, b in zip(fresh_model.parameters(), model.parameters()):

@@ -9,10 +9,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import data_utils as du
+import models
+from errors import UserError
+
 from conftest import read_metrics, run_script, run_script_in_process
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-import policy_common as pc
 from sft import (Args, accumulate_gradients, completion_token_stats, prompt_completion_pairs, sft_loss,
                  tokenize_demonstrations, toy_demonstrations, validate)
 
@@ -158,7 +161,7 @@ def test_loss_is_a_token_mean_over_the_accumulated_batch():
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def toy_tokenizer(toy):
-    return pc.load_tokenizer(toy["policy"])
+    return models.load_tokenizer(toy["policy"])
 
 
 def encode(tokenizer, text):
@@ -190,7 +193,7 @@ def test_tokenisation_truncation_rule_and_dropped_rows(toy_tokenizer):
     assert rows[2] == {"prompt": encode(tokenizer, "e f ="), "completion": encode(tokenizer, " a") + [eos]}
     rows, dropped = tokenize_demonstrations(tokenizer, pairs, max_prompt_length=3, max_length=3, name="hand")
     assert dropped == 2 and rows == [{"prompt": encode(tokenizer, "a ="), "completion": encode(tokenizer, " a")}]
-    with pytest.raises(pc.UserError, match="no example is left"):
+    with pytest.raises(UserError, match="no example is left"):
         tokenize_demonstrations(tokenizer, [pairs[0]], max_prompt_length=3, max_length=3, name="hand")
 
 
@@ -212,9 +215,9 @@ def test_messages_render_with_the_chat_template(toy_tokenizer):
             assert tokenize_demonstrations(tokenizer, prompt_completion_pairs(data, "chat"), 8, 16, "chat") == expected
         bad = Dataset.from_list([{"messages": [{"role": "assistant", "content": " a"},
                                                {"role": "user", "content": "b"}]}])
-        with pytest.raises(pc.UserError, match="ending with the assistant's"):
+        with pytest.raises(UserError, match="ending with the assistant's"):
             prompt_completion_pairs(bad, "bad")
-        with pytest.raises(pc.UserError, match="'completion'"):
+        with pytest.raises(UserError, match="'completion'"):
             prompt_completion_pairs(Dataset.from_list([{"prompt": "a =", "completion": 3}]), "bad")
     finally:
         tokenizer.chat_template = None
@@ -225,7 +228,7 @@ def test_messages_render_with_the_chat_template(toy_tokenizer):
                                          (dict(max_eval_examples=-1), "max_eval_examples"),
                                          (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps")])
 def test_invalid_hyper_parameters(flags, match):
-    with pytest.raises(pc.UserError, match=match):
+    with pytest.raises(UserError, match=match):
         validate(Args(**flags))
 
 
@@ -281,14 +284,13 @@ def test_short_run_learns_and_saves_a_loadable_model(short_run, toy):
 
 
 def test_first_logged_loss_is_the_token_mean_of_the_first_batch(short_run, toy, toy_tokenizer):
-    """The script's own step 1: the starting policy's token mean over the 64 examples that ru.epoch_permutation puts
+    """The script's own step 1: the starting policy's token mean over the 64 examples that du.epoch_permutation puts
     first, computed here without the script's batching."""
-    import run_utils as ru
-
+    
     tokenizer = toy_tokenizer
     demos = toy_demonstrations("train", "sorted", seed=3)
-    first = ru.epoch_permutation(len(demos), 3, 0)[:64]
-    model = pc.load_causal_lm(toy["policy"], tokenizer).eval()
+    first = du.epoch_permutation(len(demos), 3, 0)[:64]
+    model = models.load_causal_lm(toy["policy"], tokenizer).eval()
     nll, tokens = 0.0, 0
     with torch.no_grad():
         for i in first:

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
+import data_utils as du
+import models
 import policy_common as pc
-import run_utils as ru
 import vllm_generation as vg
 from conftest import read_metrics, run_script
 
@@ -43,8 +44,8 @@ def test_truncated_importance_weights_hand_worked():
 
 
 def test_merged_state_dict_equals_peft_merge_and_leaves_the_adapter(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
-    model = pc.add_lora(pc.load_causal_lm(toy["policy"], tokenizer), r=4, alpha=8, dropout=0.0)
+    tokenizer = models.load_tokenizer(toy["policy"])
+    model = models.add_lora(models.load_causal_lm(toy["policy"], tokenizer), r=4, alpha=8, dropout=0.0)
     with torch.no_grad():  # a trained-looking adapter: B is zero at initialisation
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -119,9 +120,9 @@ def test_ppo_policy_loss_weights_each_token():
 # ---------------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine(toy):
-    tokenizer = pc.load_tokenizer(toy["policy"])
-    policy = pc.load_causal_lm(toy["policy"], tokenizer)
-    prompts = ru.tokenize_prompts(tokenizer, ru.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:48])
+    tokenizer = models.load_tokenizer(toy["policy"])
+    policy = models.load_causal_lm(toy["policy"], tokenizer)
+    prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:48])
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
     from accelerate import Accelerator
 
@@ -182,7 +183,7 @@ def test_sync_moves_the_trained_weights_into_the_engine(engine):
     assert torch.equal(synced, fresh)
     assert generator.last_sync_seconds > 0
     # LoRA: the engine serves the merged weights
-    lora = pc.add_lora(copy.deepcopy(policy), r=4, alpha=8, dropout=0.0)
+    lora = models.add_lora(copy.deepcopy(policy), r=4, alpha=8, dropout=0.0)
     with torch.no_grad():
         for name, p in lora.named_parameters():
             if "lora_B" in name:

@@ -7,7 +7,7 @@ A completion is correct when the LAST number in it equals the reference answer, 
   - both are normalised before comparing: "5.50" == "5.5", "18.0" == "18", "1,234" == "1234", "-0" == "0".
 This is the "flexible" rule of verl's GSM8K scorer (the last number wins), not its strict one (only "#### n").
 
-Reward functions are called by keyword, as TRL calls them (see rewards.py):
+Reward functions are called by keyword, as TRL calls them (see reward_sources.py):
     gsm8k_accuracy(prompts=[...], completions=[...], completion_ids=[...], answer=[...]) -> [1.0 | 0.0, ...]
     format_reward(completions=[...]) -> [0.1 | 0.0, ...]
 Completions are text, or for conversational data [{"role": "assistant", "content": text}] (the last message's

@@ -40,9 +40,11 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+import data_utils as du
+import models
 import policy_common as pc
 import run_utils as ru
-from policy_common import UserError
+from errors import UserError
 
 BUILTINS = ("gold",)
 REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metrics
@@ -79,7 +81,7 @@ def load_reward_function(spec: str, dataset: str) -> RewardFunction:
     """`gold` | `path/to/file.py:function` | `package.module:function` -> RewardFunction. Anything that cannot be
     found or imported is a UserError here, at start-up."""
     if spec == "gold":
-        scorer = ru.gold_scorer(dataset)
+        scorer = du.gold_scorer(dataset)
         if scorer is None:
             raise UserError(f"--reward_funcs gold: dataset {dataset!r} has no ground-truth scorer (the toy task has "
                             "one); name a function as path/to/file.py:function or package.module:function")
@@ -101,13 +103,13 @@ def load_reward_function(spec: str, dataset: str) -> RewardFunction:
             module_spec.loader.exec_module(module)
         except Exception as e:
             raise UserError(f"--reward_funcs {spec!r}: importing {where!r} raised {type(e).__name__}: "
-                            f"{pc._first_line(e)}") from None
+                            f"{models.first_line(e)}") from None
     else:
         try:
             module = importlib.import_module(where)
         except Exception as e:
             raise UserError(f"--reward_funcs {spec!r}: cannot import {where!r} ({type(e).__name__}: "
-                            f"{pc._first_line(e)})") from None
+                            f"{models.first_line(e)})") from None
     fn = getattr(module, attribute, None)
     if not callable(fn):
         raise UserError(f"--reward_funcs {spec!r}: {where!r} has no function {attribute!r}")
@@ -136,7 +138,7 @@ def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -
     except Exception as e:
         first = next((i for i in range(n) if _raises(function, {k: v[i:i + 1] for k, v in arguments.items()})), None)
         where = "" if first is None else f" on {row(first)}"
-        return None, f"reward function {function.name!r} raised {type(e).__name__}: {pc._first_line(e)}{where}"
+        return None, f"reward function {function.name!r} raised {type(e).__name__}: {models.first_line(e)}{where}"
     try:
         values = list(values)
     except TypeError:
@@ -228,7 +230,7 @@ class Rewards:
     def _text(self, query_response: torch.Tensor, context_length: int, prompt) -> str:
         """The text the reward model reads in `text` mode (see the module docstring)."""
         pad = self.tokenizer.pad_token_id
-        if ru.is_conversational(prompt):
+        if du.is_conversational(prompt):
             response = query_response[context_length:]
             completion = self.tokenizer.decode(response[response != pad], skip_special_tokens=True)
             messages = list(prompt) + [{"role": "assistant", "content": completion}]
@@ -242,7 +244,7 @@ class Rewards:
         pad = self.tokenizer.pad_token_id
         completion_ids = [response[response != pad].tolist() for response in responses]
         completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
-        if ru.is_conversational(rows[0]["prompt"]):
+        if du.is_conversational(rows[0]["prompt"]):
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         arguments = {column: [row[column] for row in rows] for column in rows[0] if column != "prompt"}
         arguments.update(prompts=[row["prompt"] for row in rows], completions=completions,
@@ -311,14 +313,14 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
             raise UserError("--reward_model_input is given but there is no reward model")
         return Rewards(tokenizer, functions=functions, weights=args.reward_weights)
     path = ru.resolve_reward_model(name)
-    reward_tokenizer = pc.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    reward_tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
     same_vocabulary = reward_tokenizer.get_vocab() == tokenizer.get_vocab()
     recorded = getattr(ru.model_config(path, args.trust_remote_code), "reward_model_input", None)
     mode = reward_model_input(args.reward_model_input, recorded, same_vocabulary, path)
-    conversational = bool(datasets) and ru.is_conversational(datasets[0][0]["prompt"])
+    conversational = bool(datasets) and du.is_conversational(datasets[0][0]["prompt"])
     if mode == "text" and conversational and reward_tokenizer.chat_template is None:
         raise UserError(f"conversational data read as text needs a chat template; reward model {path!r} has none")
-    model = pc.load_scalar_model(path, tokenizer if mode == "tokens" else reward_tokenizer, bf16=args.bf16,
+    model = models.load_scalar_model(path, tokenizer if mode == "tokens" else reward_tokenizer, bf16=args.bf16,
                                  trust_remote_code=args.trust_remote_code)
     why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")

@@ -1,4 +1,4 @@
-"""rewards.py: the reward model read as tokens or as text, reward functions, weights, and their errors; checked
+"""reward_sources.py: the reward model read as tokens or as text, reward functions, weights, and their errors; checked
 against independent computations (the reward model's own transformers forward, hand-worked sums), then through
 rloo.py and ppo.py as a user runs them (one process and two)."""
 
@@ -10,9 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import data_utils as du
+import models
 import policy_common as pc
-import rewards as rw
+import reward_sources as rs
 import run_utils as ru
+from errors import UserError
 from conftest import read_metrics, run_script, run_script_in_process
 from test_scale import run_distributed
 
@@ -20,9 +23,9 @@ from test_scale import run_distributed
 def toy_batch(toy, completions):
     """query_responses [left-padded prompt | completion + EOS, right-padded] for toy prompts, the rows, and the
     policy tokenizer."""
-    tokenizer = pc.load_tokenizer(toy["policy"])
+    tokenizer = models.load_tokenizer(toy["policy"])
     prompts = ["f b k c =", "a c b =", "l k j i h g =", "d e f ="][:len(completions)]
-    queries = pc.pad_sequences(ru.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, "left")
+    queries = pc.pad_sequences(du.tokenize_prompts(tokenizer, prompts), tokenizer.pad_token_id, "left")
     responses = pc.pad_sequences([tokenizer(c, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                                   for c in completions], tokenizer.pad_token_id, "right")
     return torch.cat([queries, responses], 1), queries.shape[1], [{"prompt": p} for p in prompts], tokenizer
@@ -70,9 +73,9 @@ def hf_score(model, tokenizer, texts):
 @torch.no_grad()
 def test_tokens_without_eos_equal_text_and_text_equals_the_models_own_forward(toy):
     query_responses, context_length, rows, tokenizer = toy_batch(toy, COMPLETIONS)
-    reward_model = pc.load_scalar_model(toy["reward"], tokenizer).eval()
-    as_tokens = rw.Rewards(tokenizer, reward_model, tokenizer, "tokens")
-    as_text = rw.Rewards(tokenizer, reward_model, tokenizer, "text")
+    reward_model = models.load_scalar_model(toy["reward"], tokenizer).eval()
+    as_tokens = rs.Rewards(tokenizer, reward_model, tokenizer, "tokens")
+    as_text = rs.Rewards(tokenizer, reward_model, tokenizer, "text")
     no_eos = query_responses.masked_fill(query_responses == tokenizer.eos_token_id, tokenizer.pad_token_id)
     text_scores, _ = as_text(query_responses, context_length, rows)
     assert torch.allclose(as_tokens(no_eos, context_length, rows)[0], text_scores, atol=1e-5)
@@ -91,13 +94,13 @@ def test_text_mode_with_another_tokenizer_scores_the_same_text(toy, other_vocab_
     args = SimpleNamespace(reward_funcs=None, reward_model=other_vocab_rm, reward_model_input=None,
                            reward_weights=None, trust_remote_code=False, bf16=False)
     vocabulary, pad = dict(tokenizer.get_vocab()), tokenizer.pad_token_id
-    sources = rw.load_rewards(args, tokenizer, "toy", "toy", [], SimpleNamespace(device="cpu", print=print,
+    sources = rs.load_rewards(args, tokenizer, "toy", "toy", [], SimpleNamespace(device="cpu", print=print,
                                                                                  state=SimpleNamespace()))
     assert sources.mode == "text" and sources.names == ["reward_model"]
     assert tokenizer.get_vocab() == vocabulary and tokenizer.pad_token_id == pad  # the policy's tokenizer untouched
     assert sources.reward_tokenizer.pad_token_id is not None  # given one for scoring (it had none)
-    toy_model = pc.load_scalar_model(toy["reward"], tokenizer).eval()
-    same_text = rw.Rewards(tokenizer, toy_model, tokenizer, "text")(query_responses, context_length, rows)[0]
+    toy_model = models.load_scalar_model(toy["reward"], tokenizer).eval()
+    same_text = rs.Rewards(tokenizer, toy_model, tokenizer, "text")(query_responses, context_length, rows)[0]
     scores, per_source = sources(query_responses, context_length, rows)
     assert torch.allclose(scores, same_text, atol=1e-5) and torch.equal(per_source[:, 0], scores)
 
@@ -108,16 +111,16 @@ def test_conversational_prompts_go_through_the_reward_models_chat_template(toy):
     assistant's message; reward functions get the messages and [{"role": "assistant", ...}] completions."""
     query_responses, context_length, _, tokenizer = toy_batch(toy, COMPLETIONS[:2])
     rows = [{"prompt": [{"role": "user", "content": p}]} for p in ("f b k c =", "a c b =")]
-    reward_tokenizer = pc.load_tokenizer(toy["reward"])
+    reward_tokenizer = models.load_tokenizer(toy["reward"])
     reward_tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    reward_model = pc.load_scalar_model(toy["reward"], reward_tokenizer).eval()
+    reward_model = models.load_scalar_model(toy["reward"], reward_tokenizer).eval()
     seen = {}
 
     def spy(prompts, completions):
         seen.update(prompts=prompts, completions=completions)
         return [0.0, 0.0]
 
-    sources = rw.Rewards(tokenizer, reward_model, reward_tokenizer, "text", [rw.RewardFunction("spy", spy)])
+    sources = rs.Rewards(tokenizer, reward_model, reward_tokenizer, "text", [rs.RewardFunction("spy", spy)])
     scores, _ = sources(query_responses, context_length, rows)
     expected = hf_score(reward_model, reward_tokenizer, ["f b k c = b c f k ", "a c b = c a b "])
     assert torch.allclose(scores, expected, atol=1e-5)
@@ -127,14 +130,14 @@ def test_conversational_prompts_go_through_the_reward_models_chat_template(toy):
 
 
 def test_convention_follows_flag_then_record_then_vocabulary():
-    assert rw.reward_model_input(None, None, True, "rm") == "tokens"
-    assert rw.reward_model_input(None, None, False, "rm") == "text"
-    assert rw.reward_model_input(None, "text", True, "rm") == "text"  # the record wins over the vocabulary
-    assert rw.reward_model_input("tokens", "text", True, "rm") == "tokens"  # the flag wins over the record
-    with pytest.raises(pc.UserError, match="cannot read the policy's token ids"):
-        rw.reward_model_input("tokens", None, False, "rm")
-    with pytest.raises(pc.UserError, match="records reward_model_input tokens"):
-        rw.reward_model_input(None, "tokens", False, "rm")
+    assert rs.reward_model_input(None, None, True, "rm") == "tokens"
+    assert rs.reward_model_input(None, None, False, "rm") == "text"
+    assert rs.reward_model_input(None, "text", True, "rm") == "text"  # the record wins over the vocabulary
+    assert rs.reward_model_input("tokens", "text", True, "rm") == "tokens"  # the flag wins over the record
+    with pytest.raises(UserError, match="cannot read the policy's token ids"):
+        rs.reward_model_input("tokens", None, False, "rm")
+    with pytest.raises(UserError, match="records reward_model_input tokens"):
+        rs.reward_model_input(None, "tokens", False, "rm")
 
 
 def test_the_toy_reward_model_records_tokens(toy):
@@ -158,7 +161,7 @@ def test_weighted_sum_with_none_and_statistics_hand_worked(toy):
         seen.update(kwargs=sorted(kwargs))
         return [0.5, True, None]
 
-    sources = rw.Rewards(tokenizer, functions=[rw.RewardFunction("first", first), rw.RewardFunction("second", second)],
+    sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("first", first), rs.RewardFunction("second", second)],
                          weights=[2.0, -1.0])
     scores, per_source = sources(query_responses, context_length, rows)
     assert scores.tolist() == [2 * 1.0 - 0.5, -1.0, 2 * 3.0]  # None adds nothing
@@ -181,8 +184,8 @@ def test_weighted_sum_with_none_and_statistics_hand_worked(toy):
 ])
 def test_bad_return_values_name_the_function_and_the_first_bad_row(toy, returned, message):
     query_responses, context_length, rows, tokenizer = toy_batch(toy, COMPLETIONS[:3])
-    sources = rw.Rewards(tokenizer, functions=[rw.RewardFunction("mine", lambda prompts, completions: returned(3))])
-    with pytest.raises(rw.RewardFunctionError, match="reward function 'mine' " + message.replace("(", r"\(")
+    sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("mine", lambda prompts, completions: returned(3))])
+    with pytest.raises(rs.RewardFunctionError, match="reward function 'mine' " + message.replace("(", r"\(")
                        .replace(")", r"\)")):
         sources(query_responses, context_length, rows)
 
@@ -193,27 +196,27 @@ def test_a_raising_function_is_reported_with_its_first_failing_row(toy):
     def picky(prompts, completions):
         return [1.0 / (len(c.split()) - 3) for c in completions]  # the 3-letter completion divides by zero
 
-    sources = rw.Rewards(tokenizer, functions=[rw.RewardFunction("picky", picky)])
-    with pytest.raises(rw.RewardFunctionError, match=r"'picky' raised ZeroDivisionError: .* on row 1 \(prompt 'a c b ="):
+    sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("picky", picky)])
+    with pytest.raises(rs.RewardFunctionError, match=r"'picky' raised ZeroDivisionError: .* on row 1 \(prompt 'a c b ="):
         sources(query_responses, context_length, rows)
 
 
 def test_loading_functions_by_name_and_their_errors(tmp_path):
     path = tmp_path / "funcs.py"
     path.write_text("def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\nvalue = 3\n")
-    assert rw.load_reward_function(f"{path}:length", "toy").fn(prompts=["p"], completions=["ab"]) == [2]
-    assert rw.load_reward_function("json:dumps", "toy").name == "dumps"  # package.module:function
-    gold = rw.load_reward_function("gold", "toy")
+    assert rs.load_reward_function(f"{path}:length", "toy").fn(prompts=["p"], completions=["ab"]) == [2]
+    assert rs.load_reward_function("json:dumps", "toy").name == "dumps"  # package.module:function
+    gold = rs.load_reward_function("gold", "toy")
     assert gold.fn(prompts=["c a b ="], completions=[" a b c"]) == [1.0]
     for spec, message in [("gold", "has no ground-truth scorer"), ("nope", "not a built-in"),
                           (f"{tmp_path}/missing.py:f", "not found"), (f"{path}:absent", "has no function 'absent'"),
                           (f"{path}:value", "has no function 'value'"), ("no_such_module_x:f", "cannot import")]:
-        with pytest.raises(pc.UserError, match=message):
-            rw.load_reward_function(spec, "trl-lib/tldr")
-    with pytest.raises(pc.UserError, match="must take completions="):
-        rw.RewardFunction("f", lambda a, b: [])
-    with pytest.raises(pc.UserError, match="2 value\\(s\\) for 1 reward source"):
-        rw.Rewards(None, functions=[rw.RewardFunction("f", lambda completions: [])], weights=[1.0, 2.0])
+        with pytest.raises(UserError, match=message):
+            rs.load_reward_function(spec, "trl-lib/tldr")
+    with pytest.raises(UserError, match="must take completions="):
+        rs.RewardFunction("f", lambda a, b: [])
+    with pytest.raises(UserError, match="2 value\\(s\\) for 1 reward source"):
+        rs.Rewards(None, functions=[rs.RewardFunction("f", lambda completions: [])], weights=[1.0, 2.0])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -261,8 +264,8 @@ def funcs(toy, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("funcs")
     (root / "funcs.py").write_text(FUNCS)
-    data = ru.load_prompt_dataset("toy", "train")
-    for split, prompts in (("train", data["prompt"][:256]), ("test", ru.load_prompt_dataset("toy", "test")["prompt"])):
+    data = du.load_prompt_dataset("toy", "train")
+    for split, prompts in (("train", data["prompt"][:256]), ("test", du.load_prompt_dataset("toy", "test")["prompt"])):
         with open(root / f"{split}.jsonl", "w") as f:
             for p in prompts:
                 f.write(json.dumps({"prompt": p, "answer": toy_task.target_completion(p)}) + "\n")
@@ -399,11 +402,11 @@ def _disagreeing_worker(rank, port, results, toy):
                 raise KeyError("only here")
             return [1.0] * len(completions)
 
-        sources = rw.Rewards(tokenizer, functions=[rw.RewardFunction("fails_on_rank_one", fails_on_rank_one)])
+        sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("fails_on_rank_one", fails_on_rank_one)])
         try:
             sources(query_responses, context_length, rows, accelerator)
             results[rank] = "returned"
-        except rw.RewardFunctionError as e:
+        except rs.RewardFunctionError as e:
             results[rank] = str(e)
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,204 @@
+"""Data for the scripts: dataset aliases and loading (local folders and files, hub ids) with one-line errors,
+required columns, chat templates, prompt and completion tokenisation, and the data order (the seeded permutation
+every script visits its data in, and positions in that endless stream, all a checkpoint needs to resume it).
+Nothing here computes with a model or talks to other processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable, List, Optional, Sequence
+
+import torch
+
+import models
+from errors import UserError
+
+# Dataset aliases: the public TL;DR datasets behind the published RLOO/PPO/DPO runs (Huang et al. 2024; TRL's
+# documentation), and the toy task (built offline by toy_task.py the first time it is named).
+TOY_ALIAS = "toy"
+DATASET_ALIASES = {  # alias -> (prompts, preference pairs, unpaired examples)
+    "tldr": ("trl-lib/tldr", "trl-lib/tldr-preference", "trl-lib/tldr-preference"),  # kto.py unpairs the pairs
+}
+
+
+def toy_world() -> dict:
+    """The toy task's paths (built offline on first use: toy_task.build)."""
+    import toy_task
+
+    return toy_task.build()
+
+
+def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
+    """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task
+    does), else None. Evaluation reports `eval/gold_score` whenever one exists."""
+    import toy_task
+
+    return toy_task.gold_scorer(dataset)
+
+
+def _load_split(name: str, split: str):
+    """Load one split of a local `save_to_disk` folder, local .json/.jsonl/.parquet file(s) (comma-separated),
+    or hub dataset. An empty split is a UserError."""
+    import datasets
+
+    files = [f for f in name.split(",") if f]
+    try:
+        if os.path.isdir(name) and (os.path.exists(os.path.join(name, "dataset_dict.json"))
+                                    or os.path.exists(os.path.join(name, "state.json"))):
+            ds = _load_saved(name, split)
+        elif files and all(f.endswith((".json", ".jsonl", ".parquet")) for f in files):
+            missing = [f for f in files if not os.path.exists(f)]
+            if missing:
+                raise UserError(f"dataset file(s) not found: {', '.join(missing)}")
+            empty = [f for f in files if os.path.getsize(f) == 0]
+            if empty:
+                raise UserError(f"dataset file(s) are empty: {', '.join(empty)}")
+            try:
+                ds = datasets.load_dataset("parquet" if files[0].endswith(".parquet") else "json", data_files=files)
+            except Exception as e:  # malformed files surface as assorted pyarrow/datasets errors
+                raise UserError(f"could not read dataset file(s) {name!r}: {type(e).__name__}: {models.first_line(e)}") from None
+        elif os.path.exists(name) or name.startswith((".", "/", "~")):
+            raise UserError(f"dataset {name!r}: not a save_to_disk folder nor .json/.jsonl/.parquet file(s)")
+        else:
+            if not models.hub_reachable() and not _in_datasets_cache(name):
+                raise UserError(f"could not load dataset {name!r}: not a local path, and the hub is unreachable "
+                                f"(offline); known aliases: {', '.join([TOY_ALIAS, *DATASET_ALIASES])}")
+            ds = datasets.load_dataset(name)
+    except (FileNotFoundError, ConnectionError, OSError) as e:
+        raise UserError(f"could not load dataset {name!r}: {models.first_line(e)}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise UserError(f"dataset {name!r} has no split {split!r} (has: {', '.join(ds.keys())})")
+        ds = ds[split]
+    if len(ds) == 0:
+        raise UserError(f"dataset {name!r} split {split!r} is empty")
+    return ds
+
+
+def _load_saved(name: str, split: str):
+    """`split` of a save_to_disk folder (a DatasetDict's, or a single Dataset's). datasets cannot load a split
+    saved with no rows (it has no data files: load_from_disk raises IndexError), so that split is the
+    empty-split UserError here; the other splits are never read."""
+    import datasets
+
+    path = name
+    if os.path.exists(os.path.join(name, "dataset_dict.json")):
+        with open(os.path.join(name, "dataset_dict.json")) as f:
+            splits = json.load(f)["splits"]
+        if split not in splits:
+            raise UserError(f"dataset {name!r} has no split {split!r} (has: {', '.join(splits)})")
+        path = os.path.join(name, split)
+    with open(os.path.join(path, "state.json")) as f:
+        if not json.load(f)["_data_files"]:
+            raise UserError(f"dataset {name!r} split {split!r} is empty")
+    return datasets.load_from_disk(path, keep_in_memory=True)  # later .map() writes no cache files here
+
+
+def load_prompt_dataset(name: str, split: str):
+    """`split` of a prompt dataset (column `prompt`): alias (`toy`, `tldr`), local folder/files or hub id."""
+    if name == TOY_ALIAS:
+        return _load_split(toy_world()["prompt_dataset"], split)
+    return _load_split(DATASET_ALIASES[name][0] if name in DATASET_ALIASES else name, split)
+
+
+def load_preference_dataset(name: str, split: str):
+    """`split` of a preference dataset (`prompt`, `chosen`, `rejected`): alias, local folder/files or hub id."""
+    if name == TOY_ALIAS:
+        return _load_split(toy_world()["preference_dataset"], split)
+    return _load_split(DATASET_ALIASES[name][1] if name in DATASET_ALIASES else name, split)
+
+
+def load_unpaired_dataset(name: str, split: str):
+    """`split` of unpaired feedback (`prompt`, `completion`, `label`, or pairs to unpair): alias, folder, hub id."""
+    if name == TOY_ALIAS:
+        return _load_split(toy_world()["unpaired_dataset"], split)
+    return _load_split(DATASET_ALIASES[name][2] if name in DATASET_ALIASES else name, split)
+
+
+def _in_datasets_cache(name: str) -> bool:
+    import datasets
+
+    cache = os.environ.get("HF_DATASETS_CACHE", datasets.config.HF_DATASETS_CACHE)
+    return os.path.isdir(os.path.join(str(cache), name.replace("/", "___")))
+
+
+def require_columns(dataset, columns: Iterable[str], name: str) -> None:
+    """UserError naming every required column the dataset lacks."""
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise UserError(f"dataset {name!r} is missing column(s) {missing}; it has {dataset.column_names}")
+
+
+def is_conversational(value) -> bool:
+    """True for a list of {"role", "content"} messages (the conversational dataset form)."""
+    return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
+
+
+def render_prompt(tokenizer, prompt) -> str:
+    """Text of a prompt: unchanged if already text; messages are rendered with the chat template and the
+    generation prompt appended."""
+    if is_conversational(prompt):
+        if tokenizer.chat_template is None:
+            raise UserError("conversational data needs a tokenizer with a chat template")
+        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def render_completion(tokenizer, prompt, completion) -> str:
+    """Text of a completion: unchanged if text; for messages, the chat-template rendering of prompt+completion
+    minus the rendering of the prompt (so that the two concatenate back to the full conversation)."""
+    if is_conversational(completion):
+        full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        head = render_prompt(tokenizer, prompt)
+        if not full.startswith(head):
+            raise UserError("chat template does not render the prompt as a prefix of prompt+completion")
+        return full[len(head):]
+    return completion
+
+
+def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, max_prompt_length: int,
+                               max_length: int):
+    """Token ids of (prompt, completion + EOS) under the documented truncation rule:
+    1. the prompt keeps its LAST `max_prompt_length` tokens (truncated from the left);
+    2. the completion keeps its FIRST `max_length - len(prompt)` tokens (truncated from the right);
+    EOS is appended before truncation, so a truncated completion has no EOS. Returns (prompt_ids,
+    completion_ids); completion_ids is empty when truncation removed all of it (callers drop and count)."""
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] if max_prompt_length > 0 else []
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return prompt_ids, completion_ids[:max(0, max_length - len(prompt_ids))]
+
+
+def tokenize_prompts(tokenizer, prompts: Sequence, max_prompt_length: Optional[int] = None) -> List[List[int]]:
+    """Token ids of each prompt (rendered with the chat template if conversational). A prompt longer than
+    `max_prompt_length` (None = no limit) is a UserError: RL scripts refuse rather than silently cut the task."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        if max_prompt_length is not None and len(ids) > max_prompt_length:
+            raise UserError(f"prompt {i} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
+                            "raise the limit or filter the dataset")
+        if len(ids) == 0:
+            raise UserError(f"prompt {i} is empty")
+        out.append(ids)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The data order
+# ---------------------------------------------------------------------------------------------------------
+def epoch_permutation(num_items: int, seed: int, epoch: int) -> List[int]:
+    """The data order of every script: pass `epoch` over `num_items` items visits them in this seeded
+    permutation, the same on every process. A data position (epoch, offset) is all a checkpoint needs to
+    resume the same order."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_items, generator=generator).tolist()
+
+
+def data_positions(num_items: int, seed: int, start: int, count: int) -> List[int]:
+    """Item indices at positions start..start+count of the endless stream that visits the data pass after pass,
+    each pass in `epoch_permutation` order. A position is all a checkpoint needs to resume the same order."""
+    epochs = range(start // num_items, (start + count - 1) // num_items + 1)  # the passes these positions touch
+    stream = [i for epoch in epochs for i in epoch_permutation(num_items, seed, epoch)]
+    return stream[start - epochs[0] * num_items:][:count]

@@ -1,0 +1,167 @@
+"""The parts of a training loop every script repeats: checkpoints (written atomically, resumed exactly), the final
+save of the model, stopping on a non-finite value or a signal. Collectives happen only where a docstring says so, and
+every process makes them together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import shutil
+import signal
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+import metrics_log as ml
+import policy_common as pc
+from errors import UserError
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str):
+    """Yield a temporary sibling folder to write into; on success it replaces `path` in one rename, so a
+    reader never sees a half-written folder. On failure the temporary folder is removed."""
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = f"{path}.old-{os.getpid()}"
+    if os.path.exists(path):
+        os.rename(path, old)
+    os.rename(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: bool = False,
+               submodule: Optional[str] = None) -> None:
+    """Save `model` (+ tokenizer) to `path` atomically, safetensors, loadable by `from_pretrained`.
+    `model` is the object given to `accelerator.prepare` (under ZeRO-3 its shards are gathered); `submodule`
+    names a child to save on its own (e.g. "policy" of a policy+value wrapper). A PEFT model saves its adapter;
+    with `merge_peft` the merged full weights are saved instead."""
+    if accelerator is not None:
+        accelerator.wait_for_everyone()
+        state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards on the main process
+        is_main = accelerator.is_main_process
+    else:
+        state_dict, is_main = None, True
+    if not is_main:
+        return
+    base = pc.unwrap(model)
+    if submodule is not None:
+        base = getattr(base, submodule)
+        if state_dict is not None:
+            state_dict = {k[len(submodule) + 1:]: v for k, v in state_dict.items() if k.startswith(submodule + ".")}
+    with atomic_dir(path) as tmp:
+        if merge_peft and hasattr(base, "merge_and_unload"):
+            merged = copy.deepcopy(base).merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+        else:
+            base.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+
+def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None) -> None:
+    """Atomically write a resumable checkpoint: accelerate state (model weights as safetensors, optimizer, RNG
+    states of every process) plus `extra_state` (step, data position, ...) and the LR scheduler's state as
+    JSON in trainer_state.json (JSON, not pickle: resuming never unpickles objects)."""
+    if scheduler is not None:
+        extra_state = {**extra_state, "_scheduler": _jsonable(scheduler.state_dict())}
+    accelerator.wait_for_everyone()
+    path = os.path.abspath(path)
+    tmp = f"{path}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp, safe_serialization=True)
+    accelerator.wait_for_everyone()  # every rank's RNG file is in tmp before the rename
+    if accelerator.is_main_process:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(extra_state, f)
+        old = f"{path}.old"
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def stop_on_nonfinite(accelerator, output_dir: str, step: int, state: dict, scheduler=None, **values) -> None:
+    """Write `state` (the one before this step) to <output_dir>/checkpoint-nonfinite and stop with one line naming
+    the step and `values` (e.g. loss, grad norm). Every process calls it together, after `all_finite` said no."""
+    save_checkpoint(accelerator, os.path.join(output_dir, "checkpoint-nonfinite"), state, scheduler)
+    shown = ", ".join(f"{name.replace('_', ' ')} {ml.to_float(value)}" for name, value in values.items())
+    raise UserError(f"non-finite {shown} at step {step}; the state before it is in {output_dir}/checkpoint-nonfinite "
+                    "(--skip_nonfinite skips such steps)")
+
+
+@contextlib.contextmanager
+def checkpoint_on_error(error_type, accelerator, output_dir: str, state: dict, scheduler=None):
+    """Run the block; if it raises `error_type` (an error every process raises together, e.g. a reward function's),
+    first keep the finished steps: `state` (that of the last finished step, `state["step"]` > 0) goes to
+    <output_dir>/checkpoint-<step>, named in a note, then the error propagates."""
+    try:
+        yield
+    except error_type:
+        if state["step"] > 0:
+            path = os.path.join(output_dir, f"checkpoint-{state['step']}")
+            save_checkpoint(accelerator, path, state, scheduler)
+            accelerator.print(f"note: the {state['step']} finished step(s) are in {path} (--resume_from it)")
+        raise
+
+
+def load_checkpoint(accelerator, path: str, scheduler=None) -> dict:
+    """Restore what `save_checkpoint` wrote (into the prepared model/optimizer and `scheduler`); returns its
+    `extra_state`. Tensors load through safetensors / torch.load(weights_only=True) inside accelerate."""
+    state_file = os.path.join(path, "trainer_state.json")
+    if not os.path.exists(state_file):
+        raise UserError(f"--resume_from {path!r} is not a checkpoint (no trainer_state.json)")
+    accelerator.load_state(path)
+    with open(state_file) as f:
+        state = json.load(f)
+    scheduler_state = state.pop("_scheduler", None)
+    if scheduler is not None:
+        if scheduler_state is None:
+            raise UserError(f"checkpoint {path!r} holds no LR scheduler state")
+        scheduler.load_state_dict(scheduler_state)
+    return state
+
+
+def _jsonable(obj):
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else None
+
+
+class StopSignal:
+    """Turn SIGTERM / Ctrl-C into a flag the training loop checks between steps (`agreed`), so it can write a
+    checkpoint and exit cleanly instead of dying mid-step."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, accelerator) -> bool:
+        """True when any process received a signal (one all-reduce, every process once per step): all processes
+        then write the (collective) checkpoint and stop together."""
+        flag = torch.tensor([float(self.received is not None)], device=accelerator.device)
+        if accelerator.num_processes > 1:
+            flag = accelerator.reduce(flag, reduction="max")
+        return bool(flag.item())
