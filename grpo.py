@@ -430,7 +430,7 @@ def main():
                                                                     chunk, accelerator, share_prompts=share)
         else:  # vLLM (synced to this step's weights first); reused batches need the trainer's own old log-probs
             query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
-            sampled_logprobs = None if args.num_iterations == 1 else pc.rollout_logprobs(
+            sampled_logprobs = None if args.num_iterations == 1 else pc.response_logprobs_no_grad(
                 policy, query_responses, context_length, pad, args.temperature, chunk, share_prompts=share)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)

@@ -66,8 +66,8 @@ class Reference:
             return torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
                                device=query_responses.device)
         with self._model() as model:
-            return rollout_logprobs(model, query_responses, context_length, pad_token_id, temperature, chunk_size,
-                                    share_prompts)
+            return response_logprobs_no_grad(model, query_responses, context_length, pad_token_id, temperature,
+                                             chunk_size, share_prompts)
 
     def free(self) -> None:
         """Drop the frozen copy (e.g. after precomputing reference log-probs); later calls are an error."""
@@ -331,13 +331,14 @@ def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_l
 
 
 @torch.no_grad()
-def rollout_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                     temperature: float = 1.0, chunk_size: Optional[int] = None, share_prompts: bool = False,
-                     return_entropy: bool = False):
-    """No-grad (B, T) ids -> (B, R) log-probs of the response tokens, or ((B, R) log-probs, (B, R) entropy at each
-    response position) with `return_entropy`, under logits / temperature with pad masked (`forward_logits`),
-    `chunk_size` rows per forward (all by default). For samples that did not come from `batch_generation` (vLLM),
-    or old log-probs after the weights moved: batch_generation returns these with its samples.
+def response_logprobs_no_grad(model: nn.Module, query_responses: torch.Tensor, context_length: int,
+                              pad_token_id: int, temperature: float = 1.0, chunk_size: Optional[int] = None,
+                              share_prompts: bool = False, return_entropy: bool = False):
+    """`response_logprobs` without gradient, `chunk_size` rows per forward (all by default), so that a whole rollout
+    batch is scored with one chunk's logits alive at a time: (B, T) ids -> (B, R) log-probs of the response tokens,
+    or ((B, R) log-probs, (B, R) entropy at each response position) with `return_entropy`, under logits /
+    temperature with pad masked (`forward_logits`). For reference log-probs, samples that did not come from
+    `batch_generation` (vLLM), or old log-probs after the weights moved.
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
     chunk_size = chunk_size or query_responses.shape[0]
     logprobs, entropy = [], []

@@ -412,7 +412,7 @@ def main():
                 return_entropy=True)
         else:  # vLLM (synced to this step's weights first); the old log-probs are the trainer's, from a forward
             query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
-            logprobs, entropy = pc.rollout_logprobs(policy, query_responses, context_length, pad, args.temperature,
+            logprobs, entropy = pc.response_logprobs_no_grad(policy, query_responses, context_length, pad, args.temperature,
                                                     chunk, share_prompts=share, return_entropy=True)
         responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
         response_mask = responses != pad  # (B, R)

@@ -332,7 +332,7 @@ def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
     """Rows ending at different lengths, left-padded queries, chunks: the sampling log-probs and entropies equal
     (i) `response_logprobs` / `forward_logits` on the padded batch (pad masked: one distribution) and (ii) an
     unpadded row-by-row forward with the pad token's mass removed; also when repeated queries are encoded once.
-    `rollout_logprobs` (the no-grad, chunked scoring of given samples) equals (ii) too, with or without entropy."""
+    `response_logprobs_no_grad` (the no-grad, chunked scoring of given samples) equals (ii) too, with or without entropy."""
     model = eos_biased_model()
     gen = torch.Generator().manual_seed(5)
     queries = random_queries(gen, [3, 1, 4, 2] * 4)
@@ -354,10 +354,10 @@ def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
         forward = pc.selective_logprobs(logits, responses)
     torch.testing.assert_close(logprobs[in_response], forward[in_response], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[in_response], pc.entropy_from_logits(logits)[in_response], atol=1e-5, rtol=0)
-    rollout, rollout_entropy = pc.rollout_logprobs(model, query_responses, q.shape[1], PAD, temperature, chunk_size=5,
-                                                   share_prompts=share, return_entropy=True)
-    assert torch.equal(pc.rollout_logprobs(model, query_responses, q.shape[1], PAD, temperature, chunk_size=5,
-                                           share_prompts=share), rollout)
+    rollout, rollout_entropy = pc.response_logprobs_no_grad(model, query_responses, q.shape[1], PAD, temperature,
+                                                            chunk_size=5, share_prompts=share, return_entropy=True)
+    assert torch.equal(pc.response_logprobs_no_grad(model, query_responses, q.shape[1], PAD, temperature, chunk_size=5,
+                                                    share_prompts=share), rollout)
     for i, query in enumerate(queries):
         n = int(in_response[i].sum())
         expected, expected_entropy = pad_free_row_logprobs(model, query, responses[i, :n].tolist(), temperature)

@@ -160,7 +160,7 @@ def test_sampled_layout_and_log_probs_match_the_trainer(engine):
     assert torch.equal(pc.truncate_after_eos(responses, eos, pad), responses)  # pad only after EOS / at the end
     assert mask[:, 0].all()
     assert (sampler_logprobs[~mask] == pc.INVALID_LOGPROB).all()
-    trainer_logprobs = pc.rollout_logprobs(policy, query_responses, queries.shape[1], pad, 0.7)
+    trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1], pad, 0.7)
     # the same fp32 distribution (temperature 0.7, pad masked) from two implementations
     assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
     assert len({tuple(r.tolist()) for r in responses}) > len(queries)  # sampled, not greedy
