@@ -1,6 +1,12 @@
-"""The parts of a training loop every script repeats: checkpoints (written atomically, resumed exactly), the final
-save of the model, stopping on a non-finite value or a signal. Collectives happen only where a docstring says so, and
-every process makes them together.
+"""The parts of a training loop every script repeats: the optimizer step (clip, finite check, step or skip or stop,
+the LR schedule), the adaptive KL coefficient, checkpoints (written atomically, resumed exactly; periodic and on a
+signal), the final save of the model. Collectives happen only where a docstring says so, and every process makes
+them together.
+
+Every script keeps its checkpointed state in one dict with the same keys: `step` (finished steps: rollout batches
+in the RL scripts, optimizer steps in the others) and `nonfinite_skipped` (steps skipped by --skip_nonfinite); the
+RL scripts add `episode` (completions trained on), `prompts_seen` (the data position) and `kl_coef` (the KL
+coefficient: kl_coef in rloo/ppo, beta in grpo; it moves with --kl_target).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch.nn as nn
 
 import metrics_log as ml
 import policy_common as pc
+import run_utils as ru
 from errors import UserError
 
 
@@ -165,3 +172,62 @@ class StopSignal:
         if accelerator.num_processes > 1:
             flag = accelerator.reduce(flag, reduction="max")
         return bool(flag.item())
+
+
+class OptimizerStep:
+    """The end of every optimizer step, the same in every script: clip the accumulated gradients to
+    --max_grad_norm, check that the loss and the gradient norm are finite on every process (one all-reduce), then
+    step the optimizer, or skip the step and count it (--skip_nonfinite), or write checkpoint-nonfinite and stop with
+    the step named. The LR schedule moves one step either way: its unit is the optimizer step in every script (as
+    TRL's), so the learning rate depends only on the optimizer steps taken, however a batch is split into epochs,
+    mini-batches and micro-batches. Then the gradients are zeroed. `lr` is the rate the last step used, `skipped`
+    the steps skipped so far (a resumed run starts from its checkpoint's count)."""
+
+    def __init__(self, accelerator, model, optimizer, scheduler, args, output_dir: str, skipped: int = 0):
+        self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
+        self.max_grad_norm, self.skip_nonfinite, self.output_dir = args.max_grad_norm, args.skip_nonfinite, output_dir
+        self.skipped, self.lr = skipped, scheduler.get_last_lr()[0]
+
+    def __call__(self, loss, state: dict, step: int):
+        """`loss`: this process's loss (a number or tensor, e.g. the accumulated micro-batches' stacked); `state`: the
+        run's state before this step (what checkpoint-nonfinite holds); `step`: the step's number, for the message.
+        Every process calls this together. Returns the gradient norm (None under DeepSpeed, which clips itself)."""
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        if ru.all_finite(self.accelerator, loss, grad_norm):
+            self.optimizer.step()
+        elif self.skip_nonfinite:
+            self.skipped += 1
+        else:
+            self.optimizer.zero_grad()
+            stop_on_nonfinite(self.accelerator, self.output_dir, step, state, self.scheduler, loss=loss,
+                              grad_norm=grad_norm)
+        self.lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return grad_norm
+
+
+def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
+    """The next KL coefficient (Ziegler et al. 2019), the same controller for every RL script: unchanged when
+    `target` is None, else kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon). Each step moves it
+    by at most 0.2 * n_episodes / horizon of itself: a horizon of a few steps' episodes holds the KL near the
+    target."""
+    if target is None:
+        return kl_coef
+    proportional_error = min(max(current_kl / target - 1, -0.2), 0.2)
+    return kl_coef * (1 + proportional_error * n_episodes / horizon)
+
+
+def checkpoint_or_stop(accelerator, args, output_dir: str, state: dict, scheduler, stop: StopSignal,
+                       total_steps: int) -> bool:
+    """After step `state["step"]`: write checkpoint-<step> every --save_steps steps, and when a stop signal reached
+    any process before the last step (one all-reduce: every process calls this once per step). Returns True when the
+    run should stop now (the checkpoint is written; the caller closes its logger and returns)."""
+    step = state["step"]
+    stopping = stop.agreed(accelerator) and step < total_steps  # at the last step: finish normally
+    if (args.save_steps and step % args.save_steps == 0) or stopping:
+        save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
+    if stopping:
+        accelerator.print(f"{stop.received or 'a stop signal'} received: checkpoint-{step} written, stopping "
+                          "(--resume_from it)")
+    return stopping

@@ -247,8 +247,8 @@ def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half
     llama = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                         eos_token_id=1, bos_token_id=1)
-    models = {"neox": GPTNeoXForCausalLM(neox), "llama": LlamaForCausalLM(llama),
-              "lora": models.add_lora(GPTNeoXForCausalLM(neox), r=4, alpha=8, dropout=0.0)}
+    policies = {"neox": GPTNeoXForCausalLM(neox), "llama": LlamaForCausalLM(llama),
+                "lora": models.add_lora(GPTNeoXForCausalLM(neox), r=4, alpha=8, dropout=0.0)}
     rng = random.Random(2)
     prompts = [[rng.randrange(2, 40) for _ in range(rng.randrange(20, 30))] for _ in range(3)]
     group = [dict(prompt_ids=prompts[i % 3],  # paired data: a prompt can come twice in one micro-batch
@@ -258,7 +258,7 @@ def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half
         e["kl_completion_ids"] = group[i - 1]["completion_ids"]
     batch = kto.collate(group, 0)
     query_responses, ctx = batch["query_responses"], batch["context_length"]
-    for name, model in models.items():
+    for name, model in policies.items():
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         joint, saved = saved_for_backward_bytes(lambda: kto.policy_logprob_sums(model, query_responses, ctx, 0, True))

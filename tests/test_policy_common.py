@@ -544,10 +544,11 @@ def test_tokenizer_without_pad_gets_a_distinct_one_and_model_is_resized(tmp_path
 
 
 def test_tokenizer_without_eos_is_refused(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", unk_token="t2").save_pretrained(tmp_path)
     with pytest.raises(UserError, match="no EOS token"):
