@@ -189,12 +189,13 @@ class VLLMGenerator:
         self.last_sync_seconds = time.perf_counter() - start
         return self.last_sync_seconds
 
-    def sampling_params(self, generation_config):
-        """vLLM SamplingParams equal to a `policy_common.make_generation_config` config."""
+    def sampling_params(self, generation_config, seed: Optional[int] = None):
+        """vLLM SamplingParams equal to a `policy_common.make_generation_config` config; `seed`: the request's own
+        sampling seed."""
         from vllm import SamplingParams
 
         greedy = not generation_config.do_sample
-        return SamplingParams(
+        return SamplingParams(seed=seed,
             n=1, temperature=0.0 if greedy else generation_config.temperature,
             top_p=1.0 if greedy else (generation_config.top_p or 1.0),
             top_k=0 if greedy else (generation_config.top_k or 0),  # 0: no top-k, in both libraries
@@ -216,7 +217,11 @@ class VLLMGenerator:
         if self.sleep_mode:
             self.llm.wake_up()
         prompts = [{"prompt_token_ids": row[row != pad].tolist()} for row in queries.cpu()]
-        outputs = self.llm.generate(prompts, self.sampling_params(generation_config), use_tqdm=False)
+        # one seed per completion, drawn from this process's torch generator: a seeded run repeats exactly (with one
+        # generator for all requests, vLLM's samples depend on how its scheduler happened to batch them)
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        params = [self.sampling_params(generation_config, seed) for seed in seeds]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.sleep_mode:
             self.llm.sleep(level=1)
         R = generation_config.max_new_tokens
