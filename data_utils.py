@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
@@ -21,6 +22,17 @@ TOY_ALIAS = "toy"
 DATASET_ALIASES = {  # alias -> (prompts, preference pairs, unpaired examples)
     "tldr": ("trl-lib/tldr", "trl-lib/tldr-preference", "trl-lib/tldr-preference"),  # kto.py unpairs the pairs
 }
+
+
+@dataclass
+class HeldOut:
+    """A script's held-out data, what its `evaluate` reads: `rows` (the examples its loss or reward is measured on:
+    pairs, demonstrations, unpaired examples; the RL scripts' prompt rows, which reward functions read), `prompts`
+    (token ids of held-out prompts completed greedily: eval/gold_score and the sample table) and `gold` (the task's
+    ground-truth scorer `(prompt text, completion text) -> float`, or None)."""
+    rows: Sequence
+    prompts: List[List[int]]
+    gold: Optional[Callable[[str, str], float]] = None
 
 
 def toy_world() -> dict:

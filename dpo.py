@@ -32,6 +32,7 @@ import metrics_log as ml
 import models
 import policy_common as pc
 import prompt_sharing as ps
+import rollout as ro
 import run_utils as ru
 import train_loop as tl
 from errors import UserError
@@ -315,7 +316,7 @@ def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenize
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
     metrics, samples = ru.global_means(accelerator, sums, n_real), []
     if queries:
-        prompts, completions = ru.greedy_completions(policy, tokenizer, queries, args.response_length,
+        prompts, completions = ro.greedy_completions(policy, tokenizer, queries, args.response_length,
                                                      args.per_device_eval_batch_size, accelerator)
         samples = [{"prompt": p, "completion": c, "gold": scorer(p, c)} for p, c in zip(prompts, completions)]
         metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)},

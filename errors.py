@@ -5,3 +5,8 @@ by `run_utils.main_guard`, never a traceback. Every module raises it as `errors.
 
 class UserError(ValueError):
     """Bad input from the command line or data: printed as one line by `run_utils.main_guard`, exit code 2."""
+
+
+class RolloutError(UserError):
+    """A rollout cannot go on, on every process together (a reward function failed, the sampler's log-probs are not
+    the trainer's): the RL scripts checkpoint their finished steps first (train_loop.checkpoint_on_error)."""

@@ -23,19 +23,17 @@ import time
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
-import numpy as np
 import torch
 
-import data_utils as du
 import metrics_log as ml
 import models
 import policy_common as pc
-import prompt_sharing as ps
 import reward_sources as rs
+import rollout as ro
 import run_utils as ru
 import train_loop as tl
 import vllm_generation as vg
-from errors import UserError
+from errors import RolloutError, UserError
 
 
 @dataclass
@@ -255,83 +253,12 @@ def aggregate_loss(token_loss, mask, loss_type: str, response_length: int, token
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
-    """The next KL coefficient: unchanged when `target` is None, else adapted as in Ziegler et al. 2019:
-    kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon)."""
-    if target is None:
-        return kl_coef
-    proportional_error = float(np.clip(current_kl / target - 1, -0.2, 0.2))
-    return kl_coef * (1 + proportional_error * n_episodes / horizon)
-
-
-# TRY NOT TO MODIFY: evaluation
-@torch.no_grad()
-def evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows, gold, logger,
-             step):
-    """Greedy completions of the held-out prompts: reward, KL to the reference (when there is one), length, EOS rate,
-    gold score if the task has one; with --num_eval_generations k and reward functions, k sampled completions per
-    prompt: mean@k (the mean of their weighted function rewards) and pass@k (a prompt passes when one of its k
-    completions scores >= 1 by every reward function that scores it: a verifier's "correct"). Every process runs an
-    equal share (padded: only its first n_real rows count). Logs a few rows as eval/samples; returns means over all
-    processes' prompts."""
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    sampled = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-    k = args.num_eval_generations if reward_sources.functions else 0
-    functions = reward_sources.functions
-    verifiers = rs.Rewards(tokenizer, functions=functions, weights=reward_sources.weights[-len(functions):].tolist()
-                           ) if k else None  # the reward functions without the reward model
-    chunk = args.local_rollout_forward_batch_size
-    share, n_real = ru.even_share(range(len(eval_prompts)), accelerator)  # indices of the prompts
-    sums, samples, source_scores = dict(scores=0.0, response_length=0.0, eos_rate=0.0), [], []
-    sums.update({"kl": 0.0} if reference is not None else {}, **({"gold_score": 0.0} if gold is not None else {}))
-    sums.update({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})
-    policy.eval()
-    for i in range(0, len(share), chunk):
-        real = max(0, min(chunk, n_real - i))  # rows of this chunk that count; the rest only pad the share
-        indices = share[i:i + chunk]
-        queries = pc.pad_sequences([eval_prompts[j] for j in indices], pad, "left").to(accelerator.device)
-        context_length = queries.shape[1]
-        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, greedy, chunk, accelerator)
-        responses = query_responses[:, context_length:]  # (b, R)
-        mask = responses != pad
-        scores, per_source = reward_sources(query_responses, context_length, [eval_rows[j] for j in indices],
-                                            accelerator)  # (b,), (b, sources)
-        source_scores.append(per_source[:real])
-        sums["scores"] += scores[:real].sum().item()
-        if reference is not None:
-            logprobs = pc.response_logprobs(policy, query_responses, context_length, pad, args.temperature)
-            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-            sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
-        sums["response_length"] += mask[:real].sum().item()
-        sums["eos_rate"] += (responses == eos).any(1)[:real].sum().item()
-        for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
-            row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
-                       completion=tokenizer.decode(response, skip_special_tokens=True), score=round(score, 4))
-            if gold is not None:
-                row["gold"] = gold(row["prompt"], row["completion"])
-                sums["gold_score"] += row["gold"]
-            samples.append(row)
-        if k:  # k sampled completions per prompt, scored by the reward functions only
-            repeated = queries.repeat_interleave(k, 0)
-            query_responses, _ = pc.batch_generation(policy, repeated, pad, eos, sampled, chunk, accelerator)
-            rows = [eval_rows[j] for j in indices for _ in range(k)]
-            function_reward, verdicts = verifiers(query_responses, context_length, rows, accelerator)  # (bk,), (bk,F)
-            correct = ((verdicts >= 1.0) | verdicts.isnan()).all(1) & ~verdicts.isnan().all(1)  # (b * k,)
-            sums[f"pass@{k}"] += correct.view(-1, k).any(1)[:real].sum().item()
-            sums[f"mean@{k}"] += function_reward.view(-1, k).mean(1)[:real].sum().item()
-    means = ru.global_means(accelerator, sums, n_real)
-    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
-    return {**{f"eval/{key}": means[key] for key in sums},
-            **reward_sources.metrics(torch.cat(source_scores), accelerator, prefix="eval/reward/")}
-
-
 def main():
     # 1. arguments: validate and derive every batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     if args.num_generations < 2:
         raise UserError(f"--num_generations must be >= 2 (a group needs others to compare with), got "
-                           f"{args.num_generations}")
+                        f"{args.num_generations}")
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
     if min(args.epsilon, args.epsilon_high, args.learning_rate, args.max_grad_norm, args.temperature) <= 0:
         raise UserError("--epsilon, --epsilon_high, --learning_rate, --max_grad_norm and --temperature must be > 0")
@@ -345,7 +272,7 @@ def main():
            args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1 \
             or args.num_eval_generations < 0:
         raise UserError("batch sizes, --num_iterations, --num_eval_prompts, --response_length, --total_episodes, "
-                           "--kl_horizon and --max_steps must be >= 1, --num_eval_generations >= 0")
+                        "--kl_horizon and --max_steps must be >= 1, --num_eval_generations >= 0")
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     # completions per process per step; the num_generations completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -354,200 +281,124 @@ def main():
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_iterations
-    chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 2. tokenizer of the policy and its reference (a reward model may have its own: reward_sources.py)
+    # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
     policy_path = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    data = ro.load_prompt_data(args, tokenizer, policy_path)
+    output_dir = ru.output_dir(args, data.name, accelerator)
 
-    # 3. data and lengths: prompts tokenised once; completions must fit in the model's positions after a prompt
-    dataset_name = args.dataset or ru.default_dataset(args.model)
-    train_data = du.load_prompt_dataset(dataset_name, "train")
-    eval_data = du.load_prompt_dataset(dataset_name, args.eval_split)
-    du.require_columns(train_data, ["prompt"], dataset_name)
-    du.require_columns(eval_data, ["prompt"], dataset_name)
-    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
-    if args.max_prompt_length is None:
-        args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
-    positions = ru.model_positions(policy_path, args.trust_remote_code)
-    ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
-                  f"the model's {positions} positions minus prompts of up to {args.max_prompt_length} tokens")
-    share = args.share_prompts and ps.worth_sharing(  # one decision, from sizes the same on every process
-        min(args.per_device_train_batch_size, chunk), args.num_generations, args.max_prompt_length,
-        args.response_length)
-    gold = du.gold_scorer(dataset_name)
-    generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-    output_dir = ru.output_dir(args, dataset_name, accelerator)
-
-    # 4. models: policy (+LoRA), frozen reference (only when beta > 0); reward sources (reward_sources.py)
+    # 3. models: policy (+LoRA), frozen reference (only when beta > 0); reward sources (reward_sources.py)
     policy = models.load_policy(policy_path, tokenizer, args)
     reference = None if args.beta == 0 else pc.create_reference(
         policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft, accelerator=accelerator, bf16=args.bf16,
         ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
         trust_remote_code=args.trust_remote_code)
-    reward_sources = rs.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
-    eval_rows = eval_data.to_list()
+    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
+                                     accelerator)
 
-    # 5. optimizer, linear decay per optimizer step, checkpointable state
+    # 4. optimizer, linear decay per optimizer step, checkpointable state (kl_coef: beta), the sampler
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
-    state = dict(step=0, episode=0, prompts_seen=0, skipped=0, beta=args.beta)
+    state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.beta)
     if args.resume_from:
         state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
+    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
+    sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, reference, prompts=data.train_prompts,
+                         rows=data.train, samples_per_prompt=args.num_generations, prompts_per_process=local_prompts,
+                         max_prompt_length=args.max_prompt_length, weights_version=state["step"])
     stop = tl.StopSignal()
-    generator = vg.from_args(args, policy, tokenizer, accelerator, weights_version=state["step"],  # None: no vLLM
-                             max_model_len=args.max_prompt_length + args.response_length,
-                             rows_per_call=local_batch_size)
     if state["step"] == 0:
-        logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
-                            gold, logger, 0), step=0)
+        logger.log(sampler.evaluate(data.held_out, logger, 0, pass_at_k=args.num_eval_generations), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
-        step, beta = state["step"] + 1, state["beta"]
-        # 6. generate: this process's local_prompts prompts of the stream, each repeated num_generations times
-        indices = du.data_positions(len(train_prompts), args.seed,
-                                    state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts)
-        queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
-        queries = queries.repeat_interleave(args.num_generations, dim=0)  # (local_batch_size, Lq)
-        context_length = queries.shape[1]
-        policy.eval()
-        if generator is None:
-            # the sampled tokens' log-probs: the old log-probs when the batch is reused (num_iterations > 1; the
-            # losses score the distribution sampling draws from, policy_common.mask_pad_), so no policy forward
-            query_responses, sampled_logprobs = pc.batch_generation(policy, queries, pad, eos, generation_config,
-                                                                    chunk, accelerator, share_prompts=share)
-        else:  # vLLM (synced to this step's weights first); reused batches need the trainer's own old log-probs
-            query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
-            sampled_logprobs = None if args.num_iterations == 1 else pc.response_logprobs_no_grad(
-                policy, query_responses, context_length, pad, args.temperature, chunk, share_prompts=share)
-        responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
-        response_mask = responses != pad  # (B, R)
-        truncated = ~(responses == eos).any(1)  # (B,) cut at response_length
+        step, beta = state["step"] + 1, state["kl_coef"]
+        # 5. rollout: this process's local_prompts prompts, num_generations completions each, scored; reference
+        #    log-probs when beta > 0; old log-probs only for reused batches (at one iteration the training forward's
+        #    own, detached: a ratio of exactly 1, as TRL)
+        with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
+            batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"],
+                                    old_logprobs=args.num_iterations > 1)
+        response_mask, truncated, ref_logprobs = batch.response_mask, batch.truncated, batch.ref_logprobs  # (B, R)...
+        scores = batch.scores.masked_fill(batch.source_scores.isnan().all(1), math.nan)  # scored by no source: left out
 
-        # 7. score; reference log-probs when beta > 0
-        with torch.no_grad():
-            rows = [train_data[i] for i in indices for _ in range(args.num_generations)]  # the row of each completion
-            with tl.checkpoint_on_error(rs.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
-                scores, source_scores = reward_sources(query_responses, context_length, rows, accelerator, chunk,
-                                                       share_prompts=share)  # (B,), (B, sources)
-            if args.missing_eos_penalty is not None:
-                scores = torch.where(truncated, scores - args.missing_eos_penalty, scores)
-            scores = scores.masked_fill(source_scores.isnan().all(1), math.nan)  # scored by no source: left out
-            # at num_iterations 1 the old log-probs are the new ones detached (a ratio of exactly 1, as TRL)
-            old_logprobs = sampled_logprobs if args.num_iterations > 1 else None
-            ref_logprobs = torch.zeros_like(responses, dtype=torch.float32)
-            if reference is not None:
-                ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk,
-                                                  share_prompts=share)
+        # 6. group-relative advantages; the loss mask and its token count over all processes (for dapo)
+        advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, accelerator)
+        loss_mask = response_mask.clone()
+        if args.mask_truncated_completions:
+            loss_mask &= ~truncated[:, None]
+        if args.skip_zero_std_groups:
+            loss_mask &= ~zero_std[:, None]
+        global_tokens = ru.global_sum(accelerator, loss_mask.sum().item())
+        tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
 
-            # 8. group-relative advantages; the loss mask and its token count over all processes (for dapo)
-            advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, accelerator)
-            loss_mask = response_mask.clone()
-            if args.mask_truncated_completions:
-                loss_mask &= ~truncated[:, None]
-            if args.skip_zero_std_groups:
-                loss_mask &= ~zero_std[:, None]
-            global_tokens = ru.global_sum(accelerator, loss_mask.sum().item())
-            tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
-
-        # 9. policy update: num_iterations optimizer steps on this batch, micro-batches accumulated
-        policy.train()
-        losses, stats, entropy, kl, skipped = [], {}, [], [], 0
+        # 7. policy update: num_iterations optimizer steps on this batch, micro-batches accumulated
+        losses, stats, entropy, kl = [], {}, [], []
         for iteration in range(args.num_iterations):
-            # shuffled prompt by prompt, so a micro-batch holds whole groups and encodes each prompt once
-            order = (torch.randperm(local_prompts, device=accelerator.device)[:, None] * args.num_generations +
-                     torch.arange(args.num_generations, device=accelerator.device)).flatten()
-            for mb in order.view(args.gradient_accumulation_steps, -1):  # micro-batches of per_device rows
+            for mb in batch.shuffled_rows().view(args.gradient_accumulation_steps, -1):  # per_device rows each
                 with accelerator.accumulate(policy):
-                    logits = pc.forward_logits(policy, query_responses[mb], context_length, pad, args.temperature,
-                                               share_prompts=share)
-                    new_logprobs = pc.selective_logprobs(logits, responses[mb])
-                    old = new_logprobs.detach() if old_logprobs is None else old_logprobs[mb]
-                    is_weights = None
-                    if generator is not None:  # sampled by vLLM: weight each token by min(pi_old / pi_vllm, cap)
-                        is_weights, is_stats = vg.truncated_importance_weights(
-                            old, sampler_logprobs[mb], response_mask[mb], args.vllm_is_cap, per_sequence=False)
+                    new_logprobs, token_entropy = sampler.logprobs(policy, batch, mb, entropy=iteration == 0)
+                    old = new_logprobs.detach() if batch.logprobs is None else batch.logprobs[mb]
+                    # sampled by vLLM: each token's surrogate weighted by min(pi_old / pi_vllm, cap); else None
+                    is_weights, is_stats = batch.importance_weights(old, mb)
                     token_loss, mb_stats = per_token_loss(
-                        new_logprobs, old, ref_logprobs[mb], advantages[mb], loss_mask[mb],
-                        importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
+                        new_logprobs, old, None if ref_logprobs is None else ref_logprobs[mb], advantages[mb],
+                        loss_mask[mb], importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
                         epsilon_high=args.epsilon_high, beta=beta, is_weights=is_weights)
-                    if generator is not None and iteration == 0:  # the sampler mismatch, once per rollout
-                        mb_stats.update(is_stats)
                     loss = aggregate_loss(token_loss, loss_mask[mb], args.loss_type, args.response_length,
                                           tokens_per_micro_batch)
                     accelerator.backward(loss)
-                    losses.append(loss.detach())
-                    for key, value in mb_stats.items():
-                        stats.setdefault(key, []).append(value)
-                    if iteration == 0:  # the sampling policy's entropy and KL to the reference, per sequence
-                        with torch.no_grad():
-                            entropy.append((pc.entropy_from_logits(logits) * response_mask[mb]).sum(1))
-                            kl.append(((old - ref_logprobs[mb]) * response_mask[mb]).sum(1))
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                        if ru.all_finite(accelerator, loss, grad_norm):
-                            optimizer.step()
-                        elif args.skip_nonfinite:
-                            skipped += 1
-                        else:
-                            optimizer.zero_grad()
-                            tl.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
-                                                 loss=loss, grad_norm=grad_norm)
-                        lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                        scheduler.step()
-                        optimizer.zero_grad()
-        state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + skipped,
+                losses.append(loss.detach())
+                for key, value in {**mb_stats, **(is_stats if iteration == 0 else {})}.items():
+                    stats.setdefault(key, []).append(value)
+                if iteration == 0:  # the sampling policy's entropy and KL to the reference, per sequence
+                    entropy.append((token_entropy * response_mask[mb]).sum(1))
+                    if ref_logprobs is not None:
+                        kl.append(((old - ref_logprobs[mb]) * response_mask[mb]).sum(1))
+            optimizer_step(torch.stack(losses[-args.gradient_accumulation_steps:]), state, step)
+        state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
                      prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
 
-        # 10. log, adapt beta (--kl_target), evaluate every eval_steps steps and after the last
+        # 8. log, adapt beta (--kl_target), evaluate every eval_steps steps and after the last
         scored = ~scores.isnan()
         metrics = ru.reduce_metrics(accelerator, {
             "objective/scores": scores[scored].mean() if scored.any() else torch.tensor(0.0),
             "objective/entropy": torch.cat(entropy).mean(), "objective/frac_reward_zero_std": zero_std.float().mean(),
             "objective/advantage_std": advantages.std(), "loss/policy": torch.stack(losses).mean(),
             **{key: torch.stack(values).mean() for key, values in stats.items()},
-            "val/num_eos_tokens": (responses == eos).sum().float(), "val/truncated_fraction": truncated.float().mean(),
-            "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
+            "val/num_eos_tokens": (~truncated).sum().float(), "val/truncated_fraction": truncated.float().mean(),
+            "val/response_length": response_mask.sum(1).float().mean(),
+            "nonfinite/skipped": float(state["nonfinite_skipped"]),
             **({"objective/kl": torch.cat(kl).mean()} if reference is not None else {}),
         })
-        metrics.update(reward_sources.metrics(source_scores, accelerator))
-        if generator is not None:
-            metrics["time/vllm_sync"] = generator.last_sync_seconds
+        metrics.update(batch.metrics)
+        metrics.update(reward_sources.metrics(batch.source_scores, accelerator))
         if reference is not None:
             metrics["objective/beta"] = beta
-            state["beta"] = adaptive_kl_coef(beta, metrics["objective/kl"], batch_size, args.kl_target,
-                                             args.kl_horizon)
-        metrics.update({"lr": lr, "episode": state["episode"],
+            state["kl_coef"] = tl.adaptive_kl_coef(beta, metrics["objective/kl"], batch_size, args.kl_target,
+                                                   args.kl_horizon)
+        metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts,
-                                    eval_rows, gold, logger, step))
+            metrics.update(sampler.evaluate(data.held_out, logger, step, pass_at_k=args.num_eval_generations))
         logger.log(metrics, step=step)
 
-        # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then all exit cleanly)
-        stopping = stop.agreed(accelerator) and step < num_total_batches
-        if (args.save_steps and step % args.save_steps == 0) or stopping:
-            tl.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
-        if stopping:
-            accelerator.print(f"stop signal received: checkpoint-{step} written, stopping")
+        # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
             logger.close()
             return
 
-    # 12. final save
-    if generator is not None:
-        generator.close()
+    # 10. final save
+    sampler.close()
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

@@ -40,6 +40,7 @@ import metrics_log as ml
 import models
 import policy_common as pc
 import prompt_sharing as ps
+import rollout as ro
 import run_utils as ru
 import train_loop as tl
 from errors import UserError
@@ -394,7 +395,7 @@ def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, arg
         total = {k: total.get(k, 0) + v for k, v in sums.items()}
     metrics, samples = finish_metrics(total, n_batches, accelerator, prefix="eval/"), []
     if gen_prompts:
-        prompts, responses = ru.greedy_completions(policy, tokenizer, gen_prompts, args.response_length,
+        prompts, responses = ro.greedy_completions(policy, tokenizer, gen_prompts, args.response_length,
                                                    args.per_device_eval_batch_size, accelerator)
         samples = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
         if scorer is not None:

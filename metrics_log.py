@@ -153,6 +153,13 @@ class MetricsLogger:
         return "\n".join(lines)
 
 
+def run_logger(args, accelerator, output_dir: str, resume_step: Optional[int] = None) -> MetricsLogger:
+    """The run's MetricsLogger: the main process writes to `output_dir` (the run's name for wandb is its folder's
+    name), with wandb when --track (project --wandb_project); `resume_step`: the checkpoint's step when resuming."""
+    return MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
+                         os.path.basename(os.path.normpath(output_dir)), resume_step=resume_step)
+
+
 PROCESS_START = time.time()  # the summary's wall time counts from here (imported at start-up)
 SUMMARY_KEYS = ("eval/gold_score", "eval/scores", "eval/kl", "eval/loss", "eval/accuracy", "eval/rewards/accuracies",
                 "eval/rewards/margins")

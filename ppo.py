@@ -20,15 +20,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import data_utils as du
 import metrics_log as ml
 import models
 import policy_common as pc
 import reward_sources as rs
+import rollout as ro
 import run_utils as ru
 import train_loop as tl
 import vllm_generation as vg
-from errors import UserError
+from errors import RolloutError, UserError
 from policy_common import masked_mean, masked_var, masked_whiten
 
 
@@ -59,6 +59,8 @@ class Args:
     """split of the dataset held out for evaluation"""
     num_eval_prompts: int = 512
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
     output_dir: Optional[str] = None
     """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
     track: bool = False
@@ -213,14 +215,6 @@ def per_token_rewards(logprobs, ref_logprobs, scores, response_mask, kl_coef: fl
     return rewards, non_score_reward, kl
 
 
-def penalise_missing_eos(scores, responses, eos_token_id: int, penalty: Optional[float]):
-    """(B,) scores, (B, R) responses -> scores minus `penalty` where a response has no EOS (TRL's
-    missing_eos_penalty; the N+ details replace such scores by a constant instead)."""
-    if penalty is None:
-        return scores
-    return scores - penalty * (~(responses == eos_token_id).any(1)).to(scores.dtype)
-
-
 def compute_gae(rewards, values, response_mask, gamma: float, lam: float):
     """Generalised advantage estimation (Schulman et al. 2016) over response tokens.
     rewards, values: (B, R); response_mask: (B, R) bool. Padding after a response gets zero reward and value,
@@ -270,15 +264,6 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
     return pg_loss, vf_loss, stats
 
 
-def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
-    """The next KL coefficient: unchanged when `target` is None, else adapted as in Ziegler et al. 2019:
-    kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon)."""
-    if target is None:
-        return kl_coef
-    proportional_error = float(np.clip(current_kl / target - 1, -0.2, 0.2))
-    return kl_coef * (1 + proportional_error * n_episodes / horizon)
-
-
 class PolicyAndValue(nn.Module):
     """Policy and value model in one module, so one `accelerator.prepare` and one optimizer cover both (as in
     the N+ details). forward: (B, T) ids -> logits (B, R, V) of the response tokens / temperature, and values
@@ -297,254 +282,154 @@ class PolicyAndValue(nn.Module):
         return pc.scalar_forward(self.value_model, query_responses, pad_token_id)[:, context_length - 1:-1]
 
 
-# TRY NOT TO MODIFY: evaluation and data-order plumbing
-@torch.no_grad()
-def evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args, accelerator, gold, logger,
-             step):
-    """Greedy completions of the held-out prompts: reward-model score, gold score, KL to the reference.
-    Logs up to 4 of this process's rows as eval/samples; returns eval/* means over every process's prompts."""
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    share, n_real = ru.even_share(range(len(eval_prompts)), accelerator)  # padded: every process makes the same calls
-    columns = {"eval/scores": [], "eval/kl": [], "eval/response_length": [], "eval/eos_rate": []}  # (b,) each
-    texts, source_scores = [], []
-    for i in range(0, len(share), args.local_rollout_forward_batch_size):
-        indices = share[i:i + args.local_rollout_forward_batch_size]
-        prompt_ids = [eval_prompts[j] for j in indices]
-        queries = pc.pad_sequences(prompt_ids, pad, "left").to(accelerator.device)  # (b, Lq)
-        context_length = queries.shape[1]
-        query_responses, _ = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos, config, len(prompt_ids),
-                                                 accelerator)
-        responses = query_responses[:, context_length:]  # (b, R)
-        response_mask = responses != pad
-        logits, _ = model(query_responses, context_length, pad, args.temperature)
-        logprobs = pc.selective_logprobs(logits, responses)
-        ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-        scores, per_source = reward_sources(query_responses, context_length, [eval_rows[j] for j in indices],
-                                            accelerator)  # (b,), (b, sources)
-        columns["eval/scores"].append(scores)
-        source_scores.append(per_source)
-        columns["eval/kl"].append(((logprobs - ref_logprobs) * response_mask).sum(1))
-        columns["eval/response_length"].append(response_mask.sum(1).float())
-        columns["eval/eos_rate"].append((responses == eos).any(1).float())
-        texts += [(tokenizer.decode(p, skip_special_tokens=True), tokenizer.decode(r, skip_special_tokens=True))
-                  for p, r in zip(prompt_ids, responses.tolist())]
-    texts = texts[:n_real]  # only real prompts count
-    sums = {key: torch.cat(values)[:n_real].sum().item() for key, values in columns.items()}
-    if gold is not None:
-        sums["eval/gold_score"] = float(np.sum([gold(p, c) for p, c in texts]))
-    samples = [{"prompt": p, "completion": c, "score": round(s, 3)}
-               for (p, c), s in zip(texts, torch.cat(columns["eval/scores"]).tolist())]
-    logger.log_samples("eval/samples", samples, step, 4)
-    return {**ru.global_means(accelerator, sums, n_real),
-            **reward_sources.metrics(torch.cat(source_scores)[:n_real], accelerator, prefix="eval/reward/")}
-
-
 def main():
-    # 1. arguments, batch sizes, accelerator, model and dataset names
+    # 1. arguments, batch sizes, accelerator, seeding
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     local_batch_size, batch_size, num_total_batches = validate(args, accelerator.num_processes)
-    chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
+    num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
+    chunk = args.local_rollout_forward_batch_size  # rows per no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
-    dataset_name = args.dataset or ru.default_dataset(args.model)
+
+    # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
     policy_path = ru.resolve_model(args.model)
-
-    # 2. data: training and held-out prompts, tokenised; the response length fitted to the model's positions
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    train_data = du.load_prompt_dataset(dataset_name, "train")
-    eval_data = du.load_prompt_dataset(dataset_name, args.eval_split)
-    for data, split in ((train_data, "train"), (eval_data, args.eval_split)):
-        du.require_columns(data, ["prompt"], f"{dataset_name}:{split}")
-    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
-    eval_rows = eval_data.to_list()
-    longest_prompt = max(len(p) for p in train_prompts + eval_prompts)
-    positions = ru.model_positions(policy_path, args.trust_remote_code)
-    ru.fit_length(args, "response_length", None if positions is None else positions - longest_prompt,
-                  f"the longest prompt ({longest_prompt} tokens) in the model's {positions} positions")
-    gold = du.gold_scorer(dataset_name)
+    data = ro.load_prompt_data(args, tokenizer, policy_path)
+    output_dir = ru.output_dir(args, data.name, accelerator)
+    pad = tokenizer.pad_token_id
 
-    # 3. models: reward sources (a frozen reward model and/or functions: reward_sources.py), policy (+LoRA), value model,
-    #    frozen reference
-    reward_sources = rs.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
+    # 3. models: reward sources (a frozen reward model and/or functions: reward_sources.py), policy (+LoRA), value
+    #    model, frozen reference
+    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
+                                     accelerator)
     if args.value_model is not None:
         value_path = ru.resolve_reward_model(args.value_model)
         models.check_same_vocab(tokenizer, models.load_tokenizer(value_path, trust_remote_code=args.trust_remote_code),
-                            "value model")
+                                "value model")
     else:  # a value model reads the policy's token ids: the reward model's weights only if it does too
         value_path = reward_sources.path if reward_sources.mode == "tokens" and reward_sources.path else policy_path
     policy = models.load_policy(policy_path, tokenizer, args)
     # a value model from the reward model was trained to read the last token only: its values at earlier positions
-    # start uncalibrated (toy: loss/value ~12, val/clipfrac ~0.8 at update 1, ~1-2 and ~0.2 by update 15); the
-    # clipped value loss absorbs this without a separate warm-up phase. From the policy, its scalar head is new.
-    value_model = models.load_scalar_model(value_path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    # start uncalibrated; the clipped value loss absorbs this without a separate warm-up phase. From the policy, its
+    # scalar head is new.
+    value_model = models.load_scalar_model(value_path, tokenizer, bf16=args.bf16,
+                                           trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         models.enable_activation_checkpointing(value_model)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
 
-    # 4. one optimizer over policy + value; lr decays linearly per optimizer step (not prepared: checkpoints carry it)
+    # 4. one optimizer over policy + value, linear decay per optimizer step, checkpointable state, the sampler
     model = PolicyAndValue(policy, value_model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5)
-    num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    kl_coef, start_update = args.kl_coef, 1
+    # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
+    state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
     if args.resume_from:
-        state = tl.load_checkpoint(accelerator, args.resume_from, scheduler)
-        start_update, kl_coef = state["step"] + 1, state["kl_coef"]
-    output_dir = ru.output_dir(args, dataset_name, accelerator)
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(output_dir), resume_step=start_update - 1 if args.resume_from else None)
-    logger.progress(num_total_batches, start_update - 1, batch_size, "episodes",
+        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode}, value model from {value_path} -> {output_dir}")
+    optimizer_step = tl.OptimizerStep(accelerator, model, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
+    sampler = ro.Sampler(args, accelerator, tokenizer, pc.unwrap(model).policy, reward_sources, reference,
+                         prompts=data.train_prompts, rows=data.train, samples_per_prompt=1,
+                         prompts_per_process=local_batch_size, max_prompt_length=args.max_prompt_length,
+                         weights_version=state["step"])
+    stop = tl.StopSignal()
+    if state["step"] == 0:
+        logger.log({**sampler.evaluate(data.held_out, logger, 0), "episode": 0}, step=0)
 
-    generator = vg.from_args(args, model, tokenizer, accelerator, weights_version=start_update - 1,  # None: no vLLM
-                             max_model_len=longest_prompt + args.response_length, rows_per_call=local_batch_size,
-                             submodule="policy")
-
-    def checkpoint(update: int, name: str) -> None:
-        tl.save_checkpoint(accelerator, os.path.join(output_dir, name), {"step": update, "kl_coef": kl_coef}, scheduler)
-
-    # 5. evaluate the starting policy (step 0; a resumed run has done so already)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-    stop, skipped, start_time = tl.StopSignal(), 0, time.time()
-    if start_update == 1:
-        metrics = evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args, accelerator,
-                           gold, logger, 0)
-        logger.log({**metrics, "episode": 0}, step=0)
-
-    for update in range(start_update, num_total_batches + 1):
-        # this process's slice of the update's batch_size positions of the data order (a function of the update)
-        indices = du.data_positions(len(train_prompts), args.seed, (update - 1) * batch_size, batch_size)
-        indices = indices[accelerator.process_index * local_batch_size:][:local_batch_size]
-        queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
-        context_length = queries.shape[1]  # queries: (B, Lq)
+    start_time, start_episode = time.time(), state["episode"]
+    while state["step"] < num_total_batches:
+        step, kl_coef = state["step"] + 1, state["kl_coef"]
+        # 5. rollout: this process's local_batch_size prompts, one completion each, scored; old and reference
+        #    log-probs (a failure on any process first keeps the finished steps)
+        with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
+            batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"])
+        query_responses, context_length = batch.query_responses, batch.context_length
+        responses, response_mask = batch.responses, batch.response_mask  # (B, R); True up to and including EOS
         with torch.no_grad():
-            # 6. generate responses (truncated after the first EOS)
-            #    the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses
-            #    score the distribution sampling draws from: policy_common.mask_pad_), so no policy forward in 7.
-            #    With vLLM (synced to this update's weights first) they are the engine's: the old log-probs come from
-            #    the trainer's forward in 7.
-            if generator is None:
-                query_responses, logprobs = pc.batch_generation(pc.unwrap(model).policy, queries, pad, eos,
-                                                                generation_config, chunk, accelerator)
-            else:
-                query_responses, sampler_logprobs = generator.generate(model, update - 1, queries, generation_config)
-            responses = query_responses[:, context_length:]  # (B, R)
-            response_mask = responses != pad  # (B, R), True up to and including EOS
+            # 6. values before the update, a chunk of rows at a time
+            values = torch.cat([pc.unwrap(model).values(query_responses[i:i + chunk], context_length, pad)
+                                for i in range(0, local_batch_size, chunk)])
+            # sampled by vLLM: each token's surrogate weighted by min(pi_trainer / pi_vllm, cap); else None
+            is_weights, is_stats = batch.importance_weights(batch.logprobs)
+            logprobs, values = batch.logprobs * response_mask, values * response_mask  # (B, R)
+            ref_logprobs = batch.ref_logprobs * response_mask
 
-            # 7. values before the update (and the trainer's old log-probs after vLLM), reference log-probs, rewards
-            if generator is None:
-                values = torch.cat([pc.unwrap(model).values(query_responses[i:i + chunk], context_length, pad)
-                                    for i in range(0, local_batch_size, chunk)])
-            else:
-                logprobs, values = [], []
-                for i in range(0, local_batch_size, chunk):  # one chunk's logits alive at a time
-                    logits, chunk_values = model(query_responses[i:i + chunk], context_length, pad, args.temperature)
-                    logprobs.append(pc.selective_logprobs(logits, responses[i:i + chunk]))
-                    values.append(chunk_values)
-                logprobs, values = torch.cat(logprobs), torch.cat(values)
-                is_weights, is_stats = vg.truncated_importance_weights(logprobs, sampler_logprobs, response_mask,
-                                                                       args.vllm_is_cap, per_sequence=False)
-            logprobs, values = logprobs * response_mask, values * response_mask  # (B, R)
-            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk)
-            ref_logprobs = ref_logprobs * response_mask
-            rows = [train_data[i] for i in indices]  # the dataset row of each completion
-            with tl.checkpoint_on_error(rs.RewardFunctionError, accelerator, output_dir,
-                                        {"step": update - 1, "kl_coef": kl_coef}, scheduler):
-                scores, source_scores = reward_sources(query_responses, context_length, rows,
-                                                       accelerator)  # (B,), (B, sources)
+            # 7. rewards: KL penalty on every token, the score (after the missing-EOS penalty) at the last real token
+            rewards, non_score_reward, kl = per_token_rewards(logprobs, ref_logprobs, batch.scores, response_mask,
+                                                              kl_coef)
 
-            # 8. rewards: missing-EOS penalty, KL penalty on every token, score at the last real token
-            scores = penalise_missing_eos(scores, responses, eos, args.missing_eos_penalty)
-            rewards, non_score_reward, kl = per_token_rewards(logprobs, ref_logprobs, scores, response_mask, kl_coef)
-
-            # 9. advantages (GAE, whitened over the batch) and returns
+            # 8. advantages (GAE, whitened over the batch) and returns
             advantages, raw_advantages, returns = batch_advantages(rewards, values, response_mask, args.gamma,
                                                                    args.lam, whiten_rewards=args.whiten_rewards)
 
-        # 10. PPO epochs: each pass over the shuffled batch makes num_mini_batches optimizer steps, each accumulated
-        #     over gradient_accumulation_steps micro-batches of per_device_train_batch_size rows
+        # 9. PPO epochs: each pass over the shuffled batch makes num_mini_batches optimizer steps, each accumulated
+        #    over gradient_accumulation_steps micro-batches of per_device_train_batch_size rows
         stats = {}
         for _ in range(args.num_ppo_epochs):
-            permutation = torch.randperm(local_batch_size, device=accelerator.device)
-            for start in range(0, local_batch_size, args.per_device_train_batch_size):
-                mb = permutation[start:start + args.per_device_train_batch_size]
-                with accelerator.accumulate(model):
-                    logits, vpred = model(query_responses[mb], context_length, pad, args.temperature)
-                    new_logprobs = pc.selective_logprobs(logits, responses[mb])
-                    pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
-                                                            values[mb], returns[mb], response_mask[mb],
-                                                            args.cliprange, args.cliprange_value,
-                                                            None if generator is None else is_weights[mb])
-                    loss = pg_loss + args.vf_coef * vf_loss
-                    accelerator.backward(loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        if ru.all_finite(accelerator, loss, grad_norm):
-                            optimizer.step()
-                        elif args.skip_nonfinite:
-                            skipped += 1
-                        else:
-                            before = {"step": update - 1, "kl_coef": kl_coef}
-                            tl.stop_on_nonfinite(accelerator, output_dir, update, before, scheduler, loss=loss,
-                                                 grad_norm=grad_norm)
-                        lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                        scheduler.step()
-                        optimizer.zero_grad()
-                with torch.no_grad():
-                    mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
-                        pc.entropy_from_logits(logits), response_mask[mb])})
+            for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
+                mini_losses = []
+                for mb in mini_batch:
+                    with accelerator.accumulate(model):
+                        logits, vpred = model(query_responses[mb], context_length, pad, args.temperature)
+                        new_logprobs = pc.selective_logprobs(logits, responses[mb])
+                        pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
+                                                                values[mb], returns[mb], response_mask[mb],
+                                                                args.cliprange, args.cliprange_value,
+                                                                None if is_weights is None else is_weights[mb])
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        accelerator.backward(loss)
+                    mini_losses.append(loss.detach())
+                    with torch.no_grad():
+                        mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
+                            pc.entropy_from_logits(logits), response_mask[mb])})
                     for key, value in mb_stats.items():
                         stats.setdefault(key, []).append(value.item())
+                optimizer_step(torch.stack(mini_losses), state, step)  # clip, check, step, schedule
+        state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
+                     prompts_seen=state["prompts_seen"] + local_batch_size * accelerator.num_processes)
 
-        # 11. logging, KL controller, lr schedule
+        # 10. log, adapt kl_coef (--kl_target), evaluate every eval_steps steps and after the last
         with torch.no_grad():
-            metrics = {
-                "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
+            metrics = ru.reduce_metrics(accelerator, {
+                "objective/scores": batch.scores.mean(), "objective/kl": kl.sum(1).mean(),
                 "objective/non_score_reward": non_score_reward.sum(1).mean(),
-                "objective/rlhf_reward": (scores + non_score_reward.sum(1)).mean(),
+                "objective/rlhf_reward": (batch.scores + non_score_reward.sum(1)).mean(),
                 "objective/entropy": (-logprobs).sum(1).mean(), "objective/kl_coef": kl_coef,
                 **{key: float(np.mean(values_)) for key, values_ in stats.items()},
                 "val/mean": masked_mean(values, response_mask), "val/var": masked_var(values, response_mask),
-                "val/num_eos_tokens": (responses == eos).sum().float(),
+                "val/num_eos_tokens": (~batch.truncated).sum().float(),
                 "val/response_length": response_mask.sum(1).float().mean(),
                 "adv/mean": masked_mean(raw_advantages, response_mask),
                 "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
                 "returns/mean": masked_mean(returns, response_mask),
-                "lr": lr, "episode": update * batch_size, "nonfinite/skipped": skipped,
-            }
-            if generator is not None:
-                metrics.update(is_stats, **{"time/vllm_sync": generator.last_sync_seconds})
-            metrics = ru.reduce_metrics(accelerator, metrics)
-            metrics.update(reward_sources.metrics(source_scores, accelerator))
-        kl_coef = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target, args.kl_horizon)
-        metrics["time/episodes_per_second"] = (update - start_update + 1) * batch_size / (time.time() - start_time)
+                "lr": optimizer_step.lr, "episode": state["episode"],
+                "nonfinite/skipped": state["nonfinite_skipped"], **is_stats,
+            })
+            metrics.update(batch.metrics)
+            metrics.update(reward_sources.metrics(batch.source_scores, accelerator))
+        state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
+                                               args.kl_horizon)
+        metrics["time/episodes_per_second"] = (state["episode"] - start_episode) / (time.time() - start_time)
+        if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
+            metrics.update(sampler.evaluate(data.held_out, logger, step))
+        logger.log(metrics, step=step)
 
-        # 12. evaluation, checkpoints, stop signal
-        if (args.eval_steps > 0 and update % args.eval_steps == 0) or update == num_total_batches:
-            metrics.update(evaluate(model, reference, reward_sources, tokenizer, eval_prompts, eval_rows, args,
-                                    accelerator, gold, logger, update))
-        logger.log(metrics, step=update)
-        if args.save_steps > 0 and update % args.save_steps == 0:
-            checkpoint(update, f"checkpoint-{update}")
-        if update < num_total_batches and stop.agreed(accelerator):
-            checkpoint(update, f"checkpoint-{update}")
-            accelerator.print(f"{stop.received or 'a signal'} received: checkpoint-{update} written, exiting")
+        # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
             logger.close()
             return
 
-    # 13. final save
-    if generator is not None:
-        generator.close()
+    # 12. final save
+    sampler.close()
     tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
                   submodule="policy")
     if args.save_value_model:

@@ -44,13 +44,13 @@ import data_utils as du
 import models
 import policy_common as pc
 import run_utils as ru
-from errors import UserError
+from errors import RolloutError, UserError
 
 BUILTINS = ("gold",)
 REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metrics
 
 
-class RewardFunctionError(UserError):
+class RewardFunctionError(RolloutError):
     """A reward function raised or returned something unusable (every process raises it together)."""
 
 
@@ -276,6 +276,16 @@ class Rewards:
                 out[f"{prefix}{name}/mean"] = mean
                 out[f"{prefix}{name}/std"] = math.sqrt(max(squares / count - mean ** 2, 0.0))
         return out
+
+
+def penalise_missing_eos(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int,
+                         penalty: Optional[float]) -> torch.Tensor:
+    """(B,) scores, (B, R) responses -> scores minus `penalty` where a response has no EOS (--missing_eos_penalty,
+    the "EOS trick" of TRL and Huang et al. 2024, whose N+ details replace such scores by a constant instead); None:
+    unchanged."""
+    if penalty is None:
+        return scores
+    return torch.where((responses == eos_token_id).any(1), scores, scores - penalty)
 
 
 # ---------------------------------------------------------------------------------------------------------

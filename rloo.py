@@ -25,16 +25,15 @@ from typing import List, Literal, Optional
 
 import torch
 
-import data_utils as du
 import metrics_log as ml
 import models
 import policy_common as pc
-import prompt_sharing as ps
 import reward_sources as rs
+import rollout as ro
 import run_utils as ru
 import train_loop as tl
 import vllm_generation as vg
-from errors import UserError
+from errors import RolloutError, UserError
 
 
 @dataclass
@@ -201,16 +200,6 @@ def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: t
     return rewards.flip(1).cumsum(1).flip(1) * response_mask
 
 
-def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
-    """The next KL coefficient: unchanged when `target` is None, else adapted as in Ziegler et al. 2019:
-    kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon). Each step moves it by at most
-    0.2 * n_episodes / horizon of itself: a horizon of a few steps' episodes holds the KL near the target."""
-    if target is None:
-        return kl_coef
-    proportional_error = min(max(current_kl / target - 1, -0.2), 0.2)
-    return kl_coef * (1 + proportional_error * n_episodes / horizon)
-
-
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, accelerator=None) -> torch.Tensor:
     """(advantages - mean) / (std + 1e-8) where the float `mask` is 1, else 0; mean and biased std over ALL processes'
     entries (the same global batch gives the same advantages on any number of processes): two passes, one
@@ -267,51 +256,6 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     return loss, stats
 
 
-# TRY NOT TO MODIFY: data order and evaluation
-@torch.no_grad()
-def evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows, gold, logger,
-             step):
-    """Greedy completions of the held-out (distinct: not shared) prompts: reward, KL to the reference (summed over the
-    response, at the training temperature like objective/kl), length, EOS rate, gold score if the task has one.
-    Every process runs an equal share (padded: only its first n_real rows count), so all make the same model calls.
-    Logs a few of this process's rows as eval/samples; returns the metrics (means over all processes' prompts)."""
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-    chunk = args.local_rollout_forward_batch_size
-    share, n_real = ru.even_share(range(len(eval_prompts)), accelerator)  # indices of the prompts
-    sums, samples, source_scores = dict(scores=0.0, kl=0.0, response_length=0.0, eos_rate=0.0), [], []
-    if gold is not None:
-        sums["gold_score"] = 0.0
-    policy.eval()
-    for i in range(0, len(share), chunk):
-        real = max(0, min(chunk, n_real - i))  # rows of this chunk that count; the rest only pad the share
-        queries = pc.pad_sequences([eval_prompts[j] for j in share[i:i + chunk]], pad, "left").to(accelerator.device)
-        context_length = queries.shape[1]
-        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, accelerator)
-        responses = query_responses[:, context_length:]  # (b, R)
-        mask = responses != pad
-        logprobs = pc.response_logprobs(policy, query_responses, context_length, pad, args.temperature)
-        ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature)
-        scores, per_source = reward_sources(query_responses, context_length, [eval_rows[j] for j in share[i:i + chunk]],
-                                     accelerator)  # (b,), (b, sources)
-        source_scores.append(per_source[:real])
-        sums["scores"] += scores[:real].sum().item()
-        sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
-        sums["response_length"] += mask[:real].sum().item()
-        sums["eos_rate"] += (responses == eos).any(1)[:real].sum().item()
-        for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
-            row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
-                       completion=tokenizer.decode(response, skip_special_tokens=True), score=round(score, 4))
-            if gold is not None:
-                row["gold"] = gold(row["prompt"], row["completion"])
-                sums["gold_score"] += row["gold"]
-            samples.append(row)
-    means = ru.global_means(accelerator, sums, n_real)
-    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
-    return {**{f"eval/{k}": means[k] for k in sums},
-            **reward_sources.metrics(torch.cat(source_scores), accelerator, prefix="eval/reward/")}
-
-
 def main():
     # 1. arguments: validate and derive every batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
@@ -328,7 +272,7 @@ def main():
            args.gradient_accumulation_steps, args.response_length, args.total_episodes,
            args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1:
         raise UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
-                           "--max_steps must be >= 1")
+                        "--max_steps must be >= 1")
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
@@ -337,185 +281,111 @@ def main():
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
-    chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 2. tokenizer of the policy and its reference (a reward model may have its own: reward_sources.py)
+    # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
     policy_path = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    data = ro.load_prompt_data(args, tokenizer, policy_path)
+    output_dir = ru.output_dir(args, data.name, accelerator)
 
-    # 3. data and lengths: prompts tokenised once; completions must fit in the model's positions after a prompt
-    dataset_name = args.dataset or ru.default_dataset(args.model)
-    train_data = du.load_prompt_dataset(dataset_name, "train")
-    eval_data = du.load_prompt_dataset(dataset_name, args.eval_split)
-    du.require_columns(train_data, ["prompt"], dataset_name)
-    du.require_columns(eval_data, ["prompt"], dataset_name)
-    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
-    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
-    if args.max_prompt_length is None:
-        args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
-    positions = ru.model_positions(policy_path, args.trust_remote_code)
-    ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
-                  f"the model's {positions} positions minus prompts of up to {args.max_prompt_length} tokens")
-    share = args.share_prompts and ps.worth_sharing(  # one decision, from sizes the same on every process
-        min(args.per_device_train_batch_size, chunk), args.rloo_k, args.max_prompt_length, args.response_length)
-    gold = du.gold_scorer(dataset_name)
-    generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-    output_dir = ru.output_dir(args, dataset_name, accelerator)
-
-    # 4. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
+    # 3. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
     policy = models.load_policy(policy_path, tokenizer, args)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-    reward_sources = rs.load_rewards(args, tokenizer, args.model, dataset_name, [train_data, eval_data], accelerator)
-    eval_rows = eval_data.to_list()
+    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
+                                     accelerator)
 
-    # 5. optimizer, linear decay per optimizer step, checkpointable state
+    # 4. optimizer, linear decay per optimizer step, checkpointable state, the sampler
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   eps=1e-5, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
-    state = dict(step=0, episode=0, prompts_seen=0, skipped=0, kl_coef=args.kl_coef)
+    state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
     if args.resume_from:
         state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(output_dir), resume_step=state["step"] if args.resume_from else None)
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
+    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
+    sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, reference, prompts=data.train_prompts,
+                         rows=data.train, samples_per_prompt=args.rloo_k, prompts_per_process=local_prompts,
+                         max_prompt_length=args.max_prompt_length, weights_version=state["step"])
     stop = tl.StopSignal()
-    generator = vg.from_args(args, policy, tokenizer, accelerator, weights_version=state["step"],  # None: no vLLM
-                             max_model_len=args.max_prompt_length + args.response_length,
-                             rows_per_call=local_batch_size)
     if state["step"] == 0:
-        logger.log(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts, eval_rows,
-                            gold, logger, 0), step=0)
+        logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
-        # 6. generate: this process's local_prompts prompts of the stream, each repeated rloo_k times in a row
-        indices = du.data_positions(len(train_prompts), args.seed,
-                                    state["prompts_seen"] + accelerator.process_index * local_prompts, local_prompts)
-        queries = pc.pad_sequences([train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
-        queries = queries.repeat_interleave(args.rloo_k, dim=0)  # (local_batch_size, Lq)
-        context_length = queries.shape[1]
-        policy.eval()
-        if generator is None:
-            # the sampled tokens' log-probs are the old log-probs (the weights have not changed since; the losses
-            # score the distribution sampling draws from: policy_common.mask_pad_), so no separate policy forward
-            query_responses, logprobs, entropy = pc.batch_generation(
-                policy, queries, pad, eos, generation_config, chunk, accelerator, share_prompts=share,
-                return_entropy=True)
-        else:  # vLLM (synced to this step's weights first); the old log-probs are the trainer's, from a forward
-            query_responses, sampler_logprobs = generator.generate(policy, state["step"], queries, generation_config)
-            logprobs, entropy = pc.response_logprobs_no_grad(policy, query_responses, context_length, pad, args.temperature,
-                                                    chunk, share_prompts=share, return_entropy=True)
-        responses = query_responses[:, context_length:]  # (B, R): truncated after the first EOS, then pad
-        response_mask = responses != pad  # (B, R)
+        # 5. rollout: this process's local_prompts prompts, rloo_k completions each, scored; old and reference
+        #    log-probs (a failure on any process first keeps the finished steps)
+        with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
+            batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"], entropy=True)
+        response_mask = batch.response_mask  # (B, R)
 
-        # 7. score: reference log-probs, reward
+        # 6. KL-penalised rewards and leave-one-out advantages
         with torch.no_grad():
-            rows = [train_data[i] for i in indices for _ in range(args.rloo_k)]  # the dataset row of each completion
-            with tl.checkpoint_on_error(rs.RewardFunctionError, accelerator, output_dir, dict(state), scheduler):
-                scores, source_scores = reward_sources(query_responses, context_length, rows, accelerator, chunk,
-                                                share_prompts=share)  # (B,), (B, sources)
-            ref_logprobs = reference.logprobs(query_responses, context_length, pad, args.temperature, chunk,
-                                              share_prompts=share)
-            logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
-            ref_logprobs = ref_logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
-            if args.missing_eos_penalty is not None:  # the "EOS trick"
-                scores = torch.where((responses == eos).any(1), scores, scores - args.missing_eos_penalty)
-
-            # 8. rewards and leave-one-out advantages
-            kl = per_token_kl(logprobs, ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
+            kl = per_token_kl(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
-                scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
+                batch.scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
                 normalize=args.normalize_advantage, accelerator=accelerator)
-            is_weights, is_stats = None, {}
-            if generator is not None:  # sampled by vLLM: weight each action by min(pi_trainer / pi_vllm, cap)
-                is_weights, is_stats = vg.truncated_importance_weights(
-                    logprobs, sampler_logprobs, response_mask, args.vllm_is_cap, per_sequence=advantages.dim() == 1)
+            # sampled by vLLM: each action's loss weighted by min(pi_trainer / pi_vllm, cap); else None
+            is_weights, is_stats = batch.importance_weights(batch.logprobs, per_sequence=advantages.dim() == 1)
 
-        # 9. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
-        policy.train()
-        losses, stats, skipped = [], dict(clipfrac=[], approxkl=[], ratio=[]), 0
+        # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
+        losses, stats = [], dict(clipfrac=[], approxkl=[], ratio=[])
         for _ in range(args.num_ppo_epochs):
-            # shuffled prompt by prompt, so a micro-batch holds whole groups and encodes each prompt once
-            order = (torch.randperm(local_prompts, device=accelerator.device)[:, None] * args.rloo_k +
-                     torch.arange(args.rloo_k, device=accelerator.device)).flatten()
-            for mini_batch in order.view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
-                mini_losses = []
+            for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
                 for mb in mini_batch:  # micro-batches of per_device_train_batch_size rows
                     with accelerator.accumulate(policy):
-                        new_logprobs = pc.response_logprobs(policy, query_responses[mb], context_length, pad,
-                                                            args.temperature, share_prompts=share)
-                        loss, mb_stats = clipped_policy_loss(new_logprobs, logprobs[mb], advantages[mb],
+                        new_logprobs, _ = sampler.logprobs(policy, batch, mb)
+                        loss, mb_stats = clipped_policy_loss(new_logprobs, batch.logprobs[mb], advantages[mb],
                                                              response_mask[mb], args.cliprange,
                                                              None if is_weights is None else is_weights[mb])
                         accelerator.backward(loss)
-                        mini_losses.append(loss.detach())
-                        for key, value in mb_stats.items():
-                            stats[key].append(value)
-                        if accelerator.sync_gradients:
-                            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-                            if ru.all_finite(accelerator, torch.stack(mini_losses), grad_norm):
-                                optimizer.step()
-                            elif args.skip_nonfinite:
-                                skipped += 1
-                            else:
-                                optimizer.zero_grad()
-                                tl.stop_on_nonfinite(accelerator, output_dir, step, dict(state), scheduler,
-                                                     loss=loss, grad_norm=grad_norm)
-                            lr = scheduler.get_last_lr()[0]  # the rate this optimizer step used
-                            scheduler.step()
-                            optimizer.zero_grad()
-                losses += mini_losses
-        state.update(step=step, episode=state["episode"] + batch_size, skipped=state["skipped"] + skipped,
+                    losses.append(loss.detach())
+                    for key, value in mb_stats.items():
+                        stats[key].append(value)
+                optimizer_step(torch.stack(losses[-len(mini_batch):]), state, step)  # clip, check, step, schedule
+        state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
                      prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
 
-        # 10. log, and evaluate every eval_steps steps and after the last
+        # 8. log, adapt kl_coef (--kl_target), evaluate every eval_steps steps and after the last
         ratio = torch.cat(stats["ratio"])
         metrics = ru.reduce_metrics(accelerator, {
-            "objective/scores": scores.mean(), "objective/kl": kl.sum(1).mean(),
+            "objective/scores": batch.scores.mean(), "objective/kl": kl.sum(1).mean(),
             "objective/non_score_reward": non_score_reward.mean(), "objective/rlhf_reward": rlhf_reward.mean(),
-            "objective/entropy": (entropy * response_mask).sum(1).mean(),
+            "objective/entropy": (batch.entropy * response_mask).sum(1).mean(),
             "objective/advantage_std": advantages[response_mask].std() if advantages.dim() == 2 else advantages.std(),
             "loss/policy": torch.stack(losses).mean(), "policy/clipfrac": torch.stack(stats["clipfrac"]).mean(),
             "policy/approxkl": torch.stack(stats["approxkl"]).mean(), "val/ratio": ratio.mean(),
             "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
-            "val/num_eos_tokens": (responses == eos).sum().float(),
-            "val/response_length": response_mask.sum(1).float().mean(), "nonfinite/skipped": float(state["skipped"]),
-            **is_stats,
+            "val/num_eos_tokens": (~batch.truncated).sum().float(),
+            "val/response_length": response_mask.sum(1).float().mean(),
+            "nonfinite/skipped": float(state["nonfinite_skipped"]), **is_stats,
         })
-        if generator is not None:
-            metrics["time/vllm_sync"] = generator.last_sync_seconds
-        metrics.update(reward_sources.metrics(source_scores, accelerator))
+        metrics.update(batch.metrics)
+        metrics.update(reward_sources.metrics(batch.source_scores, accelerator))
         metrics["objective/kl_coef"] = kl_coef
-        state["kl_coef"] = adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
-                                            args.kl_horizon)
-        metrics.update({"lr": lr, "episode": state["episode"],
+        state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
+                                               args.kl_horizon)
+        metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(evaluate(args, accelerator, policy, reference, reward_sources, tokenizer, eval_prompts,
-                                    eval_rows, gold, logger, step))
+            metrics.update(sampler.evaluate(data.held_out, logger, step))
         logger.log(metrics, step=step)
 
-        # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then all exit cleanly)
-        stopping = stop.agreed(accelerator) and step < num_total_batches
-        if (args.save_steps and step % args.save_steps == 0) or stopping:
-            tl.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
-        if stopping:
-            accelerator.print(f"stop signal received: checkpoint-{step} written, stopping")
+        # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
             logger.close()
             return
 
-    # 12. final save
-    if generator is not None:
-        generator.close()
+    # 10. final save
+    sampler.close()
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

@@ -52,6 +52,7 @@ import data_utils as du
 import metrics_log as ml
 import models
 import policy_common as pc
+import rollout as ro
 import run_utils as ru
 import train_loop as tl
 from errors import UserError
@@ -308,7 +309,7 @@ def evaluate(args, policy, rows, queries, scorer, tokenizer, accelerator, logger
         tokens += mask[:keep].sum().item()
     metrics, samples = ru.global_means(accelerator, sums, tokens), []
     if queries:
-        prompts, completions = ru.greedy_completions(policy, tokenizer, queries, args.response_length,
+        prompts, completions = ro.greedy_completions(policy, tokenizer, queries, args.response_length,
                                                      args.per_device_eval_batch_size, accelerator)
         samples = [{"prompt": p, "completion": c, "gold": scorer(p, c)} for p, c in zip(prompts, completions)]
         metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)},

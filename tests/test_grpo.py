@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
-from grpo import adaptive_kl_coef, aggregate_loss, group_advantages, per_token_loss
+from grpo import aggregate_loss, group_advantages, per_token_loss
 
 NAN = math.nan
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -384,18 +384,6 @@ def test_group_advantages_match_trl_formula(scale_rewards):
         counted = torch.ones(40, dtype=torch.bool)
         counted[20:24] = counted[32:36] = False  # TRL's std is NaN there (fewer than 2 scored rows)
         assert torch.equal(zero_std[counted], trl_zero_std[counted]) and zero_std[8:12].all()
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Adaptive KL coefficient
-# ---------------------------------------------------------------------------------------------------------
-def test_adaptive_kl_coef_hand_worked():
-    assert adaptive_kl_coef(0.1, 5.0, 64, None, 640) == 0.1  # fixed without a target
-    assert adaptive_kl_coef(0.1, 1.1, 64, 1.0, 640) == pytest.approx(0.1 * (1 + 0.1 * 0.1))  # inside the clip
-    assert adaptive_kl_coef(0.1, 0.9, 64, 1.0, 640) == pytest.approx(0.1 * (1 - 0.1 * 0.1))
-    assert adaptive_kl_coef(0.1, 3.0, 64, 1.0, 640) == pytest.approx(0.1 * 1.02)  # error +2 clipped to +0.2
-    assert adaptive_kl_coef(0.1, 0.0, 64, 1.0, 640) == pytest.approx(0.1 * 0.98)  # error -1 clipped to -0.2
-    assert adaptive_kl_coef(0.1, 1.0, 64, 1.0, 640) == pytest.approx(0.1)  # on target
 
 
 # ---------------------------------------------------------------------------------------------------------

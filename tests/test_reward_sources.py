@@ -419,3 +419,12 @@ def test_a_function_failing_on_one_process_stops_both(toy):
     first, second = run_two_processes(_disagreeing_worker, toy)
     assert first == "a reward function failed on another process (its error is above)"
     assert second.startswith("reward function 'fails_on_rank_one' raised KeyError: 'only here' on row 0")
+
+
+def test_missing_eos_penalty():
+    """--missing_eos_penalty: subtracted where a response has no EOS (the toy EOS id 1), nothing with None."""
+    responses = torch.tensor([[5, 6, 7, 8], [5, 1, 0, 0], [1, 0, 0, 0]])
+    scores = torch.tensor([1.0, 1.0, -2.0])
+    assert rs.penalise_missing_eos(scores, responses, 1, 2.5).tolist() == [-1.5, 1.0, -2.0]
+    assert rs.penalise_missing_eos(scores, responses, 1, None).tolist() == [1.0, 1.0, -2.0]
+

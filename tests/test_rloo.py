@@ -16,7 +16,7 @@ import models
 import policy_common as pc
 import run_utils as ru
 from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
-from rloo import (adaptive_kl_coef, clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
+from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
                   token_level_returns)
 
 REQUIRED_TRAIN_METRICS = [
@@ -145,13 +145,6 @@ def test_normalized_advantages_use_the_global_batch_over_two_processes():
 # ---------------------------------------------------------------------------------------------------------
 # KL estimators, sequence- and token-level penalties
 # ---------------------------------------------------------------------------------------------------------
-def test_adaptive_kl_coefficient_hand_worked():
-    assert adaptive_kl_coef(0.1, 5.0, 64, None, 1000) == 0.1  # no target: fixed
-    assert adaptive_kl_coef(0.1, 2.2, 100, 2.0, 1000) == pytest.approx(0.1 * (1 + 0.1 * 0.1))  # KL 10% above target
-    assert adaptive_kl_coef(0.1, 9.0, 100, 2.0, 1000) == pytest.approx(0.1 * (1 + 0.2 * 0.1))  # error clipped at +0.2
-    assert adaptive_kl_coef(0.1, 0.0, 500, 2.0, 1000) == pytest.approx(0.1 * (1 - 0.2 * 0.5))  # and at -0.2
-
-
 def test_kl_estimators_hand_worked():
     logprobs = torch.log(torch.tensor([[0.5, 0.2]]))
     ref_logprobs = torch.log(torch.tensor([[0.25, 0.4]]))
