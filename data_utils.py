@@ -28,10 +28,12 @@ DATASET_ALIASES = {  # alias -> (prompts, preference pairs, unpaired examples)
 class HeldOut:
     """A script's held-out data, what its `evaluate` reads: `rows` (the examples its loss or reward is measured on:
     pairs, demonstrations, unpaired examples; the RL scripts' prompt rows, which reward functions read), `prompts`
-    (token ids of held-out prompts completed greedily: eval/gold_score and the sample table) and `gold` (the task's
-    ground-truth scorer `(prompt text, completion text) -> float`, or None)."""
+    (token ids of held-out prompts completed greedily: eval/gold_score and the sample table), `tokenizer` (the one
+    that encoded them, which decodes the completions) and `gold` (the task's ground-truth scorer
+    `(prompt text, completion text) -> float`, or None)."""
     rows: Sequence
     prompts: List[List[int]]
+    tokenizer: object
     gold: Optional[Callable[[str, str], float]] = None
 
 

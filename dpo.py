@@ -146,6 +146,8 @@ class Args:
     """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 256
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
 
 
 def validate(args: Args) -> None:
@@ -262,68 +264,67 @@ def pair_losses(args: Args, policy_logps, ref_logps, lengths):
 
 # Reference log-probs and evaluation: each process takes an even share (ru.even_share), so that every process makes
 # the same model calls; results are combined over all processes
-def reference_logps(reference, precomputed, index, query_responses, context_length, pad_token_id,
-                    share_prompts: bool = False):
-    """(2b,) reference log-probs summed over each completion of a concatenated batch: looked up for rows `index`
-    in the (N, 2) `precomputed` table when there is one, else computed with the reference model (no grad)."""
-    if precomputed is not None:
-        return torch.cat([precomputed[index, 0], precomputed[index, 1]]).to(query_responses.device)
+def reference_logps(reference, rows, query_responses, context_length, pad_token_id, share_prompts: bool = False):
+    """(2b,) reference log-probs summed over each completion of the concatenated batch of `rows`: their precomputed
+    `ref_logps` when they have them (--precompute_ref_logprobs), else computed with the reference model (no grad)."""
+    if "ref_logps" in rows[0]:
+        return torch.stack([row["ref_logps"] for row in rows], 1).reshape(-1).to(query_responses.device)
     token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id, share_prompts=share_prompts)
     return completion_sums(token_logprobs, query_responses, context_length, pad_token_id)[0]
 
 
-def batch_losses(args, policy, reference, rows, index, ref_table, pad_token_id: int, device, share_prompts: bool):
-    """Pairs rows[index] -> per-pair losses (b,) and metrics (pair_losses): one policy forward over the chosen and
-    the rejected completions together; reference log-probs from `ref_table` when precomputed, else the reference."""
-    query_responses, context_length = concatenated_inputs([rows[i] for i in index], pad_token_id)
+def batch_losses(args, policy, reference, rows, pad_token_id: int, device):
+    """Pairs `rows` -> per-pair losses (b,) and metrics (pair_losses): one policy forward over the chosen and the
+    rejected completions together (each prompt encoded once where --share_prompts decided so); reference log-probs
+    precomputed or from the reference."""
+    query_responses, context_length = concatenated_inputs(rows, pad_token_id)
     query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
     token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id,
-                                          share_prompts=share_prompts)
+                                          share_prompts=args.share_prompts)
     policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
-    ref_logps = reference_logps(reference, ref_table, index, query_responses, context_length, pad_token_id,
-                                share_prompts=share_prompts)
+    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id,
+                                share_prompts=args.share_prompts)
     return pair_losses(args, policy_logps, ref_logps, lengths)
 
 
 @torch.no_grad()
-def sequence_ref_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator,
-                       share_prompts: bool = False) -> torch.Tensor:
-    """(N, 2) reference log-probs summed over each row's chosen / rejected completion."""
-    share, _ = ru.even_share(list(range(len(rows))), accelerator)  # rows p, p + W, ... of process p, padded
+def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator,
+                               share_prompts: bool = False) -> None:
+    """Give each row its `ref_logps` (2,): the reference's log-probs summed over its chosen and rejected completion.
+    Each process scores an even share; the shares are gathered, so every process's rows get all of them."""
+    indices, _ = ru.even_share(list(range(len(rows))), accelerator)  # rows p, p + W, ... of process p, padded
     table = []
-    for i in range(0, len(share), batch_size):
-        query_responses, context_length = concatenated_inputs([rows[j] for j in share[i:i + batch_size]], pad_token_id)
-        logps = reference_logps(reference, None, None, query_responses.to(accelerator.device), context_length,
+    for i in range(0, len(indices), batch_size):
+        batch = [rows[j] for j in indices[i:i + batch_size]]
+        query_responses, context_length = concatenated_inputs(batch, pad_token_id)
+        logps = reference_logps(reference, batch, query_responses.to(accelerator.device), context_length,
                                 pad_token_id, share_prompts=share_prompts)
         table.append(torch.stack(logps.chunk(2), 1))  # (b, 2)
     table = accelerator.gather(torch.cat(table))  # (W * S, 2): the shares of processes 0, 1, ..., W - 1
-    return table.view(accelerator.num_processes, -1, 2).transpose(0, 1).reshape(-1, 2)[:len(rows)]  # row order
+    table = table.view(accelerator.num_processes, -1, 2).transpose(0, 1).reshape(-1, 2)[:len(rows)]  # row order
+    for row, logps in zip(rows, table):
+        row["ref_logps"] = logps
 
 
 @torch.no_grad()
-def evaluate(args, policy, reference, rows, ref_table, queries, scorer, tokenizer, accelerator, logger, step, *,
-             share_prompts):
-    """Held-out pairs `rows` -> eval/... preference metrics; greedy completions of the held-out `queries` (if any)
-    -> eval/gold_score. Logs a few completions as eval/samples; returns the means over every process's items."""
-    pad = tokenizer.pad_token_id
+def evaluate(args, accelerator, policy, reference, held_out, logger, step):
+    """Held-out pairs (`held_out.rows`) -> eval/... preference metrics; greedy completions of the held-out prompts ->
+    eval/gold_score (when the task has a gold scorer) and the sample table. Means over every process's items."""
+    pad = held_out.tokenizer.pad_token_id
     policy.eval()
-    share, n_real = ru.even_share(list(range(len(rows))), accelerator)
+    indices, n_real = ru.even_share(list(range(len(held_out.rows))), accelerator)
     sums = {}
-    for i in range(0, len(share), args.per_device_eval_batch_size):
-        _, stats = batch_losses(args, policy, reference, rows, share[i:i + args.per_device_eval_batch_size], ref_table,
-                                pad, accelerator.device, share_prompts)
+    for i in range(0, len(indices), args.per_device_eval_batch_size):
+        rows = [held_out.rows[j] for j in indices[i:i + args.per_device_eval_batch_size]]
+        _, stats = batch_losses(args, policy, reference, rows, pad, accelerator.device)
         for k, v in stats.items():  # only the first n_real pairs of the share count
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
-    metrics, samples = ru.global_means(accelerator, sums, n_real), []
-    if queries:
-        prompts, completions = ro.greedy_completions(policy, tokenizer, queries, args.response_length,
-                                                     args.per_device_eval_batch_size, accelerator)
-        samples = [{"prompt": p, "completion": c, "gold": scorer(p, c)} for p, c in zip(prompts, completions)]
-        metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)},
-                                       len(samples)))
+    metrics = ru.global_means(accelerator, sums, n_real)
+    gold, samples = ro.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
+                                            accelerator)
     policy.train()
-    logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples], step, 3)
-    return metrics
+    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
+    return {**metrics, **gold}
 
 
 def main() -> None:
@@ -374,8 +375,9 @@ def main() -> None:
                         f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
     total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
     # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
-    share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
-                                                            args.max_length - args.max_prompt_length)
+    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
+                                                                 args.max_length - args.max_prompt_length)
+    held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer)
 
     # 2. models: policy, reference (frozen copy / adapter-off base / none)
     policy = models.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
@@ -390,39 +392,39 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
-    start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
+    state = dict(step=0, nonfinite_skipped=0)
+    if args.resume_from:
+        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
 
     # 4. the run folder (every input is valid by now) and the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(os.path.normpath(output_dir)),
-                              resume_step=start_step if args.resume_from else None)
-    logger.progress(total_steps, start_step, batch_size, "pairs", ("loss", "rewards/accuracies", "eval/gold_score"))
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    logger.progress(total_steps, state["step"], batch_size, "pairs", ("loss", "rewards/accuracies", "eval/gold_score"))
+    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
 
     # 5. reference log-probs once, then the reference model is freed
-    ref_table = eval_ref_table = None  # (N, 2) reference log-probs of (chosen, rejected) per pair
     if args.precompute_ref_logprobs:
-        ref_table, eval_ref_table = (sequence_ref_logps(reference, rows, args.per_device_eval_batch_size, pad,
-                                                        accelerator, share_prompts=share_prompts)
-                                     for rows in (train_rows, eval_rows))
+        for rows in (train_rows, eval_rows):
+            precompute_reference_logps(reference, rows, args.per_device_eval_batch_size, pad, accelerator,
+                                       share_prompts=args.share_prompts)
         reference.free()
 
     # 6. step 0 (not again when resuming): data counts and the evaluation before training
     if not args.resume_from:
-        metrics = evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer, tokenizer,
-                           accelerator, logger, 0, share_prompts=share_prompts)
+        metrics = evaluate(args, accelerator, policy, reference, held_out, logger, 0)
         logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
                     "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
     # 7. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
     # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
     stop = tl.StopSignal()
-    start_time = time.time()
+    start_time, start_step = time.time(), state["step"]
     policy.train()
-    for step in range(start_step, total_steps):
-        epoch, position = divmod(step, steps_per_epoch)
-        if step == start_step or position == 0:
+    while state["step"] < total_steps:
+        step = state["step"] + 1
+        epoch, position = divmod(step - 1, steps_per_epoch)
+        if step - 1 == start_step or position == 0:
             order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums = {}
@@ -431,44 +433,29 @@ def main() -> None:
             index = batch_index[start:start + local_micro_batch_size]
             with accelerator.accumulate(policy):
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair losses (b,), backward
-                losses, stats = batch_losses(args, policy, reference, train_rows, index, ref_table, pad,
-                                             accelerator.device, share_prompts)
+                losses, stats = batch_losses(args, policy, reference, [train_rows[i] for i in index], pad,
+                                             accelerator.device)
                 accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
+        grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
+        state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
-        # 8. clip, check, step
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        # 8. log, evaluate every eval_steps steps and after the last
         metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
-                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
-        metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
-                        "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
-                        "time/pairs_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
-        scheduler.step()
-        optimizer.zero_grad()
+        metrics.update({"lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
+                        "nonfinite/skipped": state["nonfinite_skipped"], "time/elapsed": time.time() - start_time,
+                        "time/pairs_per_second": (step - start_step) * batch_size / (time.time() - start_time)})
+        if step == total_steps or (args.eval_steps and step % args.eval_steps == 0):
+            metrics.update(evaluate(args, accelerator, policy, reference, held_out, logger, step))
+        logger.log(metrics, step=step)
 
-        # TRY NOT TO MODIFY: evaluation, logging, checkpoints
-        global_step = step + 1
-        if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
-            metrics.update(evaluate(args, policy, reference, eval_rows, eval_ref_table, eval_queries, scorer,
-                                    tokenizer, accelerator, logger, global_step, share_prompts=share_prompts))
-        logger.log(metrics, step=global_step)
-        stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
-        if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            tl.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
-                               {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
-        if stopping:
-            accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
+        # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
             logger.close()
             return
 
-    # 9. final save
+    # 10. final save
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

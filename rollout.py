@@ -85,7 +85,7 @@ def load_prompt_data(args, tokenizer, policy_path: str) -> PromptData:
     ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
                   f"the model's {positions} positions minus prompts of up to {args.max_prompt_length} tokens")
     return PromptData(name, train_data, train_prompts, eval_data,
-                      du.HeldOut(eval_data.to_list(), eval_prompts, du.gold_scorer(name)))
+                      du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)))
 
 
 @dataclass
@@ -349,3 +349,20 @@ def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response
                                              accelerator)
     return (tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True),
             tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True))
+
+
+def held_out_completions(policy, held_out: du.HeldOut, response_length: int, batch_size: int, accelerator):
+    """The offline scripts' greedy evaluation: this process's share of `held_out.prompts` completed greedily
+    (`greedy_completions`). Returns (metrics, samples): eval/gold_score, the mean over every process's prompts, when
+    the task has a gold scorer (else {}); and sample-table rows {prompt, completion[, gold]}."""
+    if not held_out.prompts:
+        return {}, []
+    prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, response_length,
+                                              batch_size, accelerator)
+    samples = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
+    if held_out.gold is None:
+        return {}, samples
+    for row in samples:
+        row["gold"] = held_out.gold(row["prompt"], row["completion"])
+    return ru.global_means(accelerator, {"eval/gold_score": sum(row["gold"] for row in samples)}, len(samples)), samples
+

@@ -153,6 +153,8 @@ class Args:
     """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 256
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
 
 
 def validate(args: Args) -> None:
@@ -293,30 +295,28 @@ def accumulate_gradients(policy, accelerator, rows, batch_index, local_micro_bat
 
 
 @torch.no_grad()
-def evaluate(args, policy, rows, queries, scorer, tokenizer, accelerator, logger, step):
-    """Held-out examples `rows` -> eval/loss, eval/token_accuracy (token means over every process's examples);
-    greedy completions of the held-out `queries` (if any) -> eval/gold_score, a few printed as eval/samples."""
-    pad = tokenizer.pad_token_id
+def evaluate(args, accelerator, policy, held_out, logger, step):
+    """Held-out demonstrations (`held_out.rows`) -> eval/loss, eval/token_accuracy (token means over every process's
+    examples); greedy completions of the held-out prompts -> eval/gold_score (when the task has a gold scorer) and
+    the sample table."""
+    pad = held_out.tokenizer.pad_token_id
     policy.eval()
-    share, n_real = ru.even_share(list(range(len(rows))), accelerator)
+    indices, n_real = ru.even_share(list(range(len(held_out.rows))), accelerator)
     sums, tokens = {"eval/loss": 0.0, "eval/token_accuracy": 0.0}, 0
-    for i in range(0, len(share), args.per_device_eval_batch_size):
-        chunk = share[i:i + args.per_device_eval_batch_size]
-        token_nll, correct, mask = completion_token_stats(policy, [rows[j] for j in chunk], pad, accelerator.device)
+    for i in range(0, len(indices), args.per_device_eval_batch_size):
+        chunk = indices[i:i + args.per_device_eval_batch_size]
+        token_nll, correct, mask = completion_token_stats(policy, [held_out.rows[j] for j in chunk], pad,
+                                                          accelerator.device)
         keep = max(0, n_real - i)  # only the first n_real rows of the share count
         sums["eval/loss"] += token_nll[:keep].masked_fill(~mask[:keep], 0.0).sum().item()
         sums["eval/token_accuracy"] += correct[:keep].sum().item()
         tokens += mask[:keep].sum().item()
-    metrics, samples = ru.global_means(accelerator, sums, tokens), []
-    if queries:
-        prompts, completions = ro.greedy_completions(policy, tokenizer, queries, args.response_length,
-                                                     args.per_device_eval_batch_size, accelerator)
-        samples = [{"prompt": p, "completion": c, "gold": scorer(p, c)} for p, c in zip(prompts, completions)]
-        metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(s["gold"] for s in samples)},
-                                       len(samples)))
+    metrics = ru.global_means(accelerator, sums, tokens)
+    gold, samples = ro.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
+                                            accelerator)
     policy.train()
-    logger.log_samples("eval/samples", [{**s, "gold": round(s["gold"], 3)} for s in samples], step, 3)
-    return metrics
+    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
+    return {**metrics, **gold}
 
 
 def main() -> None:
@@ -363,6 +363,8 @@ def main() -> None:
                         "gradient_accumulation_steps)")
     total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
 
+    held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer)
+
     # 2. the policy (+ LoRA with --use_peft), optimizer, schedule (not given to prepare: accelerate would step it on
     # every process; checkpoints save it). eps 1e-5 as in Huang et al.'s sft.py.
     policy = models.load_policy(policy_path, tokenizer, args)
@@ -371,69 +373,55 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
-    start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
+    state = dict(step=0, nonfinite_skipped=0)
+    if args.resume_from:
+        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
 
     # 3. the run folder (every input is valid by now) and the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(os.path.normpath(output_dir)),
-                              resume_step=start_step if args.resume_from else None)
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
     # not eval/loss: the bar names a key by its last part, so it would show as loss (each evaluation prints a line)
-    logger.progress(total_steps, start_step, batch_size, "examples", ("loss", "token_accuracy", "eval/gold_score"))
+    logger.progress(total_steps, state["step"], batch_size, "examples", ("loss", "token_accuracy", "eval/gold_score"))
+    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
 
     # 4. step 0 (not again when resuming): data counts and the evaluation before training
     if not args.resume_from:
-        metrics = evaluate(args, policy, eval_rows, eval_queries, scorer, tokenizer, accelerator, logger, 0)
+        metrics = evaluate(args, accelerator, policy, held_out, logger, 0)
         logger.log({"data/train_examples": len(train_rows), "data/dropped": dropped,
                     "data/eval_examples": len(eval_rows), "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
     # 5. training: every optimizer step takes the next `batch_size` examples of the epoch's permutation (the same
     # global order for any number of processes)
     stop = tl.StopSignal()
-    start_time = time.time()
+    start_time, start_step = time.time(), state["step"]
     policy.train()
-    for step in range(start_step, total_steps):
-        epoch, position = divmod(step, steps_per_epoch)
-        if step == start_step or position == 0:
+    while state["step"] < total_steps:
+        step = state["step"] + 1
+        epoch, position = divmod(step - 1, steps_per_epoch)
+        if step - 1 == start_step or position == 0:
             order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums, num_tokens = accumulate_gradients(policy, accelerator, train_rows, batch_index, local_micro_batch_size,
                                                 tokenizer.pad_token_id)
+        grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
+        state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
-        # 6. clip, check, step
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        # 6. log, evaluate every eval_steps steps and after the last
         metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
-                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
-        metrics.update({"num_tokens": num_tokens, "lr": scheduler.get_last_lr()[0],
-                        "epoch": (step + 1) / steps_per_epoch, "nonfinite/skipped": skipped,
-                        "time/elapsed": time.time() - start_time,
-                        "time/examples_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
-        scheduler.step()
-        optimizer.zero_grad()
+        metrics.update({"num_tokens": num_tokens, "lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
+                        "nonfinite/skipped": state["nonfinite_skipped"], "time/elapsed": time.time() - start_time,
+                        "time/examples_per_second": (step - start_step) * batch_size / (time.time() - start_time)})
+        if step == total_steps or (args.eval_steps and step % args.eval_steps == 0):
+            metrics.update(evaluate(args, accelerator, policy, held_out, logger, step))
+        logger.log(metrics, step=step)
 
-        # TRY NOT TO MODIFY: evaluation, logging, checkpoints
-        global_step = step + 1
-        if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
-            metrics.update(evaluate(args, policy, eval_rows, eval_queries, scorer, tokenizer, accelerator, logger,
-                                    global_step))
-        logger.log(metrics, step=global_step)
-        stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
-        if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            tl.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
-                               {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
-        if stopping:
-            accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
+        # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
             logger.close()
             return
 
-    # 7. final save
+    # 8. final save
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

@@ -14,8 +14,8 @@ from errors import UserError
 
 from conftest import read_metrics, run_script, run_script_in_process
 
-from dpo import (Args, completion_sums, concatenated_inputs, dpo_loss, pair_losses, reference_logps,
-                 sequence_ref_logps, tokenize_preferences, validate)
+from dpo import (Args, completion_sums, concatenated_inputs, dpo_loss, pair_losses, precompute_reference_logps,
+                 reference_logps, tokenize_preferences, validate)
 
 LN2 = math.log(2)
 REQUIRED = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -138,13 +138,13 @@ def test_precomputed_reference_equals_on_the_fly(toy_model, toy):
     tokenizer, _ = toy_model
     pad, rows = tokenizer.pad_token_id, hand_rows(tokenizer)
     reference = pc.Reference("copy", model=models.load_causal_lm(toy["policy"], tokenizer))
-    # (N, 2), batches of 2 with each prompt encoded once for its chosen and rejected rows; on the fly: plainly
-    precomputed = sequence_ref_logps(reference, rows, 2, pad, Accelerator(cpu=True), share_prompts=True)
-    assert precomputed.shape == (len(rows), 2)
     query_responses, context_length = concatenated_inputs(rows, pad)  # all rows in one batch: other padding
-    on_the_fly = reference_logps(reference, None, None, query_responses, context_length, pad)
-    index = [2, 0]
-    looked_up = reference_logps(reference, precomputed, index, *concatenated_inputs([rows[i] for i in index], pad), pad)
+    on_the_fly = reference_logps(reference, rows, query_responses, context_length, pad)
+    # each row's (chosen, rejected) sums, batches of 2 with each prompt encoded once for its chosen and rejected rows
+    precompute_reference_logps(reference, rows, 2, pad, Accelerator(cpu=True), share_prompts=True)
+    assert all(row["ref_logps"].shape == (2,) for row in rows)
+    picked = [rows[2], rows[0]]
+    looked_up = reference_logps(reference, picked, *concatenated_inputs(picked, pad), pad)
     assert torch.allclose(looked_up, on_the_fly[[2, 0, 5, 3]], atol=1e-5)
 
 

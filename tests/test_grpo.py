@@ -432,7 +432,8 @@ def test_default_run_learns_and_writes_a_model(run_default):
     # num_iterations 1: the batch is used once, on-policy: ratio 1, nothing clipped, no drift from old
     assert all(r["policy/approxkl"] == 0 and r["policy/clipfrac_low"] == 0 and r["policy/clipfrac_high"] == 0
                for r in rows[1:])
-    assert rows[16]["episode"] == 16 * 64 and rows[16]["lr"] == pytest.approx(0.0, abs=1e-12)
+    # `lr`: the rate the step's optimizer step used, the 16th of a 16-step linear schedule: 1e-4 / 16
+    assert rows[16]["episode"] == 16 * 64 and rows[16]["lr"] == pytest.approx(1e-4 / 16)
     # SFT greedy gold ~0.47; this run reaches ~0.9
     assert rows[16]["eval/gold_score"] > rows[0]["eval/gold_score"] + 0.2
     assert rows[16]["eval/scores"] > rows[0]["eval/scores"] + 1.0
@@ -477,9 +478,9 @@ def test_variant_runs(variant, toy, tmp_path):
         saved = json.load(f)
     assert saved["loss_type"] == args[1]
     if "--num_iterations" in args:
-        # 2 optimizer steps per batch, 4 in all: the lr is half the peak after step 1; the second pass over a batch
-        # sees a policy that moved away from the one that sampled it
-        assert rows[1]["lr"] == pytest.approx(0.5e-4) and rows[2]["lr"] == pytest.approx(0.0, abs=1e-12)
+        # 2 optimizer steps per batch, 4 in all: `lr` is the rate of each step's last, the schedule's 2nd and 4th
+        # (1e-4 x 3/4, 1e-4 x 1/4); the second pass over a batch sees a policy that moved from the one that sampled it
+        assert rows[1]["lr"] == pytest.approx(0.75e-4) and rows[2]["lr"] == pytest.approx(0.25e-4)
         assert rows[1]["policy/approxkl"] > 0 and rows[2]["policy/approxkl"] > 0
     else:
         assert saved["epsilon_high"] == 0.28 and rows[1]["policy/approxkl"] == 0

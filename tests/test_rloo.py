@@ -326,8 +326,9 @@ def test_peft_run_with_every_variant_option(toy, tmp_path):
     # adaptive KL: KL 0 is below the target 0.5, error clipped to -0.2: 0.2 * (1 - 0.2 * 16 episodes / 8) = 0.12
     assert rows[1]["objective/kl_coef"] == 0.2 and rows[2]["objective/kl_coef"] == pytest.approx(0.12)
     assert rows[1]["episode"] == 16 and rows[2]["episode"] == 32  # 4 x 2 x 2 sequences per step
-    # 2 epochs x 2 mini-batches = 4 optimizer steps per step, 8 in all: lr halfway after step 1, 0 at the end
-    assert rows[1]["lr"] == pytest.approx(5e-5) and rows[2]["lr"] == pytest.approx(0.0, abs=1e-12)
+    # 2 epochs x 2 mini-batches = 4 optimizer steps per step, 8 in all: `lr` is the rate of each step's last one,
+    # the schedule's 4th and 8th: 1e-4 x (1 - 3/8), 1e-4 x (1 - 7/8)
+    assert rows[1]["lr"] == pytest.approx(6.25e-5) and rows[2]["lr"] == pytest.approx(1.25e-5)
     assert rows[1]["val/ratio"] != 1.0  # later mini-batches see an updated policy
     assert all(math.isfinite(v) for r in rows for v in r.values())
     assert os.path.exists(os.path.join(out, "model", "adapter_config.json"))
