@@ -118,6 +118,8 @@ class Args:
     """held-out unpaired examples scored for eval/ metrics (0 = all)"""
     num_eval_prompts: int = 64
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
     response_length: int = 53
     """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
 
@@ -382,30 +384,22 @@ def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") ->
 
 
 @torch.no_grad()
-def evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args: Args, accelerator, joint: bool,
-             logger, step: int):
-    """The KTO metrics of held-out micro-batches (len // processes on each, the rest left out) and eval/gold_score
-    of greedy completions of held-out prompts (padded shares: only the first n_real count); a few prompt/response
-    rows are logged as eval/samples."""
-    world, pad = accelerator.num_processes, tokenizer.pad_token_id
+def evaluate(args, accelerator, policy, reference, held_out, logger, step: int):
+    """The KTO metrics of the held-out micro-batches (`held_out.rows`: len // processes on each, the rest left out)
+    and greedy completions of the held-out prompts -> eval/gold_score (when the task has a gold scorer) and the
+    sample table."""
+    world, pad = accelerator.num_processes, held_out.tokenizer.pad_token_id
     policy.eval()
-    n_batches, total = len(eval_groups) // world, {}
-    for group in eval_groups[accelerator.process_index:n_batches * world:world]:
-        _, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint)
+    n_batches, total = len(held_out.rows) // world, {}
+    for group in held_out.rows[accelerator.process_index:n_batches * world:world]:
+        _, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint_forward(args))
         total = {k: total.get(k, 0) + v for k, v in sums.items()}
-    metrics, samples = finish_metrics(total, n_batches, accelerator, prefix="eval/"), []
-    if gen_prompts:
-        prompts, responses = ro.greedy_completions(policy, tokenizer, gen_prompts, args.response_length,
-                                                   args.per_device_eval_batch_size, accelerator)
-        samples = [{"prompt": p, "response": r} for p, r in zip(prompts, responses)]
-        if scorer is not None:
-            gold = [scorer(p, r) for p, r in zip(prompts, responses)]
-            for row, score in zip(samples, gold):
-                row["gold_score"] = round(score, 4)
-            metrics.update(ru.global_means(accelerator, {"eval/gold_score": sum(gold)}, len(gold)))
+    metrics = finish_metrics(total, n_batches, accelerator, prefix="eval/")
+    gold, samples = ro.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
+                                            accelerator)
     policy.train()
-    logger.log_samples("eval/samples", samples, step, 4)
-    return metrics
+    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
+    return {**metrics, **gold}
 
 
 def main():
@@ -491,65 +485,52 @@ def main():
         if reference.mode == "copy":
             reference.free()
 
+    held_out = du.HeldOut(eval_groups, gen_prompts, tokenizer, scorer)
+
     # TRY NOT TO MODIFY: run folder, logger, resume
     output_dir = ru.output_dir(args, dataset_name, accelerator)
-    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
-    step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(output_dir), resume_step=step if args.resume_from else None)
-    logger.progress(total_steps, step, batch_size, "examples", ("loss", "kl", "eval/gold_score"))
-
-    def evaluate_and_log(step: int) -> None:
-        logger.log(evaluate(policy, reference, eval_groups, gen_prompts, scorer, tokenizer, args, accelerator, joint,
-                            logger, step), step=step)
-
+    state = dict(step=0, nonfinite_skipped=0)
+    if args.resume_from:
+        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    logger.progress(total_steps, state["step"], batch_size, "examples", ("loss", "kl", "eval/gold_score"))
+    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
     if not args.resume_from:
         logger.log({"data/train_examples": len(examples), "data/desirable": n_desirable, "data/dropped": dropped,
                     "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped,
                     "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight},
                    step=0)
-        evaluate_and_log(0)
+        logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, 0), step=0)
     stop = tl.StopSignal()
     policy.train()
 
     # 3. training loop: one optimizer step = gradient_accumulation_steps micro-batches on every process
-    while step < total_steps:
-        t0 = time.time()
-        this_step = step_groups(step, len(groups), groups_per_step, args.seed)
-        total, lr = {}, scheduler.get_last_lr()[0]
+    while state["step"] < total_steps:
+        t0, step = time.time(), state["step"] + 1
+        this_step = step_groups(step - 1, len(groups), groups_per_step, args.seed)
+        total, losses = {}, []
         for a in range(args.gradient_accumulation_steps):
             group = groups[this_step[a * world + accelerator.process_index]]
             with accelerator.accumulate(policy):
                 loss, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint)
                 accelerator.backward(loss)
+            losses.append(loss.detach())
             total = {k: total.get(k, 0) + v for k, v in sums.items()}
-        # the last micro-batch synchronised the gradients: clip, check, step
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        grad_norm = optimizer_step(torch.stack(losses), state, step)  # clip, check, step, schedule
+        state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
+
+        # TRY NOT TO MODIFY: logging, evaluation, checkpoints, stop signal (at the last step: finish normally)
         metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
-        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
-                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
-        optimizer.zero_grad()
-        scheduler.step()
-        step += 1
-        # TRY NOT TO MODIFY: logging, evaluation, checkpoints, stop signal (at the last step: finish normally)
         elapsed = time.time() - t0
-        logger.log({**metrics, "lr": lr, "epoch": step / steps_per_epoch, "nonfinite/skipped": skipped,
-                    "time/step_seconds": elapsed, "time/samples_per_second": batch_size / elapsed}, step=step)
+        logger.log({**metrics, "lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
+                    "nonfinite/skipped": state["nonfinite_skipped"], "time/step_seconds": elapsed,
+                    "time/samples_per_second": batch_size / elapsed}, step=step)
         if (args.eval_steps and step % args.eval_steps == 0) or step == total_steps:
-            evaluate_and_log(step)
-        stopping = stop.agreed(accelerator) and step < total_steps
-        if (args.save_steps and step % args.save_steps == 0) or stopping:
-            tl.save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"),
-                               {"step": step, "nonfinite_skipped": skipped}, scheduler)
-        if stopping:
-            accelerator.print(f"stop signal received: checkpoint-{step} written; resume with --resume_from")
+            logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, step), step=step)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
             logger.close()
             return
 

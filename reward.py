@@ -70,7 +70,6 @@ ALIAS_DEFAULTS = {
                 per_device_eval_batch_size=64, num_train_epochs=6.0, eval_steps=100, max_prompt_length=8,
                 max_length=18, max_eval_pairs=0),
 }
-NUM_SAMPLES = 64  # held-out pairs decoded for the printed samples (each evaluation shows the next few)
 
 
 @dataclass
@@ -156,6 +155,8 @@ class Args:
     """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
     max_eval_pairs: int = 2000
     """evaluate on the first this many held-out pairs (0 = all)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
 
 
 def validate(args: Args) -> None:
@@ -270,10 +271,11 @@ def pair_rewards(model, rows, pad_token_id: int, device, share_prompts: bool = F
     return rewards.float().chunk(2)
 
 
-def batch_losses(args, model, rows, index, pad_token_id: int, device, share_prompts: bool):
-    """Pairs rows[index] -> per-pair losses (b,) and per-pair metrics (pair_stats)."""
+def batch_losses(args, model, rows, index, pad_token_id: int, device):
+    """Pairs rows[index] -> per-pair losses (b,) and per-pair metrics (pair_stats); each prompt encoded once for its
+    two completions where --share_prompts decided so."""
     batch = [rows[i] for i in index]
-    chosen_rewards, rejected_rewards = pair_rewards(model, batch, pad_token_id, device, share_prompts)
+    chosen_rewards, rejected_rewards = pair_rewards(model, batch, pad_token_id, device, args.share_prompts)
     margin = torch.tensor([r["margin"] for r in batch], device=device) if "margin" in batch[0] else None
     losses = bradley_terry_loss(chosen_rewards, rejected_rewards, margin, args.center_rewards_coefficient)
     return losses, pair_stats(losses, chosen_rewards, rejected_rewards)
@@ -305,25 +307,25 @@ def load_reward_model(path: str, tokenizer, args):
 
 
 @torch.no_grad()
-def evaluate(args, model, rows, tokenizer, accelerator, logger, step, *, share_prompts):
-    """Held-out pairs `rows` -> eval/... means over every process's pairs (each process takes an even share, so all
-    make the same model calls); prints a few pairs with their scores."""
-    pad = tokenizer.pad_token_id
+def evaluate(args, accelerator, model, held_out, logger, step):
+    """Held-out pairs (`held_out.rows`) -> eval/... means over every process's pairs (each process takes an even
+    share, so all make the same model calls); the sample table shows a few pairs' two completions with their scores."""
+    tokenizer = held_out.tokenizer
     model.eval()
-    share, n_real = ru.even_share(list(range(len(rows))), accelerator)
+    indices, n_real = ru.even_share(list(range(len(held_out.rows))), accelerator)
     sums, samples = {}, []
-    for i in range(0, len(share), args.per_device_eval_batch_size):
-        index = share[i:i + args.per_device_eval_batch_size]
-        _, stats = batch_losses(args, model, rows, index, pad, accelerator.device, share_prompts)
+    for i in range(0, len(indices), args.per_device_eval_batch_size):
+        index = indices[i:i + args.per_device_eval_batch_size]
+        _, stats = batch_losses(args, model, held_out.rows, index, tokenizer.pad_token_id, accelerator.device)
         for k, v in stats.items():  # only the first n_real pairs of the share count
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
-        for j, row_index in enumerate(index[:max(0, min(n_real, NUM_SAMPLES) - i)]):  # a few real pairs, decoded
-            text = {k: tokenizer.decode(rows[row_index][k], skip_special_tokens=True)
-                    for k in ("prompt", "chosen", "rejected")}
-            samples.append({**text, "r_chosen": round(stats["rewards/chosen"][j].item(), 3),
-                            "r_rejected": round(stats["rewards/rejected"][j].item(), 3)})
+        for j, row_index in enumerate(index[:max(0, min(n_real, 16 * args.num_samples_printed) - i)]):
+            row = held_out.rows[row_index]  # a few real pairs, decoded: chosen then rejected, each with its score
+            prompt = tokenizer.decode(row["prompt"], skip_special_tokens=True)
+            samples += [{"prompt": prompt, "completion": tokenizer.decode(row[c], skip_special_tokens=True),
+                         "score": stats[f"rewards/{c}"][j].item()} for c in ("chosen", "rejected")]
     model.train()
-    logger.log_samples("eval/samples", samples, step, 3)
+    logger.log_samples("eval/samples", samples, step, 2 * args.num_samples_printed)
     return ru.global_means(accelerator, sums, n_real)
 
 
@@ -368,8 +370,9 @@ def main() -> None:
                         f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
     total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
     # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
-    share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
-                                                            args.max_length - args.max_prompt_length)
+    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
+                                                                 args.max_length - args.max_prompt_length)
+    held_out = du.HeldOut(eval_rows, [], tokenizer)
 
     # 2. the reward model: the language model with a scalar head (+ LoRA with --use_peft)
     model = RewardModel(load_reward_model(model_path, tokenizer, args))
@@ -381,30 +384,32 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    state = tl.load_checkpoint(accelerator, args.resume_from, scheduler) if args.resume_from else {}
-    start_step, skipped = state.get("step", 0), state.get("nonfinite_skipped", 0)
+    state = dict(step=0, nonfinite_skipped=0)
+    if args.resume_from:
+        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
 
     # 4. the run folder (every input is valid by now) and the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ml.MetricsLogger(output_dir, args, accelerator.is_main_process, args.track, args.wandb_project,
-                              os.path.basename(os.path.normpath(output_dir)),
-                              resume_step=start_step if args.resume_from else None)
-    logger.progress(total_steps, start_step, batch_size, "pairs", ("loss", "accuracy", "eval/accuracy"))
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    logger.progress(total_steps, state["step"], batch_size, "pairs", ("loss", "accuracy", "eval/accuracy"))
+    optimizer_step = tl.OptimizerStep(accelerator, model, optimizer, scheduler, args, output_dir,
+                                      skipped=state["nonfinite_skipped"])
 
     # 5. step 0 (not again when resuming): data counts and the evaluation before training
     if not args.resume_from:
-        metrics = evaluate(args, model, eval_rows, tokenizer, accelerator, logger, 0, share_prompts=share_prompts)
+        metrics = evaluate(args, accelerator, model, held_out, logger, 0)
         logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
                     "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
     # 6. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
     # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
     stop = tl.StopSignal()
-    start_time = time.time()
+    start_time, start_step = time.time(), state["step"]
     model.train()
-    for step in range(start_step, total_steps):
-        epoch, position = divmod(step, steps_per_epoch)
-        if step == start_step or position == 0:
+    while state["step"] < total_steps:
+        step = state["step"] + 1
+        epoch, position = divmod(step - 1, steps_per_epoch)
+        if step - 1 == start_step or position == 0:
             order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums = {}
@@ -413,43 +418,29 @@ def main() -> None:
             index = batch_index[start:start + local_micro_batch_size]
             with accelerator.accumulate(model):
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair Bradley-Terry losses (b,), backward
-                losses, stats = batch_losses(args, model, train_rows, index, pad, accelerator.device, share_prompts)
+                losses, stats = batch_losses(args, model, train_rows, index, pad, accelerator.device)
                 accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
+        grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
+        state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
-        # 7. clip, check, step
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # None: DeepSpeed clips
+        # 7. log, evaluate every eval_steps steps and after the last
         metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        if ru.all_finite(accelerator, metrics["loss"], grad_norm):
-            optimizer.step()
-        elif args.skip_nonfinite:
-            skipped += 1
-        else:
-            tl.stop_on_nonfinite(accelerator, output_dir, step + 1, {"step": step, "nonfinite_skipped": skipped},
-                                 scheduler, loss=metrics["loss"], grad_norm=grad_norm)
-        metrics.update({"lr": scheduler.get_last_lr()[0], "epoch": (step + 1) / steps_per_epoch,
-                        "nonfinite/skipped": skipped, "time/elapsed": time.time() - start_time,
-                        "time/pairs_per_second": (step + 1 - start_step) * batch_size / (time.time() - start_time)})
-        scheduler.step()
-        optimizer.zero_grad()
+        metrics.update({"lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
+                        "nonfinite/skipped": state["nonfinite_skipped"], "time/elapsed": time.time() - start_time,
+                        "time/pairs_per_second": (step - start_step) * batch_size / (time.time() - start_time)})
+        if step == total_steps or (args.eval_steps and step % args.eval_steps == 0):
+            metrics.update(evaluate(args, accelerator, model, held_out, logger, step))
+        logger.log(metrics, step=step)
 
-        # TRY NOT TO MODIFY: evaluation, logging, checkpoints
-        global_step = step + 1
-        if global_step == total_steps or (args.eval_steps and global_step % args.eval_steps == 0):
-            metrics.update(evaluate(args, model, eval_rows, tokenizer, accelerator, logger, global_step,
-                                    share_prompts=share_prompts))
-        logger.log(metrics, step=global_step)
-        stopping = stop.agreed(accelerator) and global_step < total_steps  # at the last step: finish normally
-        if (args.save_steps and global_step % args.save_steps == 0) or stopping:
-            tl.save_checkpoint(accelerator, f"{output_dir}/checkpoint-{global_step}",
-                               {"step": global_step, "nonfinite_skipped": skipped}, scheduler)
-        if stopping:
-            accelerator.print(f"stop signal received: checkpoint-{global_step} written, exiting")
+        # 8. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
             logger.close()
             return
 
-    # 8. final save, with the input convention in config.json (reward_sources.py reads the model the same way by default)
+    # 9. final save, with the input convention in config.json (reward_sources.py reads the model the same way by
+    # default)
     pc.unwrap(model).model.config.reward_model_input = args.reward_model_input
     tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
                   submodule="model")
