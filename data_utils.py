@@ -72,7 +72,8 @@ def _load_split(name: str, split: str):
             try:
                 ds = datasets.load_dataset("parquet" if files[0].endswith(".parquet") else "json", data_files=files)
             except Exception as e:  # malformed files surface as assorted pyarrow/datasets errors
-                raise UserError(f"could not read dataset file(s) {name!r}: {type(e).__name__}: {models.first_line(e)}") from None
+                raise UserError(f"could not read dataset file(s) {name!r}: {type(e).__name__}: "
+                                f"{models.first_line(e)}") from None
         elif os.path.exists(name) or name.startswith((".", "/", "~")):
             raise UserError(f"dataset {name!r}: not a save_to_disk folder nor .json/.jsonl/.parquet file(s)")
         else:

@@ -5,9 +5,9 @@
 #   python grpo.py                                   # toy task, CPU, about a minute
 #   python grpo.py --reward_funcs gold               # the same on the toy task's verifiable reward, no reward model
 #   accelerate launch grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts> --reward_funcs file.py:fn
-# Per step: sample num_generations completions per prompt, score them (reward model and/or reward functions,
-# weighted: reward_sources.py), advantage = (reward - group mean) / (group std + 1e-4), then num_iterations optimizer steps
-# on the clipped surrogate (+ beta x k3 KL to the reference in the loss), token losses aggregated per --loss_type.
+# Per step: sample num_generations completions per prompt (rollout.py), score them (reward model and/or reward
+# functions, weighted: reward_sources.py), advantage = (reward - group mean) / (group std + 1e-4), then num_iterations
+# optimizer steps on the clipped surrogate (+ beta x k3 KL to the reference in the loss), token losses aggregated per --loss_type.
 # Metrics (metrics.jsonl, a row per step): objective/scores (the weighted reward), objective/kl (sequence KL to the
 # reference, k1, when beta > 0), objective/beta, objective/entropy, objective/frac_reward_zero_std (groups whose
 # rewards are all equal: no signal), objective/advantage_std, reward/<source>/mean and /std, loss/policy,
@@ -253,9 +253,10 @@ def aggregate_loss(token_loss, mask, loss_type: str, response_length: int, token
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
-def main():
-    # 1. arguments: validate and derive every batch size once
-    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+def validate(args: Args):
+    """Check the flags before anything loads (one-line errors) and derive the per-process sizes once: returns
+    (local_batch_size, local_prompts): completions per process per step, and the prompts they sample (the
+    num_generations completions of a prompt stay on one process)."""
     if args.num_generations < 2:
         raise UserError(f"--num_generations must be >= 2 (a group needs others to compare with), got "
                         f"{args.num_generations}")
@@ -273,11 +274,17 @@ def main():
             or args.num_eval_generations < 0:
         raise UserError("batch sizes, --num_iterations, --num_eval_prompts, --response_length, --total_episodes, "
                         "--kl_horizon and --max_steps must be >= 1, --num_eval_generations >= 0")
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    # completions per process per step; the num_generations completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     local_prompts = pc.exact_div(local_batch_size, args.num_generations, "local_batch_size "
                                  "(per_device_train_batch_size * gradient_accumulation_steps) / num_generations")
+    return local_batch_size, local_prompts
+
+
+def main():
+    # 1. arguments: validate and derive every batch size once
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    local_batch_size, local_prompts = validate(args)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_iterations

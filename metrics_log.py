@@ -103,8 +103,8 @@ class MetricsLogger:
     def log_samples(self, name: str, rows: List[Dict[str, object]], step: int, count: int = 4) -> None:
         """`count` of `rows` as a compact table, printed, and a wandb Table when tracking. Every script's rows have
         the same shape: dicts with the keys prompt, completion, then score (a reward) and gold (the task's gold
-        score) where the script has them. Each call shows the next `count` rows (rotating through them), so successive evaluations of the
-        same held-out set show different prompts."""
+        score) where the script has them. Each call shows the next `count` rows (rotating through them), so
+        successive evaluations of the same held-out set show different prompts."""
         if not self.active or not rows or count < 1:
             return
         start = self.samples_shown % len(rows)

@@ -176,7 +176,7 @@ ALIAS_DEFAULTS = {
 
 def validate(args: Args, num_processes: int):
     """Check hyper-parameters and derive every batch size once (local_ = per process): returns
-    (local_batch_size, batch_size, num_total_batches)."""
+    (local_batch_size, batch_size, num_total_batches, num_optimizer_steps)."""
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     for name in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "total_episodes",
@@ -199,7 +199,8 @@ def validate(args: Args, num_processes: int):
     num_total_batches = math.ceil(args.total_episodes / batch_size)
     if args.max_steps is not None:
         num_total_batches = min(num_total_batches, args.max_steps)
-    return local_batch_size, batch_size, num_total_batches
+    num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
+    return local_batch_size, batch_size, num_total_batches, num_optimizer_steps
 
 
 # ALGO LOGIC: the pieces a researcher changes, each tested in tests/test_ppo.py
@@ -264,6 +265,24 @@ def ppo_losses(new_logprobs, old_logprobs, advantages, vpred, old_values, return
     return pg_loss, vf_loss, stats
 
 
+def load_value_model(args, tokenizer, reward_sources, policy_path: str):
+    """The value model's start (Ouyang et al.): --value_model, else the reward model's weights when it reads the
+    policy's token ids, else the policy with a new scalar head. Returns (model, where it was loaded from). A value
+    model from the reward model was trained to read the last token only: its values at earlier positions start
+    uncalibrated, and the clipped value loss absorbs this without a separate warm-up phase."""
+    if args.value_model is not None:
+        value_path = ru.resolve_reward_model(args.value_model)
+        models.check_same_vocab(tokenizer, models.load_tokenizer(value_path, trust_remote_code=args.trust_remote_code),
+                                "value model")
+    else:  # a value model reads the policy's token ids: the reward model's weights only if it does too
+        value_path = reward_sources.path if reward_sources.mode == "tokens" and reward_sources.path else policy_path
+    value_model = models.load_scalar_model(value_path, tokenizer, bf16=args.bf16,
+                                           trust_remote_code=args.trust_remote_code)
+    if args.gradient_checkpointing:
+        models.enable_activation_checkpointing(value_model)
+    return value_model, value_path
+
+
 class PolicyAndValue(nn.Module):
     """Policy and value model in one module, so one `accelerator.prepare` and one optimizer cover both (as in
     the N+ details). forward: (B, T) ids -> logits (B, R, V) of the response tokens / temperature, and values
@@ -277,18 +296,19 @@ class PolicyAndValue(nn.Module):
         logits = pc.forward_logits(self.policy, query_responses, context_length, pad_token_id, temperature)
         return logits, self.values(query_responses, context_length, pad_token_id)
 
-    def values(self, query_responses, context_length: int, pad_token_id: int):
-        """(B, T) -> (B, R) values alone (the rollout's no-grad pass: its log-probs come from sampling)."""
-        return pc.scalar_forward(self.value_model, query_responses, pad_token_id)[:, context_length - 1:-1]
+    def values(self, query_responses, context_length: int, pad_token_id: int, chunk_size: Optional[int] = None):
+        """(B, T) -> (B, R) values alone, `chunk_size` rows per forward (all at once by default): the rollout's
+        no-grad pass (its log-probs come from the sampler)."""
+        chunk_size = chunk_size or len(query_responses)
+        return torch.cat([pc.scalar_forward(self.value_model, query_responses[i:i + chunk_size], pad_token_id)
+                          [:, context_length - 1:-1] for i in range(0, len(query_responses), chunk_size)])
 
 
 def main():
     # 1. arguments, batch sizes, accelerator, seeding
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    local_batch_size, batch_size, num_total_batches = validate(args, accelerator.num_processes)
-    num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
-    chunk = args.local_rollout_forward_batch_size  # rows per no-grad forward
+    local_batch_size, batch_size, num_total_batches, num_optimizer_steps = validate(args, accelerator.num_processes)
     ru.seed_everything(args.seed, accelerator.process_index)
 
     # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
@@ -302,20 +322,8 @@ def main():
     #    model, frozen reference
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
                                      accelerator)
-    if args.value_model is not None:
-        value_path = ru.resolve_reward_model(args.value_model)
-        models.check_same_vocab(tokenizer, models.load_tokenizer(value_path, trust_remote_code=args.trust_remote_code),
-                                "value model")
-    else:  # a value model reads the policy's token ids: the reward model's weights only if it does too
-        value_path = reward_sources.path if reward_sources.mode == "tokens" and reward_sources.path else policy_path
     policy = models.load_policy(policy_path, tokenizer, args)
-    # a value model from the reward model was trained to read the last token only: its values at earlier positions
-    # start uncalibrated; the clipped value loss absorbs this without a separate warm-up phase. From the policy, its
-    # scalar head is new.
-    value_model = models.load_scalar_model(value_path, tokenizer, bf16=args.bf16,
-                                           trust_remote_code=args.trust_remote_code)
-    if args.gradient_checkpointing:
-        models.enable_activation_checkpointing(value_model)
+    value_model, value_path = load_value_model(args, tokenizer, reward_sources, policy_path)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
@@ -352,12 +360,11 @@ def main():
         #    log-probs (a failure on any process first keeps the finished steps)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"])
-        query_responses, context_length = batch.query_responses, batch.context_length
-        responses, response_mask = batch.responses, batch.response_mask  # (B, R); True up to and including EOS
+        query_responses, context_length, responses = batch.query_responses, batch.context_length, batch.responses
+        response_mask = batch.response_mask  # (B, R), True up to and including EOS
         with torch.no_grad():
             # 6. values before the update, a chunk of rows at a time
-            values = torch.cat([pc.unwrap(model).values(query_responses[i:i + chunk], context_length, pad)
-                                for i in range(0, local_batch_size, chunk)])
+            values = pc.unwrap(model).values(query_responses, context_length, pad, args.local_rollout_forward_batch_size)
             # sampled by vLLM: each token's surrogate weighted by min(pi_trainer / pi_vllm, cap); else None
             is_weights, is_stats = batch.importance_weights(batch.logprobs)
             logprobs, values = batch.logprobs * response_mask, values * response_mask  # (B, R)

@@ -3,10 +3,10 @@
 # (https://huggingface.co/docs/trl/rloo_trainer, "Benchmark experiments").
 #   python rloo.py                                  # toy task, CPU, about a minute
 #   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
-# Per step: sample rloo_k completions per prompt, score them (reward model and/or reward functions, weighted:
-# reward_sources.py; minus missing_eos_penalty without EOS), subtract kl_coef * KL(policy || reference), take advantage =
-# reward - mean reward of the prompt's other k-1 completions, and step on the clipped REINFORCE loss (one epoch, one
-# mini-batch by default = plain REINFORCE). --kl_target adapts kl_coef (Ziegler et al. 2019) to hold the KL there.
+# Per step: sample rloo_k completions per prompt (rollout.py), score them (reward model and/or reward functions,
+# weighted: reward_sources.py; minus missing_eos_penalty without EOS), subtract kl_coef * KL(policy || reference),
+# take advantage = reward - mean reward of the prompt's other k-1 completions, and step on the clipped REINFORCE
+# loss (one epoch, one mini-batch by default = plain REINFORCE). --kl_target adapts kl_coef (Ziegler et al. 2019) to hold the KL there.
 # Metrics (metrics.jsonl, a row per step): objective/scores (reward after the EOS penalty), objective/kl (sequence
 # KL to the reference, per the chosen estimator), objective/kl_coef, objective/non_score_reward (-kl_coef * kl),
 # objective/rlhf_reward (their sum: what is maximised), objective/entropy (summed over the response),
@@ -256,9 +256,10 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     return loss, stats
 
 
-def main():
-    # 1. arguments: validate and derive every batch size once
-    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+def validate(args: Args):
+    """Check the flags before anything loads (one-line errors) and derive the per-process sizes once: returns
+    (local_batch_size, local_prompts): sequences per process per step, and the prompts they sample (the rloo_k
+    completions of a prompt stay on one process)."""
     if args.rloo_k < 2:
         raise UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
     if args.kl_coef < 0 or args.cliprange <= 0 or args.learning_rate <= 0 or args.max_grad_norm <= 0:
@@ -273,11 +274,17 @@ def main():
            args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1:
         raise UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
                         "--max_steps must be >= 1")
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    # sequences per process per step; the k completions of a prompt stay on one process
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     local_prompts = pc.exact_div(local_batch_size, args.rloo_k, "local_batch_size (per_device_train_batch_size * "
                                  "gradient_accumulation_steps * num_mini_batches) / rloo_k")
+    return local_batch_size, local_prompts
+
+
+def main():
+    # 1. arguments: validate and derive every batch size once
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    local_batch_size, local_prompts = validate(args)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches

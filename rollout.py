@@ -215,7 +215,8 @@ class Sampler:
         rows = [self.rows[i] for i in indices for _ in range(k)]  # the dataset row of each completion
         scores, source_scores = self.reward_sources(query_responses, context_length, rows, accelerator, self.chunk,
                                                     share_prompts=self.share)  # (B,), (B, sources)
-        scores = rs.penalise_missing_eos(scores, query_responses[:, context_length:], self.eos, args.missing_eos_penalty)
+        scores = rs.penalise_missing_eos(scores, query_responses[:, context_length:], self.eos,
+                                         args.missing_eos_penalty)
 
         # 3. the reference's log-probs
         ref_logprobs = None
@@ -246,8 +247,8 @@ class Sampler:
         if not math.isfinite(largest) or (mean > LOGPROB_CHECK_MEAN_LOW_PRECISION if low_precision
                                           else largest > LOGPROB_CHECK_MAX):
             raise RolloutError(
-                f"at step {step} the sampler's log-probs are not the trainer's (max |sampled - recomputed| {largest:.3g}"
-                f", mean {mean:.3g} per token): generation no longer samples the distribution every forward scores "
+                f"at step {step} the sampler's log-probs are not the trainer's (max |sampled - recomputed| "
+                f"{largest:.3g}, mean {mean:.3g} per token): generation no longer samples the distribution every forward scores "
                 "(a top-p, top-k, repetition penalty or logits processor in the generation config?); the losses would "
                 "use wrong old log-probs (rollout.py's docstring)")
         return largest
