@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 
 import data_utils as du
-import metrics_log as ml
 import models
 import policy_common as pc
 import prompt_sharing as ps
@@ -392,16 +391,12 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = dict(step=0, nonfinite_skipped=0)
-    if args.resume_from:
-        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
 
-    # 4. the run folder (every input is valid by now) and the logger
+    # 4. the run folder (every input is valid by now), the state (resumed from --resume_from), the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    state = dict(step=0, nonfinite_skipped=0)
+    logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(total_steps, state["step"], batch_size, "pairs", ("loss", "rewards/accuracies", "eval/gold_score"))
-    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
-                                      skipped=state["nonfinite_skipped"])
 
     # 5. reference log-probs once, then the reference model is freed
     if args.precompute_ref_logprobs:

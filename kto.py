@@ -36,7 +36,6 @@ import torch
 from transformers import get_scheduler
 
 import data_utils as du
-import metrics_log as ml
 import models
 import policy_common as pc
 import prompt_sharing as ps
@@ -490,12 +489,8 @@ def main():
     # TRY NOT TO MODIFY: run folder, logger, resume
     output_dir = ru.output_dir(args, dataset_name, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
-    if args.resume_from:
-        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
-    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(total_steps, state["step"], batch_size, "examples", ("loss", "kl", "eval/gold_score"))
-    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
-                                      skipped=state["nonfinite_skipped"])
     if not args.resume_from:
         logger.log({"data/train_examples": len(examples), "data/desirable": n_desirable, "data/dropped": dropped,
                     "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped,

@@ -1,6 +1,6 @@
-"""Where the reward of a completion comes from: a reward model, reward functions, or both, weighted. Shared by the
-RL scripts (rloo.py, ppo.py); nothing here is algorithm logic: a script asks for one number per completion, and
-logs the parts. Imports go one way: scripts -> rewards -> run_utils -> policy_common.
+"""Where the reward of a completion comes from: a reward model, reward functions, or both, weighted; and the
+missing-EOS penalty. Read by rollout.py for the RL scripts (rloo.py, grpo.py, ppo.py); nothing here is algorithm
+logic: a rollout asks for one number per completion, and the script logs the parts.
 
 How the reward model reads a completion (`--reward_model_input`):
   tokens  the policy's token ids of prompt + completion, EOS included, scored at the last non-pad token: the

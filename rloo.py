@@ -25,7 +25,6 @@ from typing import List, Literal, Optional
 
 import torch
 
-import metrics_log as ml
 import models
 import policy_common as pc
 import reward_sources as rs
@@ -311,13 +310,9 @@ def main():
     policy, optimizer = accelerator.prepare(policy, optimizer)
     # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
-    if args.resume_from:
-        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
-    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
-    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
-                                      skipped=state["nonfinite_skipped"])
     sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, reference, prompts=data.train_prompts,
                          rows=data.train, samples_per_prompt=args.rloo_k, prompts_per_process=local_prompts,
                          max_prompt_length=args.max_prompt_length, weights_version=state["step"])

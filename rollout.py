@@ -248,9 +248,9 @@ class Sampler:
                                           else largest > LOGPROB_CHECK_MAX):
             raise RolloutError(
                 f"at step {step} the sampler's log-probs are not the trainer's (max |sampled - recomputed| "
-                f"{largest:.3g}, mean {mean:.3g} per token): generation no longer samples the distribution every forward scores "
-                "(a top-p, top-k, repetition penalty or logits processor in the generation config?); the losses would "
-                "use wrong old log-probs (rollout.py's docstring)")
+                f"{largest:.3g}, mean {mean:.3g} per token): generation no longer samples the distribution every "
+                "forward scores (a top-p, top-k, repetition penalty or logits processor in the generation config?); the "
+                "losses would use wrong old log-probs (rollout.py's docstring)")
         return largest
 
     def logprobs(self, model: nn.Module, batch: Rollout, rows, *, entropy: bool = False):
@@ -342,9 +342,9 @@ def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response
     """This process's even share of `prompts` (token-id lists) completed greedily, `batch_size` rows per generate
     call (every process makes the same calls): the offline scripts' held-out completions. Returns (prompt texts,
     completion texts) of its real rows, special tokens skipped; the padding rows of the share are dropped."""
-    share, n_real = ru.even_share(prompts, accelerator)
+    mine, n_real = ru.even_share(prompts, accelerator)
     pad = tokenizer.pad_token_id
-    queries = pc.pad_sequences(share, pad, "left").to(accelerator.device)  # (n, Lq)
+    queries = pc.pad_sequences(mine, pad, "left").to(accelerator.device)  # (n, Lq)
     config = pc.make_generation_config(tokenizer, response_length, greedy=True)
     query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config, batch_size,
                                              accelerator)

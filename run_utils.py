@@ -225,11 +225,11 @@ def output_dir(args, dataset: str, accelerator) -> str:
 def even_share(items: Sequence, accelerator):
     """This process's share of `items` (every num_processes-th item, from its index), padded by repeating an
     item so that every process gets the same number: they then make the same model calls (DDP syncs buffers
-    and ZeRO-3 gathers weights in every forward). Returns (share, n_real): only share[:n_real] count."""
+    and ZeRO-3 gathers weights in every forward). Returns (mine, n_real): only mine[:n_real] count."""
     world, rank = accelerator.num_processes, accelerator.process_index
-    share = list(items[rank::world])
-    n_real, size = len(share), -(-len(items) // world)
-    return share + [items[0]] * (size - n_real), n_real
+    mine = list(items[rank::world])
+    n_real, size = len(mine), -(-len(items) // world)
+    return mine + [items[0]] * (size - n_real), n_real
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ memory from its prompt dataset: by default the correct answer (the letters sorte
 fine-tuning the toy SFT policy (greedy gold 0.47) on them teaches it the task; `--toy_demonstrations imperfect` gives
 the toy world's own noisy demonstrations (toy_task.imperfect_demonstration, seeded), the kind its SFT policy learned.
 
-    python sft.py              # toy task, under 20 s on a CPU: greedy gold 0.47 (the toy SFT policy) -> 1.0
+    python sft.py              # toy task, on a CPU: the toy SFT policy learns to sort
     accelerate launch sft.py --model EleutherAI/pythia-1b-deduped --dataset tldr    # benchmark/tldr/sft.sh
 
 Real-scale defaults: the TL;DR SFT of Huang et al. 2024 ("The N+ Implementation Details of RLHF with PPO",
@@ -49,7 +49,6 @@ import torch
 from transformers import get_scheduler
 
 import data_utils as du
-import metrics_log as ml
 import models
 import policy_common as pc
 import rollout as ro
@@ -373,17 +372,13 @@ def main() -> None:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = dict(step=0, nonfinite_skipped=0)
-    if args.resume_from:
-        state.update(tl.load_checkpoint(accelerator, args.resume_from, scheduler))
 
-    # 3. the run folder (every input is valid by now) and the logger
+    # 3. the run folder (every input is valid by now), the state (resumed from --resume_from), the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
-    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    state = dict(step=0, nonfinite_skipped=0)
+    logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     # not eval/loss: the bar names a key by its last part, so it would show as loss (each evaluation prints a line)
     logger.progress(total_steps, state["step"], batch_size, "examples", ("loss", "token_accuracy", "eval/gold_score"))
-    optimizer_step = tl.OptimizerStep(accelerator, policy, optimizer, scheduler, args, output_dir,
-                                      skipped=state["nonfinite_skipped"])
 
     # 4. step 0 (not again when resuming): data counts and the evaluation before training
     if not args.resume_from:

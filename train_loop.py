@@ -174,6 +174,18 @@ class StopSignal:
         return bool(flag.item())
 
 
+
+def start_or_resume(args, accelerator, model, optimizer, scheduler, output_dir: str, state: dict):
+    """The start of every script's training: `state` (its fresh state dict) updated in place from --resume_from's
+    checkpoint when there is one (the weights, optimizer, schedule and every process's RNG restored with it), the
+    run's metrics logger (a resumed run keeps its rows up to the checkpoint's step) and its OptimizerStep.
+    Returns (logger, optimizer_step)."""
+    if args.resume_from:
+        state.update(load_checkpoint(accelerator, args.resume_from, scheduler))
+    logger = ml.run_logger(args, accelerator, output_dir, resume_step=state["step"] if args.resume_from else None)
+    return logger, OptimizerStep(accelerator, model, optimizer, scheduler, args, output_dir,
+                                 skipped=state["nonfinite_skipped"])
+
 class OptimizerStep:
     """The end of every optimizer step, the same in every script: clip the accumulated gradients to
     --max_grad_norm, check that the loss and the gradient norm are finite on every process (one all-reduce), then

@@ -145,7 +145,7 @@ class VLLMGenerator:
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",  # uni: no worker process
                 enable_sleep_mode=sleep_mode, enable_prefix_caching=True,  # RLOO/GRPO rows repeat their prompt
-                enforce_eager=not on_gpu,  # on a CPU compiling costs ~50 s at start-up
+                enforce_eager=not on_gpu,  # on a CPU compiling costs more start-up time than it saves
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)
                 generation_config="vllm",  # ignore the model's own sampling defaults, as batch_generation does
                 disable_log_stats=True)

@@ -1,8 +1,15 @@
 """Shared test fixtures: the toy world (built once, cached), runners for the scripts (as subprocesses, and in this
-process for runs that stop early with a usage error)."""
+process for runs that stop early with a usage error), and the fast tier.
 
+The fast tier (`python -m pytest -m "not slow"`) leaves out every test that starts a process (a script run, a
+2-process launch, a benchmark, a vLLM engine) or uses a fixture or helper that does, found from their source at collection time (so a new
+test lands in the right tier without a marker); `tests/test_smoke.py`'s one tiny run per script is kept in
+(`@pytest.mark.fast`). `@pytest.mark.slow` marks any other test as slow by hand."""
+
+import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -107,3 +114,56 @@ def run_two_processes(worker, *args) -> list:
         results = manager.dict()
         mp.spawn(worker, args=(port, results, *args), nprocs=2)
         return [results[0], results[1]]
+
+
+STARTS_A_PROCESS = re.compile(r"\brun_script\(|\brun_two_processes\(|\brun_distributed\(|\bsubprocess\.|mp\.spawn\(|"
+                              r"VLLMGenerator\(")  # a vLLM engine runs in a process of its own
+
+
+def _source(function) -> str:
+    try:
+        return inspect.getsource(function)
+    except (OSError, TypeError):
+        return ""
+
+
+def _process_helpers(module) -> set:
+    """Names of the module's own functions that start a process, directly or through another such function."""
+    functions = {name: _source(f) for name, f in vars(module).items()
+                 if inspect.isfunction(f) and f.__module__ == module.__name__}
+    helpers = {name for name, source in functions.items() if STARTS_A_PROCESS.search(source)}
+    while True:
+        more = {name for name, source in functions.items() if name not in helpers
+                and any(re.search(rf"\b{helper}\(", source) for helper in helpers)}
+        if not more:
+            return helpers
+        helpers |= more
+
+
+def _starts_a_process(function, helpers: set) -> bool:
+    source = _source(function)
+    return bool(STARTS_A_PROCESS.search(source)) or any(re.search(rf"\b{h}\(", source) for h in helpers)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of the fast tier (-m 'not slow'); set automatically for tests "
+                                       "that start a process (conftest.py)")
+    config.addinivalue_line("markers", "fast: in the fast tier although it starts a process (test_smoke.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark `slow` every test that starts a process, itself or through one of its fixtures, unless marked `fast`."""
+    helpers = {}
+    for item in items:
+        if item.get_closest_marker("fast") or item.get_closest_marker("slow"):
+            continue
+        fixtures = [definition.func for definitions in item._fixtureinfo.name2fixturedefs.values()
+                    for definition in definitions]
+        for function in [item.function, *fixtures]:
+            module = sys.modules.get(function.__module__)
+            if module is not None and module.__name__ not in helpers:
+                helpers[module.__name__] = _process_helpers(module)
+            if _starts_a_process(function, helpers.get(function.__module__, set())):
+                item.add_marker(pytest.mark.slow)
+                break
+

@@ -1,0 +1,36 @@
+"""One tiny end-to-end run of every script on the toy task (2 steps, a few held-out items): the fast tier's check
+that each script still starts, trains, evaluates, logs and saves. The full suite runs each much further."""
+
+import math
+import os
+
+import pytest
+
+from conftest import read_metrics, run_script
+
+TINY = {  # script -> flags keeping the held-out evaluation to a few items
+    "sft.py": ["--num_eval_prompts", "8", "--max_eval_examples", "16"],
+    "reward.py": ["--max_eval_pairs", "16"],
+    "dpo.py": ["--num_eval_prompts", "8", "--max_eval_pairs", "16"],
+    "kto.py": ["--num_eval_prompts", "8", "--num_eval_examples", "64"],
+    "rloo.py": ["--num_eval_prompts", "8"],
+    "grpo.py": ["--num_eval_prompts", "8"],
+    "ppo.py": ["--num_eval_prompts", "8"],
+}
+EVAL_KEY = {"reward.py": "eval/accuracy"}  # the others: the gold score of greedy completions
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_tiny_run(script, toy, tmp_path):
+    out = str(tmp_path / "run")
+    run_script(script, "--max_steps", "2", "--eval_steps", "0", *TINY[script], "--output_dir", out)
+    rows = read_metrics(out)
+    assert sorted({r["step"] for r in rows}) == [0, 1, 2]
+    evals = [r for r in rows if EVAL_KEY.get(script, "eval/gold_score") in r]
+    assert [r["step"] for r in evals] == [0, 2]  # before training and after the last step
+    assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert all("lr" in r and "nonfinite/skipped" in r for r in rows if r["step"] > 0 and "loss" in r or
+               "objective/scores" in r)
+    assert os.path.exists(os.path.join(out, "model", "config.json")) or \
+        os.path.exists(os.path.join(out, "model", "adapter_config.json"))
