@@ -6,7 +6,7 @@ or by a vLLM engine (vllm_generation.py, --use_vllm) and truncated after their f
 reference model's log-probs; each reward source's score and their weighted sum, minus the missing-EOS penalty. It
 returns a `Rollout` of tensors; the script computes its advantages and loss from them. The RL scripts' evaluation
 (`Sampler.evaluate`: greedy completions of held-out prompts) goes through the same sampler, and the offline scripts'
-greedy completions through `greedy_completions`.
+greedy completions through `held_out_completions`.
 
 The sampler owns the choices that change speed, never the numbers an algorithm computes:
 - prompt sharing (prompt_sharing.py): a prompt repeated over rows is encoded once in generation, scoring and the
