@@ -19,6 +19,7 @@ from errors import UserError
 # Dataset aliases: the public TL;DR datasets behind the published RLOO/PPO/DPO runs (Huang et al. 2024; TRL's
 # documentation), and the toy task (built offline by toy_task.py the first time it is named).
 TOY_ALIAS = "toy"
+TOY_TOOLS_ALIAS = "toy_tools"  # the toy tool world (toy_tools.py): multi-turn episodes with a lookup tool
 DATASET_ALIASES = {  # alias -> (prompts, preference pairs, unpaired examples)
     "tldr": ("trl-lib/tldr", "trl-lib/tldr-preference", "trl-lib/tldr-preference"),  # kto.py unpairs the pairs
 }
@@ -44,12 +45,20 @@ def toy_world() -> dict:
     return toy_task.build()
 
 
-def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
-    """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task
-    does), else None. Evaluation reports `eval/gold_score` whenever one exists."""
-    import toy_task
+def toy_tools_world() -> dict:
+    """The toy tool world's paths (built offline on first use: toy_tools.build)."""
+    import toy_tools
 
-    return toy_task.gold_scorer(dataset)
+    return toy_tools.build()
+
+
+def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
+    """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task and the
+    toy tool world do), else None. Evaluation reports `eval/gold_score` whenever one exists."""
+    import toy_task
+    import toy_tools
+
+    return toy_tools.gold_scorer(dataset) or toy_task.gold_scorer(dataset)
 
 
 def _load_split(name: str, split: str):
@@ -115,6 +124,8 @@ def load_prompt_dataset(name: str, split: str):
     """`split` of a prompt dataset (column `prompt`): alias (`toy`, `tldr`), local folder/files or hub id."""
     if name == TOY_ALIAS:
         return _load_split(toy_world()["prompt_dataset"], split)
+    if name == TOY_TOOLS_ALIAS:
+        return _load_split(toy_tools_world()["prompt_dataset"], split)
     return _load_split(DATASET_ALIASES[name][0] if name in DATASET_ALIASES else name, split)
 
 
@@ -151,13 +162,13 @@ def is_conversational(value) -> bool:
     return isinstance(value, list) and len(value) > 0 and isinstance(value[0], dict) and "role" in value[0]
 
 
-def render_prompt(tokenizer, prompt) -> str:
+def render_prompt(tokenizer, prompt, tools: Optional[list] = None) -> str:
     """Text of a prompt: unchanged if already text; messages are rendered with the chat template and the
-    generation prompt appended."""
+    generation prompt appended (`tools`: JSON schemas or functions the template exposes to the model)."""
     if is_conversational(prompt):
         if tokenizer.chat_template is None:
             raise UserError("conversational data needs a tokenizer with a chat template")
-        return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(prompt, tools=tools or None, tokenize=False, add_generation_prompt=True)
     return prompt
 
 
@@ -173,6 +184,61 @@ def render_completion(tokenizer, prompt, completion) -> str:
     return completion
 
 
+def _drop_nones(message: dict) -> dict:
+    """A message without the None fields a datasets column adds to every row (`tool_calls: None`, `name: None`, and
+    absent call arguments), which some chat templates would render."""
+    message = {k: v for k, v in message.items() if v is not None}
+    if message.get("tool_calls"):
+        message["tool_calls"] = [
+            {**call, "function": {**call["function"], "arguments": {k: v for k, v in call["function"].get(
+                "arguments", {}).items() if v is not None}}} if isinstance(call.get("function", {}).get(
+                    "arguments"), dict) else call for call in message["tool_calls"]]
+    return message
+
+
+def tokenize_conversation(tokenizer, messages: list, tools: Optional[list] = None):
+    """A conversation with assistant turns (tool calls and tool messages allowed) -> (prompt_ids, completion_ids,
+    completion_mask), laid out as episodes.py samples it: the prompt is the messages before the first assistant
+    message rendered with the generation prompt (and `tools`); then each assistant turn's text up to and including
+    its EOS (completion_mask True: what the policy samples), and between turns the rest of the template's text (what
+    it writes after the EOS, the tool messages, the next generation prompt: False, as episodes.tool_suffix_ids). Each
+    piece is tokenised on its own, so token boundaries fall where sampling puts them; the text after the last EOS is
+    dropped (an episode ends at it). A template that rewrites earlier turns (not prefix-preserving), or that ends an
+    assistant turn without the EOS token, is a UserError."""
+    if tokenizer.chat_template is None:
+        raise UserError("conversational data needs a tokenizer with a chat template")
+    messages = [_drop_nones(m) for m in messages]
+    first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+    if not first:
+        raise UserError("a conversation needs an assistant message and a message before the first one")
+
+    def text(upto: int, generation: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tools=tools or None, tokenize=False,
+                                             add_generation_prompt=generation)
+
+    full, eos = text(len(messages), False), tokenizer.eos_token
+    pieces, offset = [], 0  # (text, trained)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head, upto = text(i, True), text(i + 1, False)  # before turn i (its generation prompt included); through it
+        if not (full.startswith(head) and full.startswith(upto) and offset <= len(head) <= len(upto)):
+            raise UserError("the chat template does not render a conversation as a prefix of its continuation (at "
+                            f"message {i}): sampled episodes could not be trained token-in/token-out")
+        cut = upto.rfind(eos, len(head))
+        if cut < 0:
+            raise UserError(f"the chat template ends assistant message {i} without the EOS token {eos!r}: an "
+                            "episode's turn ends at EOS")
+        pieces += [(full[offset:len(head)], False), (full[len(head):cut + len(eos)], True)]
+        offset = cut + len(eos)
+    prompt_ids, completion_ids, completion_mask = tokenizer(pieces[0][0], add_special_tokens=False)["input_ids"], [], []
+    for piece, trained in pieces[1:]:
+        ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+        completion_ids += ids
+        completion_mask += [trained] * len(ids)
+    return prompt_ids, completion_ids, completion_mask
+
+
 def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, max_prompt_length: int,
                                max_length: int):
     """Token ids of (prompt, completion + EOS) under the documented truncation rule:
@@ -185,12 +251,13 @@ def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, max_prom
     return prompt_ids, completion_ids[:max(0, max_length - len(prompt_ids))]
 
 
-def tokenize_prompts(tokenizer, prompts: Sequence, max_prompt_length: Optional[int] = None) -> List[List[int]]:
-    """Token ids of each prompt (rendered with the chat template if conversational). A prompt longer than
-    `max_prompt_length` (None = no limit) is a UserError: RL scripts refuse rather than silently cut the task."""
+def tokenize_prompts(tokenizer, prompts: Sequence, max_prompt_length: Optional[int] = None,
+                     tools: Optional[list] = None) -> List[List[int]]:
+    """Token ids of each prompt (rendered with the chat template, and `tools`, if conversational). A prompt longer
+    than `max_prompt_length` (None = no limit) is a UserError: RL scripts refuse rather than silently cut the task."""
     out = []
     for i, prompt in enumerate(prompts):
-        ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render_prompt(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise UserError(f"prompt {i} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
                             "raise the limit or filter the dataset")

@@ -30,12 +30,9 @@ function in order; 1.0 each by default).
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import math
 import numbers
-import os
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
@@ -86,34 +83,31 @@ def load_reward_function(spec: str, dataset: str) -> RewardFunction:
             raise UserError(f"--reward_funcs gold: dataset {dataset!r} has no ground-truth scorer (the toy task has "
                             "one); name a function as path/to/file.py:function or package.module:function")
 
-        def gold(prompts, completions, **columns):
-            return [scorer(prompt, completion) for prompt, completion in zip(prompts, completions)]
+        def gold(prompts, completions, **columns):  # conversations: the last user and assistant messages' text
+            return [scorer(last_content(prompt, "user"), last_content(completion, "assistant"))
+                    for prompt, completion in zip(prompts, completions)]
 
         return RewardFunction("gold", gold)
-    where, _, attribute = spec.rpartition(":")
-    if not where or not attribute:
-        raise UserError(f"--reward_funcs {spec!r}: not a built-in ({', '.join(BUILTINS)}), nor "
-                        "path/to/file.py:function or package.module:function")
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise UserError(f"--reward_funcs {spec!r}: file {where!r} not found")
-        module_spec = importlib.util.spec_from_file_location(f"reward_funcs_{os.path.basename(where)[:-3]}", where)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise UserError(f"--reward_funcs {spec!r}: importing {where!r} raised {type(e).__name__}: "
-                            f"{models.first_line(e)}") from None
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:
-            raise UserError(f"--reward_funcs {spec!r}: cannot import {where!r} ({type(e).__name__}: "
-                            f"{models.first_line(e)})") from None
-    fn = getattr(module, attribute, None)
+    fn = ru.load_object(spec, "--reward_funcs", f"a built-in ({', '.join(BUILTINS)}), nor ")
     if not callable(fn):
-        raise UserError(f"--reward_funcs {spec!r}: {where!r} has no function {attribute!r}")
-    return RewardFunction(attribute, fn)
+        raise UserError(f"--reward_funcs {spec!r}: {spec.rpartition(':')[0]!r} has no function "
+                        f"{spec.rpartition(':')[2]!r}")
+    return RewardFunction(spec.rpartition(":")[2], fn)
+
+
+def last_content(value, role: str) -> str:
+    """Text as is; of a list of messages, the content of the last one with `role` ("" if none)."""
+    if not du.is_conversational(value):
+        return value
+    return next((m.get("content") or "" for m in reversed(value) if m.get("role") == role), "")
+
+
+def environment_reward(environment: type) -> RewardFunction:
+    """An --environment class's get_reward() as one more reward source, named after the class (TRL's rule)."""
+    def get_reward(environments, **columns):
+        return [e.get_reward() if type(e) is environment else None for e in environments]
+
+    return RewardFunction(environment.__name__, get_reward)
 
 
 def _short(value, width: int = 60) -> str:
@@ -189,9 +183,11 @@ class Rewards:
 
     @torch.no_grad()
     def __call__(self, query_responses: torch.Tensor, context_length: int, rows: Sequence[dict], accelerator=None,
-                 chunk_size: Optional[int] = None, share_prompts: bool = False):
+                 chunk_size: Optional[int] = None, share_prompts: bool = False, episodes: Optional[list] = None):
         """Score B completions. query_responses (B, T) = [left-padded query | response, right-padded];
-        `rows` the B dataset rows (dicts with `prompt` and any other columns) the queries came from.
+        `rows` the B dataset rows (dicts with `prompt` and any other columns) the queries came from; `episodes`
+        (multi-turn, episodes.py): reward functions see each episode's conversation as its completion, and
+        `environments=` its environment instances.
         Returns (scores (B,), per_source (B, S)): per_source holds each source's score, NaN where a function
         returned None; scores = sum over sources of weight * score, NaNs left out (0 for a row no source scored).
         With reward functions every process must call this together (their failure is agreed: one all-reduce)."""
@@ -200,7 +196,7 @@ class Rewards:
         if self.reward_model is not None:
             columns.append(self._model_scores(query_responses, context_length, rows, chunk_size, share_prompts))
         if self.functions:
-            arguments = self._arguments(responses, rows)
+            arguments = self._arguments(responses, rows, episodes)
             message = None
             for function in self.functions:
                 values, message = call_reward_function(function, arguments)
@@ -239,14 +235,18 @@ class Rewards:
         # tokenizers decode " b c" as "b c")
         return self.tokenizer.decode(query_response[query_response != pad], skip_special_tokens=True)
 
-    def _arguments(self, responses: torch.Tensor, rows: Sequence[dict]) -> Dict[str, list]:
+    def _arguments(self, responses: torch.Tensor, rows: Sequence[dict], episodes=None) -> Dict[str, list]:
         """The keyword arguments of a reward-function call for these rows (see the module docstring)."""
         pad = self.tokenizer.pad_token_id
         completion_ids = [response[response != pad].tolist() for response in responses]
         completions = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in completion_ids]
-        if du.is_conversational(rows[0]["prompt"]):
+        if episodes is not None:  # the conversation of each episode: assistant turns and tool messages
+            completions = [list(episode.messages) for episode in episodes]
+        elif du.is_conversational(rows[0]["prompt"]):
             completions = [[{"role": "assistant", "content": text}] for text in completions]
         arguments = {column: [row[column] for row in rows] for column in rows[0] if column != "prompt"}
+        if episodes is not None and any(episode.environment is not None for episode in episodes):
+            arguments["environments"] = [episode.environment for episode in episodes]
         arguments.update(prompts=[row["prompt"] for row in rows], completions=completions,
                          completion_ids=completion_ids)
         return arguments
@@ -278,14 +278,13 @@ class Rewards:
         return out
 
 
-def penalise_missing_eos(scores: torch.Tensor, responses: torch.Tensor, eos_token_id: int,
-                         penalty: Optional[float]) -> torch.Tensor:
-    """(B,) scores, (B, R) responses -> scores minus `penalty` where a response has no EOS (--missing_eos_penalty,
-    the "EOS trick" of TRL and Huang et al. 2024, whose N+ details replace such scores by a constant instead); None:
-    unchanged."""
+def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
+    """(B,) scores, (B,) bool `truncated` (the completion, or the episode's last turn, was cut by the budget before
+    its EOS) -> scores minus `penalty` there (--missing_eos_penalty, the "EOS trick" of TRL and Huang et al. 2024,
+    whose N+ details replace such scores by a constant instead); None: unchanged."""
     if penalty is None:
         return scores
-    return torch.where((responses == eos_token_id).any(1), scores, scores - penalty)
+    return torch.where(truncated, scores - penalty, scores)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -304,14 +303,20 @@ def reward_model_input(flag: Optional[str], recorded: Optional[str], same_vocabu
     return mode
 
 
-def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequence, accelerator) -> Rewards:
+def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequence, accelerator,
+                 environment: Optional[type] = None) -> Rewards:
     """The run's Rewards from the shared flags `--reward_model` (None = the one paired with --model, or none when
     --reward_funcs are given), `--reward_model_input`, `--reward_funcs`, `--reward_weights`. Checks, at start-up,
     that every column a function requires is in each of `datasets`, and that conversational data read as text
     has a chat template. The reward model gets a pad token of its own if it has none (the policy's is untouched)."""
     functions = [load_reward_function(spec, dataset) for spec in args.reward_funcs or []]
+    weights = args.reward_weights
+    if environment is not None and callable(getattr(environment, "get_reward", None)):
+        functions.append(environment_reward(environment))  # --environment's own reward: the last source
+        if weights is not None and len(weights) == len(args.reward_funcs or []) + bool(args.reward_model):
+            weights = list(weights) + [1.0]  # weight 1 unless --reward_weights names it (TRL)
     for function in functions:
-        supplied = {"prompts", "completions", "completion_ids"}
+        supplied = {"prompts", "completions", "completion_ids", "environments"}
         for data in datasets:
             missing = [name for name in function.required if name not in supplied | set(data.column_names)]
             if missing:
@@ -321,7 +326,7 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     if name is None:
         if args.reward_model_input is not None:
             raise UserError("--reward_model_input is given but there is no reward model")
-        return Rewards(tokenizer, functions=functions, weights=args.reward_weights)
+        return Rewards(tokenizer, functions=functions, weights=weights)
     path = ru.resolve_reward_model(name)
     reward_tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
     same_vocabulary = reward_tokenizer.get_vocab() == tokenizer.get_vocab()
@@ -335,5 +340,4 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
     accelerator.print(f"reward model {path} reads {mode} ({why})")
-    return Rewards(tokenizer, pc.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions,
-                   args.reward_weights, path)
+    return Rewards(tokenizer, pc.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights, path)

@@ -25,6 +25,7 @@ from typing import List, Literal, Optional
 
 import torch
 
+import episodes as ep
 import models
 import policy_common as pc
 import reward_sources as rs
@@ -114,6 +115,16 @@ class Args:
     resume_from: Optional[str] = None
     """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
 
+    # Tools and environments: multi-turn episodes (episodes.py, README "Tools"; TRL's interface)
+    tools: Optional[List[str]] = None
+    """tools the policy may call: path/to/file.py:fn or package.module:fn (comma-separated or repeated)"""
+    environment: Optional[str] = None
+    """environment class, one per episode: reset(**row), its public methods are tools, get_reward() (file.py:Class)"""
+    max_tool_calling_iterations: Optional[int] = None
+    """tool rounds per episode (None = until a turn calls no tool or --response_length sampled tokens are spent)"""
+    tool_timeout: float = 30.0
+    """seconds a tool call may run before it is cut off (the model then reads an error)"""
+
     # Algorithm specific arguments
     rloo_k: int = 2
     """completions sampled per prompt (k of the leave-one-out baseline)"""
@@ -166,7 +177,13 @@ class Args:
 ALIAS_DEFAULTS = {"toy": dict(
     total_episodes=8192, learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1, rloo_k=4,
     kl_coef=0.2, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16, num_eval_prompts=256,
-    missing_eos_penalty=1.0, local_rollout_forward_batch_size=256)}
+    missing_eos_penalty=1.0, local_rollout_forward_batch_size=256),
+    # the toy tool world (toy_tools.py): the verifiable gold reward, its lookup tool, two tool rounds
+    "toy_tools": dict(
+        total_episodes=12288, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
+        rloo_k=4, kl_coef=0.0, response_length=24, max_prompt_length=16, eval_steps=16, num_eval_prompts=256,
+        missing_eos_penalty=1.0, local_rollout_forward_batch_size=256, reward_funcs=["gold"],
+        tools=["toy_tools:lookup"], max_tool_calling_iterations=2)}
 
 
 # ALGO LOGIC: the RLOO pieces, pure functions of tensors (tested in tests/test_rloo.py)
@@ -266,6 +283,7 @@ def validate(args: Args):
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
         raise UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
     vg.validate_args(args)
+    ep.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
@@ -292,7 +310,8 @@ def main():
     # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
     policy_path = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    data = ro.load_prompt_data(args, tokenizer, policy_path)
+    toolset = ep.load_toolset(args, tokenizer)  # None: single-turn completions
+    data = ro.load_prompt_data(args, tokenizer, policy_path, toolset)
     output_dir = ru.output_dir(args, data.name, accelerator)
 
     # 3. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
@@ -301,7 +320,7 @@ def main():
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
-                                     accelerator)
+                                     accelerator, environment=toolset and toolset.environment)
 
     # 4. optimizer, linear decay per optimizer step, checkpointable state, the sampler
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
@@ -315,7 +334,8 @@ def main():
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, reference, prompts=data.train_prompts,
                          rows=data.train, samples_per_prompt=args.rloo_k, prompts_per_process=local_prompts,
-                         max_prompt_length=args.max_prompt_length, weights_version=state["step"])
+                         max_prompt_length=args.max_prompt_length, weights_version=state["step"], toolset=toolset,
+                         context_limit=data.context_limit)
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)

@@ -33,6 +33,7 @@ a trainer forward, and `Rollout.importance_weights` reweights the policy loss by
 from __future__ import annotations
 
 import math
+import copy
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -40,12 +41,13 @@ import torch
 import torch.nn as nn
 
 import data_utils as du
+import episodes as ep
 import policy_common as pc
 import prompt_sharing as ps
 import reward_sources as rs
 import run_utils as ru
 import vllm_generation as vg
-from errors import RolloutError
+from errors import RolloutError, UserError
 
 LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant (the first rollout is checked)
 LOGPROB_CHECK_ROWS = 4  # rows scored again by a forward at each check
@@ -63,29 +65,39 @@ class PromptData:
     train_prompts: List[List[int]]
     eval_data: object
     held_out: du.HeldOut
+    context_limit: int  # the most tokens of prompt + response a sequence may hold (multi-turn: tool tokens too)
 
 
-def load_prompt_data(args, tokenizer, policy_path: str) -> PromptData:
+def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Toolset] = None) -> PromptData:
     """--dataset's (None: the one paired with --model) training split and --eval_split (its first --num_eval_prompts
     rows), column `prompt` required, tokenised once (with the chat template when conversational). A prompt longer
     than --max_prompt_length is refused; None becomes the longest prompt in the data. --response_length is then fitted
     into the model's positions after the longest prompt (a default lowered with a note; a value given that cannot fit,
-    a one-line error)."""
+    a one-line error). With a `toolset` the prompts must be conversations, and are rendered with its tools."""
     name = args.dataset or ru.default_dataset(args.model)
     train_data = du.load_prompt_dataset(name, "train")
     eval_data = du.load_prompt_dataset(name, args.eval_split)
     du.require_columns(train_data, ["prompt"], name)
     du.require_columns(eval_data, ["prompt"], name)
-    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+    tools = None
+    if toolset is not None:
+        if not du.is_conversational(train_data[0]["prompt"]):
+            raise UserError(f"--tools / --environment need conversational prompts (lists of messages); dataset "
+                            f"{name!r} has text prompts")
+        tools = toolset.schemas
+    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length, tools)
     eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
+    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length, tools)
     if args.max_prompt_length is None:
         args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
                   f"the model's {positions} positions minus prompts of up to {args.max_prompt_length} tokens")
+    context_limit = args.max_prompt_length + args.response_length
+    if toolset is not None:  # tool results take positions too: up to the model's, or twice the sampled budget
+        context_limit = positions or args.max_prompt_length + 2 * args.response_length
     return PromptData(name, train_data, train_prompts, eval_data,
-                      du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)))
+                      du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)), context_limit)
 
 
 @dataclass
@@ -106,20 +118,28 @@ class Rollout:
     metrics: dict  # rollout/logprob_check (at the steps checked), time/vllm_sync (vLLM)
     pad_token_id: int
     eos_token_id: int
+    action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
+    episode_truncated: Optional[torch.Tensor] = None  # (B,) multi-turn: the episode ended at the budget
+    episodes: Optional[list] = None  # multi-turn: the episodes.Episode of each row (conversation, counts)
 
     @property
     def responses(self) -> torch.Tensor:
-        """(B, R) the response tokens."""
+        """(B, R) the response tokens (multi-turn: sampled turns and tool results, in order)."""
         return self.query_responses[:, self.context_length:]
 
     @property
     def response_mask(self) -> torch.Tensor:
-        """(B, R) bool: True up to and including the EOS."""
-        return self.responses != self.pad_token_id
+        """(B, R) bool: the policy's actions, where the loss, the KL and the entropy are taken: the sampled tokens up
+        to and including the EOS (multi-turn: of every turn; tool-result tokens are not actions)."""
+        mask = self.responses != self.pad_token_id
+        return mask if self.action_mask is None else mask & self.action_mask
 
     @property
     def truncated(self) -> torch.Tensor:
-        """(B,) bool: the completion has no EOS (it was cut at --response_length)."""
+        """(B,) bool: the completion has no EOS (it was cut at --response_length; multi-turn: the episode's last
+        turn was cut by the budget)."""
+        if self.episode_truncated is not None:
+            return self.episode_truncated
         return ~(self.responses == self.eos_token_id).any(1)
 
     def shuffled_rows(self) -> torch.Tensor:
@@ -153,7 +173,8 @@ class Sampler:
 
     def __init__(self, args, accelerator, tokenizer, policy: nn.Module, reward_sources: rs.Rewards, reference, *,
                  prompts: Sequence[List[int]], rows, samples_per_prompt: int, prompts_per_process: int,
-                 max_prompt_length: int, weights_version: int = 0):
+                 max_prompt_length: int, weights_version: int = 0, toolset: Optional[ep.Toolset] = None,
+                 context_limit: Optional[int] = None):
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.policy, self.reward_sources, self.reference = policy, reward_sources, reference
         self.prompts, self.rows = prompts, rows
@@ -164,8 +185,11 @@ class Sampler:
             min(args.per_device_train_batch_size, self.chunk), samples_per_prompt, max_prompt_length,
             args.response_length)
         self.generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+        self.toolset, self.environments = toolset, []  # multi-turn (episodes.py); environment instances, reused
+        self.max_prompt_length = max_prompt_length
+        self.context_limit = context_limit or max_prompt_length + args.response_length
         self.vllm = vg.from_args(args, policy, tokenizer, accelerator, weights_version=weights_version,  # None: HF
-                                 max_model_len=max_prompt_length + args.response_length,
+                                 max_model_len=self.context_limit,
                                  rows_per_call=prompts_per_process * samples_per_prompt)
 
     @torch.no_grad()
@@ -184,39 +208,48 @@ class Sampler:
         queries = queries.repeat_interleave(k, dim=0)  # (B, Lq): each prompt k times in a row
         context_length = queries.shape[1]
 
-        # 1. sample (HF generate: the sampled tokens' log-probs are the old log-probs; vLLM: a trainer forward)
+        # 1. sample (HF generate: the sampled tokens' log-probs are the old log-probs; vLLM: a trainer forward);
+        #    with tools, whole episodes (episodes.py): sampled turns and tool results, an action mask between them
+        rows = [self.rows[i] for i in indices for _ in range(k)]  # the dataset row of each completion
         training, metrics = self.policy.training, {}
         self.policy.eval()
-        sampler_logprobs, entropies = None, None
-        if self.vllm is None:
-            query_responses, logprobs, *entropies = pc.batch_generation(
-                self.policy, queries, self.pad, self.eos, self.generation_config, self.chunk, accelerator,
-                share_prompts=self.share, return_entropy=entropy)
-            entropies = entropies[0] if entropy else None
-            if weights_version % LOGPROB_CHECK_EVERY == 0:
-                metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
-                                                                       weights_version + 1)
+        episodes, action_mask, truncated = None, None, None
+        if self.toolset is None:
+            query_responses, logprobs, entropies, sampler_logprobs = self.sample(queries, weights_version, entropy)
+            truncated = ~(query_responses[:, context_length:] == self.eos).any(1)
         else:
-            query_responses, sampler_logprobs = self.vllm.generate(self.policy, weights_version, queries,
-                                                                   self.generation_config)
-            metrics["time/vllm_sync"] = self.vllm.last_sync_seconds
-            logprobs = None
-            if old_logprobs or entropy:
-                logprobs = pc.response_logprobs_no_grad(self.policy, query_responses, context_length, self.pad,
-                                                        args.temperature, self.chunk, share_prompts=self.share,
-                                                        return_entropy=entropy)
-                logprobs, entropies = logprobs if entropy else (logprobs, None)
-        self.policy.train(training)
+            episodes = self.play(rows, self.generation_config, weights_version, entropy=entropy)
+            tensors = ep.episode_tensors(episodes, self.pad, accelerator.device)
+            query_responses, context_length = tensors["query_responses"], tensors["context_length"]
+            action_mask, truncated = tensors["action_mask"], tensors["truncated"]
+            logprobs, entropies = tensors["logprobs"], tensors["entropy"] if entropy else None
+            sampler_logprobs = None
+            if self.vllm is not None:
+                sampler_logprobs, logprobs = tensors["sampler_logprobs"], None
+            metrics.update(ep.episode_metrics(episodes, accelerator))
         response_mask = query_responses[:, context_length:] != self.pad  # (B, R)
+        if action_mask is not None:
+            response_mask &= action_mask
+        if self.vllm is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
+            logprobs = pc.response_logprobs_no_grad(self.policy, query_responses, context_length, self.pad,
+                                                    args.temperature, self.chunk, share_prompts=self.share,
+                                                    return_entropy=entropy)
+            logprobs, entropies = logprobs if entropy else (logprobs, None)
+        elif self.vllm is None and weights_version % LOGPROB_CHECK_EVERY == 0:
+            metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
+                                                                   response_mask, weights_version + 1)
+        if self.vllm is not None:
+            metrics["time/vllm_sync"] = self.vllm.last_sync_seconds
+        self.policy.train(training)
         if logprobs is not None:
             logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
+        if entropies is not None:
+            entropies = entropies.masked_fill(~response_mask, 0.0)
 
         # 2. score: each reward source, weighted; the missing-EOS penalty ("EOS trick")
-        rows = [self.rows[i] for i in indices for _ in range(k)]  # the dataset row of each completion
         scores, source_scores = self.reward_sources(query_responses, context_length, rows, accelerator, self.chunk,
-                                                    share_prompts=self.share)  # (B,), (B, sources)
-        scores = rs.penalise_missing_eos(scores, query_responses[:, context_length:], self.eos,
-                                         args.missing_eos_penalty)
+                                                    share_prompts=self.share, episodes=episodes)  # (B,), (B, S)
+        scores = rs.penalise_missing_eos(scores, truncated, args.missing_eos_penalty)
 
         # 3. the reference's log-probs
         ref_logprobs = None
@@ -227,17 +260,66 @@ class Sampler:
                        scores=scores, source_scores=source_scores, logprobs=logprobs if old_logprobs else None,
                        ref_logprobs=ref_logprobs, entropy=entropies, sampler_logprobs=sampler_logprobs,
                        is_cap=getattr(args, "vllm_is_cap", 2.0), metrics=metrics, pad_token_id=self.pad,
-                       eos_token_id=self.eos)
+                       eos_token_id=self.eos, action_mask=action_mask,
+                       episode_truncated=None if episodes is None else truncated, episodes=episodes)
+
+    def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
+               first_turn: bool = True, budgets: Optional[List[int]] = None):
+        """One completion per row of `queries` (B, Lq), left-padded, by HF generate or vLLM -> (query_responses
+        (B, Lq + R), logprobs (B, R) of the sampled tokens (HF; None with vLLM), entropy (B, R) or None, vLLM's
+        log-probs (B, R) or None). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
+        stops each row at its own (HF generates R for every row; the caller cuts)."""
+        config = generation_config or self.generation_config
+        if self.vllm is not None:
+            query_responses, sampler_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
+                                                                   budgets)
+            return query_responses, None, None, sampler_logprobs
+        query_responses, logprobs, *entropies = pc.batch_generation(
+            self.policy, queries, self.pad, self.eos, config, self.chunk, self.accelerator,
+            share_prompts=self.share and first_turn, return_entropy=entropy)
+        return query_responses, logprobs, entropies[0] if entropy else None, None
+
+    def play(self, rows: Sequence[dict], generation_config, weights_version: int = 0, *, entropy: bool = False,
+             use_vllm: bool = True) -> list:
+        """Multi-turn episodes of the prompts of `rows` (episodes.py), each turn sampled with `generation_config`
+        (its max_new_tokens set per turn) by `sample` (HF only with use_vllm=False). Returns the Episodes."""
+        while len(self.environments) < len(rows):
+            self.environments.append(self.toolset.new_environment())
+        episodes = ep.start_episodes([row["prompt"] for row in rows], rows, self.toolset, self.tokenizer,
+                                     self.environments, self.max_prompt_length)
+        vllm, self.vllm = self.vllm, (self.vllm if use_vllm else None)
+
+        def generate(sequences, budgets: List[int], first_turn: bool):
+            queries = pc.pad_sequences(sequences, self.pad, "left").to(self.accelerator.device)
+            config = copy.deepcopy(generation_config)
+            config.max_new_tokens = max(budgets)
+            query_responses, logprobs, entropies, sampler_logprobs = self.sample(
+                queries, weights_version, entropy, config, first_turn, budgets)
+            responses = query_responses[:, queries.shape[1]:].tolist()
+            turns = [[t for t in response if t != self.pad] for response in responses]
+
+            def lists(values):
+                return None if values is None else [v[:len(t)] for v, t in zip(values.tolist(), turns)]
+
+            return turns, lists(logprobs) or [[0.0] * len(t) for t in turns], lists(sampler_logprobs), lists(entropies)
+
+        try:
+            return ep.run_episodes(episodes, generate, self.tokenizer, self.toolset,
+                                   response_length=generation_config.max_new_tokens, context_limit=self.context_limit,
+                                   max_tool_calling_iterations=self.args.max_tool_calling_iterations,
+                                   tool_timeout=self.args.tool_timeout, accelerator=self.accelerator)
+        finally:
+            self.vllm = vllm
 
     def check_logprobs(self, query_responses: torch.Tensor, context_length: int, sampled_logprobs: torch.Tensor,
-                       step: int) -> float:
+                       response_mask: torch.Tensor, step: int) -> float:
         """The old-log-probs invariant (module docstring): the first LOGPROB_CHECK_ROWS rows scored again by a
         forward; returns the largest |sampled - recomputed| over their tokens on all processes (one all-reduce);
         raises RolloutError on every process when it is above the tolerance."""
         rows = query_responses[:LOGPROB_CHECK_ROWS]
         recomputed = pc.response_logprobs_no_grad(self.policy, rows, context_length, self.pad, self.args.temperature,
                                                   share_prompts=self.share)
-        mask = rows[:, context_length:] != self.pad
+        mask = response_mask[:LOGPROB_CHECK_ROWS]  # the sampled tokens
         diff = (recomputed - sampled_logprobs[:LOGPROB_CHECK_ROWS]).abs()[mask]
         stats = torch.stack([diff.max(), diff.mean()]) if diff.numel() else diff.new_zeros(2)
         if self.accelerator.num_processes > 1:
@@ -277,14 +359,14 @@ class Sampler:
         over all processes' prompts. Sampling stays on HF generate with --use_vllm: greedy decoding is the ground
         truth it is compared with."""
         args, accelerator, tokenizer = self.args, self.accelerator, self.tokenizer
-        pad, eos, chunk = self.pad, self.eos, self.chunk
+        pad, chunk = self.pad, self.chunk
         greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
         functions = self.reward_sources.functions
         k = pass_at_k if functions else 0
         verifiers = rs.Rewards(tokenizer, functions=functions, weights=self.reward_sources.weights[-len(functions):]
                                .tolist()) if k else None  # the reward functions without the reward model
         indices, n_real = ru.even_share(range(len(held_out.prompts)), accelerator)  # this process's prompts
-        sums, samples, source_scores = dict(scores=0.0, response_length=0.0, eos_rate=0.0), [], []
+        sums, samples, source_scores, tool_sums = dict(scores=0.0, response_length=0.0, eos_rate=0.0), [], [], []
         sums.update({"kl": 0.0} if self.reference is not None else {})
         sums.update({"gold_score": 0.0} if held_out.gold is not None else {})
         sums.update({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})
@@ -294,12 +376,13 @@ class Sampler:
             real = max(0, min(chunk, n_real - i))  # rows of this chunk that count; the rest only pad the share
             chunk_indices = indices[i:i + chunk]
             queries = pc.pad_sequences([held_out.prompts[j] for j in chunk_indices], pad, "left").to(accelerator.device)
-            context_length = queries.shape[1]
-            query_responses, _ = pc.batch_generation(self.policy, queries, pad, eos, greedy, chunk, accelerator)
-            responses = query_responses[:, context_length:]  # (b, R)
-            mask = responses != pad
-            scores, per_source = self.reward_sources(query_responses, context_length,
-                                                     [held_out.rows[j] for j in chunk_indices], accelerator)
+            rows = [held_out.rows[j] for j in chunk_indices]
+            query_responses, context_length, mask, truncated, episodes = self.complete(queries, rows, greedy)
+            queries, responses = query_responses[:, :context_length], query_responses[:, context_length:]  # (b, R)
+            scores, per_source = self.reward_sources(query_responses, context_length, rows, accelerator,
+                                                     episodes=episodes)
+            if episodes is not None:
+                tool_sums.append(episodes[:real])  # only the real rows count
             source_scores.append(per_source[:real])
             sums["scores"] += scores[:real].sum().item()
             if self.reference is not None:
@@ -307,7 +390,7 @@ class Sampler:
                 ref_logprobs = self.reference.logprobs(query_responses, context_length, pad, args.temperature)
                 sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
             sums["response_length"] += mask[:real].sum().item()
-            sums["eos_rate"] += (responses == eos).any(1)[:real].sum().item()
+            sums["eos_rate"] += (~truncated)[:real].sum().item()
             for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
                 row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
                            completion=tokenizer.decode(response, skip_special_tokens=True), score=score)
@@ -316,19 +399,37 @@ class Sampler:
                     sums["gold_score"] += row["gold"]
                 samples.append(row)
             if k:  # k sampled completions per prompt, scored by the reward functions only
-                repeated = queries.repeat_interleave(k, 0)
-                query_responses, _ = pc.batch_generation(self.policy, repeated, pad, eos, self.generation_config,
-                                                         chunk, accelerator)
-                rows = [held_out.rows[j] for j in chunk_indices for _ in range(k)]
-                function_reward, verdicts = verifiers(query_responses, context_length, rows, accelerator)
+                rows = [row for row in rows for _ in range(k)]
+                query_responses, context_length, _, _, episodes = self.complete(queries.repeat_interleave(k, 0), rows,
+                                                                                self.generation_config)
+                function_reward, verdicts = verifiers(query_responses, context_length, rows, accelerator,
+                                                      episodes=episodes)
                 correct = ((verdicts >= 1.0) | verdicts.isnan()).all(1) & ~verdicts.isnan().all(1)  # (b * k,)
                 sums[f"pass@{k}"] += correct.view(-1, k).any(1)[:real].sum().item()
                 sums[f"mean@{k}"] += function_reward.view(-1, k).mean(1)[:real].sum().item()
         self.policy.train(training)
         means = ru.global_means(accelerator, sums, n_real)
+        means = {key: means[key] for key in sums}
+        if self.toolset is not None:  # tools/call_frequency, ... of the greedy episodes
+            means.update(ep.episode_metrics([e for chunk_episodes in tool_sums for e in chunk_episodes], accelerator))
         logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
-        return {**{f"eval/{key}": means[key] for key in sums},
+        return {**{f"eval/{key}": value for key, value in means.items()},
                 **self.reward_sources.metrics(torch.cat(source_scores), accelerator, prefix="eval/reward/")}
+
+    def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config):
+        """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq), or with
+        tools one episode per row of `rows` -> (query_responses, context_length, response_mask (b, R): the sampled
+        tokens, truncated (b,), episodes or None)."""
+        if self.toolset is None:
+            query_responses, _ = pc.batch_generation(self.policy, queries, self.pad, self.eos, generation_config,
+                                                     self.chunk, self.accelerator)
+            responses = query_responses[:, queries.shape[1]:]
+            return (query_responses, queries.shape[1], responses != self.pad, ~(responses == self.eos).any(1), None)
+        episodes = self.play(rows, generation_config, use_vllm=False)
+        tensors = ep.episode_tensors(episodes, self.pad, self.accelerator.device)
+        query_responses, context_length = tensors["query_responses"], tensors["context_length"]
+        mask = (query_responses[:, context_length:] != self.pad) & tensors["action_mask"]
+        return query_responses, context_length, mask, tensors["truncated"], episodes
 
     def close(self) -> None:
         """Stop the vLLM engine, if there is one."""

@@ -39,6 +39,8 @@ def resolve_model(name: str) -> str:
     `pythia-1b|2.8b|6.9b` name the TL;DR SFT checkpoints; anything else is returned unchanged."""
     if name == du.TOY_ALIAS:
         return du.toy_world()["policy"]
+    if name == du.TOY_TOOLS_ALIAS:
+        return du.toy_tools_world()["policy"]
     return MODEL_ALIASES[name][0] if name in MODEL_ALIASES else name
 
 
@@ -53,16 +55,56 @@ def default_reward_model(model: str) -> str:
     """The reward model paired with a `--model` alias (toy -> toy RM, pythia-1b -> its TL;DR RM)."""
     if model == du.TOY_ALIAS or model in MODEL_ALIASES:
         return model
+    if model == du.TOY_TOOLS_ALIAS:
+        raise UserError("--model toy_tools has no reward model: its reward is the verifiable gold score "
+                        "(--reward_funcs gold)")
     raise UserError(f"--reward_model is required when --model is {model!r} (no paired reward model is known)")
 
 
 def default_dataset(model: str) -> str:
     """The dataset paired with a `--model` alias (toy -> toy, pythia-* -> tldr)."""
-    if model == du.TOY_ALIAS:
-        return du.TOY_ALIAS
+    if model in (du.TOY_ALIAS, du.TOY_TOOLS_ALIAS):
+        return model
     if model in MODEL_ALIASES:
         return MODEL_ALIASES[model][2]
     raise UserError(f"--dataset is required when --model is {model!r} (no paired dataset is known)")
+
+
+_LOADED_FILES: Dict[str, object] = {}  # path -> module: a file named by several flags is imported once
+
+
+def load_object(spec: str, flag: str, alternatives: str = "") -> object:
+    """`path/to/file.py:name` or `package.module:name` -> that object (a function, a class), for the flags that name
+    user code (--reward_funcs, --tools, --environment). Anything that cannot be found or imported is a one-line
+    UserError naming `flag`; a missing name is returned as None (the caller names what it expected)."""
+    import importlib
+    import importlib.util
+
+    where, _, attribute = spec.rpartition(":")
+    if not where or not attribute:
+        raise UserError(f"{flag} {spec!r}: not {alternatives}path/to/file.py:name or package.module:name")
+    if where.endswith(".py"):
+        path = os.path.abspath(where)
+        if not os.path.isfile(path):
+            raise UserError(f"{flag} {spec!r}: file {where!r} not found")
+        if path not in _LOADED_FILES:
+            module_spec = importlib.util.spec_from_file_location(
+                f"{flag.strip('-')}_{os.path.basename(where)[:-3]}", path)
+            module = importlib.util.module_from_spec(module_spec)
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as e:
+                raise UserError(f"{flag} {spec!r}: importing {where!r} raised {type(e).__name__}: "
+                                f"{models.first_line(e)}") from None
+            _LOADED_FILES[path] = module
+        module = _LOADED_FILES[path]
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise UserError(f"{flag} {spec!r}: cannot import {where!r} ({type(e).__name__}: "
+                            f"{models.first_line(e)})") from None
+    return getattr(module, attribute, None)
 
 
 def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv: Optional[List[str]] = None):

@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.nn as nn
@@ -194,9 +194,11 @@ class VLLMGenerator:
             logprobs=0, detokenize=False)
 
     @torch.no_grad()
-    def generate(self, policy: nn.Module, weights_version: int, queries: torch.Tensor, generation_config):
+    def generate(self, policy: nn.Module, weights_version: int, queries: torch.Tensor, generation_config,
+                 max_new_tokens: Optional[List[int]] = None):
         """Sample a completion for every row of `queries` (B, Lq), left-padded. The engine first loads the policy's
-        weights if `weights_version` (e.g. the optimizer steps taken) moved since its last sync.
+        weights if `weights_version` (e.g. the optimizer steps taken) moved since its last sync. max_new_tokens: a
+        budget per row (multi-turn episodes: what is left of each), at most the config's; None: the config's.
         Returns (query_responses, sampler_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
         truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
         INVALID_LOGPROB after EOS."""
@@ -211,6 +213,8 @@ class VLLMGenerator:
         # generator for all requests, vLLM's samples depend on how its scheduler happened to batch them)
         seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
         params = [self.sampling_params(generation_config, seed) for seed in seeds]
+        for param, budget in zip(params, max_new_tokens or []):
+            param.max_tokens = budget
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.sleep_mode:
             self.llm.sleep(level=1)

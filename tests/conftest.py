@@ -28,6 +28,15 @@ def toy():
 
 
 @pytest.fixture(scope="session")
+def toy_tools_world():
+    """Paths of the built toy tool world (toy_tools.py; builds it on first use, about 70 s on 2 cores), cached beside
+    the toy world under $TOY_TASK_CACHE like it."""
+    import toy_tools
+
+    return toy_tools.build(verbose=False)
+
+
+@pytest.fixture(scope="session")
 def fresh_toy_run(tmp_path_factory):
     """A new user's first `python rloo.py` (10 steps), on a machine without the toy world: built by that run into an
     empty cache. Returns (the CompletedProcess, the run's output folder, the cache folder). Shared by the test of

@@ -422,9 +422,9 @@ def test_a_function_failing_on_one_process_stops_both(toy):
 
 
 def test_missing_eos_penalty():
-    """--missing_eos_penalty: subtracted where a response has no EOS (the toy EOS id 1), nothing with None."""
-    responses = torch.tensor([[5, 6, 7, 8], [5, 1, 0, 0], [1, 0, 0, 0]])
+    """--missing_eos_penalty: subtracted where a completion was truncated (no EOS), nothing with None."""
+    truncated = torch.tensor([True, False, False])
     scores = torch.tensor([1.0, 1.0, -2.0])
-    assert rs.penalise_missing_eos(scores, responses, 1, 2.5).tolist() == [-1.5, 1.0, -2.0]
-    assert rs.penalise_missing_eos(scores, responses, 1, None).tolist() == [1.0, 1.0, -2.0]
+    assert rs.penalise_missing_eos(scores, truncated, 2.5).tolist() == [-1.5, 1.0, -2.0]
+    assert rs.penalise_missing_eos(scores, truncated, None).tolist() == [1.0, 1.0, -2.0]
 

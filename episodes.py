@@ -1,0 +1,397 @@
+"""Multi-turn episodes with tools: the policy writes a turn, a tool answers, the policy writes the next turn.
+
+The interface is TRL 1.16's (GRPOTrainer `tools=`, `environment_factory=`, `max_tool_calling_iterations`), so tools
+and environments written for TRL work here unchanged:
+- `--tools FILE.py:fn[,FILE.py:fn2]` (or package.module:fn): plain functions with type hints and a Google-style
+  docstring; transformers' `get_json_schema` turns each into the JSON schema the chat template shows the model.
+- `--environment FILE.py:Class`: one instance per episode. `reset(**row)` gets the dataset row and returns None or
+  text appended to the last user message; the public methods (not reset, get_reward, _private) are its tools; an
+  optional `get_reward()` -> float is one more reward source (weight 1, logged under the class name), and reward
+  functions receive the instances as `environments=`.
+- `--max_tool_calling_iterations`: tool rounds per episode (None: no limit but the budget).
+
+Token in, token out. An episode is ONE token sequence built by appending, never re-rendered:
+    prompt (chat template, tools shown) | sampled turn 1 ... EOS | tool-result tokens | sampled turn 2 ... EOS | ...
+A chat template is not append-only in general (re-rendering a conversation can change earlier tokens: a dropped
+separator, a stripped thinking block), and log-probs computed on a re-rendered conversation would not belong to
+what the sampler produced. So the tool results' tokens come from `tool_suffix_ids`: the template's rendering of
+[dummy user, dummy assistant, tool messages] + the next generation prompt, minus its rendering up to and including
+the assistant's EOS (TRL's method): whatever the template writes after EOS (e.g. Qwen's newline) belongs to the
+tool tokens. `action_mask` is True on the sampled tokens only: the policy loss, the KL and the entropy use it, and
+the old log-probs are those of the sampled tokens. The finished conversation, rendered by the template, equals the
+sequence wherever the template is prefix-preserving and the sampled text re-tokenises to the sampled tokens
+(tests/test_episodes.py); where it does not, the trainer still uses the sampled tokens.
+
+An episode ends at a turn with no tool call, at the budget (`--response_length` sampled tokens in total, or the
+model's context: `truncated`, the missing-EOS penalty applies; a turn that calls a tool with the budget spent
+ends the episode there, its calls not executed), or after --max_tool_calling_iterations tool rounds
+(the last turn's calls are then not executed, as TRL). Tool calls are parsed by the tokenizer's `parse_response`
+when it has a response template (transformers >= 5.13), else from the common `<tool_call>{json}</tool_call>` blocks
+(Qwen 2.5/3, Hermes). A call that cannot be parsed, an unknown tool, bad arguments, an exception and a call that
+runs past --tool_timeout seconds each become a tool message `{"error": "..."}` the model reads next turn, counted
+in tools/failure_frequency; the run never stops for them. Results that are dicts or lists are sent as JSON (TRL: str).
+
+Collectives: `run_episodes` makes the same number of `generate` calls on every process (one per turn until no
+process has a running episode, agreed by one all-reduce per turn): a process whose episodes have all ended calls it
+on one dummy row, so ZeRO-3's parameter gathering inside generation stays in step.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+import data_utils as du
+import policy_common as pc
+import run_utils as ru
+from errors import UserError
+
+TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Start-up: the run's tools from --tools / --environment, and the chat template checks
+# ---------------------------------------------------------------------------------------------------------
+def _schema(fn: Callable, flag: str) -> dict:
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:
+        raise UserError(f"{flag}: tool {getattr(fn, '__name__', fn)!r} cannot be shown to the model: "
+                        f"{type(e).__name__}: {str(e).splitlines()[0]} (a tool needs type hints and a Google-style "
+                        "docstring with an Args: section)") from None
+
+
+def validate_args(args) -> None:
+    """One-line errors for the tool flags, before anything loads."""
+    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
+        raise UserError(f"--max_tool_calling_iterations must be >= 0 (None: no limit), got "
+                        f"{args.max_tool_calling_iterations}")
+    if args.tool_timeout <= 0:
+        raise UserError(f"--tool_timeout must be > 0 seconds, got {args.tool_timeout}")
+
+
+def environment_tools(environment) -> List[Callable]:
+    """An environment instance's tools: its public methods other than reset and get_reward (TRL's rule)."""
+    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
+            if name not in ("reset", "get_reward") and not name.startswith("_")]
+
+
+@dataclass
+class Toolset:
+    """A run's tools: `functions` (--tools), `environment` (the --environment class, or None), `schemas` (every
+    tool's JSON schema, the environment's methods included: what the chat template shows), `names`."""
+    functions: List[Callable]
+    environment: Optional[type]
+    schemas: List[dict]
+    names: List[str]
+
+    def new_environment(self):
+        """A fresh instance of the environment class (None without one)."""
+        return None if self.environment is None else self.environment()
+
+    def tools_for(self, environment) -> Dict[str, Callable]:
+        """name -> callable for one episode: the functions, plus its environment instance's methods."""
+        tools = {fn.__name__: fn for fn in self.functions}
+        if environment is not None:
+            tools.update({fn.__name__: fn for fn in environment_tools(environment)})
+        return tools
+
+
+def load_toolset(args, tokenizer) -> Optional[Toolset]:
+    """The Toolset of `--tools` and `--environment` (None when neither is given), checked at start-up: every tool
+    has a schema, names are unique, the environment has `reset`, and the tokenizer's chat template can render a tool
+    conversation and is prefix-preserving (`tool_suffix_ids` works). Errors are one-line UserErrors."""
+    specs = [spec for entry in (args.tools or []) for spec in entry.split(",") if spec]
+    if not specs and not args.environment:
+        return None
+    functions = []
+    for spec in specs:
+        fn = ru.load_object(spec, "--tools")
+        if not callable(fn) or inspect.isclass(fn):
+            raise UserError(f"--tools {spec!r}: {spec.rpartition(':')[0]!r} has no function {spec.rpartition(':')[2]!r}")
+        functions.append(fn)
+    environment, methods = None, []
+    if args.environment:
+        environment = ru.load_object(args.environment, "--environment")
+        if not inspect.isclass(environment):
+            raise UserError(f"--environment {args.environment!r}: not a class (one instance is made per episode)")
+        if not callable(getattr(environment, "reset", None)):
+            raise UserError(f"--environment {args.environment!r}: the class has no reset(**row) method")
+        try:
+            methods = environment_tools(environment())
+        except Exception as e:
+            raise UserError(f"--environment {args.environment!r}: {environment.__name__}() raised "
+                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    tools = functions + methods
+    names = [fn.__name__ for fn in tools]
+    if len(set(names)) != len(names):
+        raise UserError(f"--tools / --environment: tool names must be unique, got {names}")
+    if not tools:
+        raise UserError(f"--environment {args.environment!r}: the class has no public method to use as a tool")
+    schemas = [_schema(fn, "--tools" if fn in functions else "--environment") for fn in tools]
+    check_chat_template(tokenizer, names[0])
+    return Toolset(functions, environment, schemas, names)
+
+
+def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
+    """UserError unless the chat template renders a tool call and a tool result, and is prefix-preserving around
+    them (what `tool_suffix_ids` needs)."""
+    if tokenizer.chat_template is None:
+        raise UserError("tools need a tokenizer with a chat template (it shows the tools and renders tool results)")
+    call = {"type": "function", "function": {"name": tool_name, "arguments": {"x": "sentinel_argument"}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": tool_name, "content": "sentinel_result"}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as e:
+        raise UserError(f"the chat template cannot render a tool conversation ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if "sentinel_result" not in text or tool_name not in text:
+        raise UserError("the chat template drops tool calls or tool results: it does not support tools")
+    tool_suffix_ids(tokenizer, [messages[-1]])
+
+
+def tool_suffix_ids(tokenizer, tool_messages: List[dict]) -> List[int]:
+    """Token ids appended after a turn's EOS: the tool messages and the next generation prompt, as the chat template
+    renders them after an assistant turn (anything it writes after EOS included). UserError when the template is
+    not prefix-preserving there."""
+    call = {"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}
+    head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    prefix = tokenizer.apply_chat_template(head, tokenize=False)
+    full = tokenizer.apply_chat_template(head + tool_messages, tokenize=False, add_generation_prompt=True)
+    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
+    eos = [i for i, token in enumerate(prefix_ids) if token == tokenizer.eos_token_id]
+    prefix_ids = prefix_ids[:eos[-1] + 1] if eos else prefix_ids
+    if full_ids[:len(prefix_ids)] != prefix_ids:
+        raise UserError("the chat template is not prefix-preserving: rendering a tool result changes the tokens "
+                        "before it, so tool results cannot be appended to the sampled tokens")
+    return full_ids[len(prefix_ids):]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing a turn and calling its tools
+# ---------------------------------------------------------------------------------------------------------
+def parse_turn(tokenizer, turn_ids: List[int], prefix_ids: List[int], schemas: List[dict]) -> dict:
+    """A sampled turn's token ids -> an assistant message {"role", "content", "tool_calls"?}. Each tool call is
+    {"type": "function", "function": {"name", "arguments"}}, or {"error": why} when it cannot be parsed."""
+    text = tokenizer.decode(turn_ids, skip_special_tokens=True)
+    if getattr(tokenizer, "response_template", None) is not None:
+        try:
+            message = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=schemas)
+            message = {"role": "assistant", **message}
+            message.setdefault("content", "")
+            return message
+        except Exception as e:
+            if "tool_call" not in text:
+                return {"role": "assistant", "content": text}
+            return {"role": "assistant", "content": text, "tool_calls": [{"error": f"could not parse the tool call "
+                                                                           f"({type(e).__name__})"}]}
+    calls = []
+    for block in TOOL_CALL_BLOCK.findall(text):
+        try:
+            call = json.loads(block.strip())
+            arguments = call.get("arguments", {})
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+                raise ValueError("needs a name and an arguments object")
+            calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
+        except (ValueError, AttributeError) as e:
+            calls.append({"error": f"could not parse the tool call {block.strip()[:80]!r}: {e}"})
+    if "<tool_call>" in TOOL_CALL_BLOCK.sub("", text):
+        calls.append({"error": "a <tool_call> block is not closed"})
+    content = TOOL_CALL_BLOCK.sub("", text).strip()
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def call_tool(tools: Dict[str, Callable], call: dict, timeout: float):
+    """Run one parsed tool call -> (result text, failed). Failures (parse error, unknown tool, bad arguments, an
+    exception, no answer within `timeout` seconds) come back as JSON {"error": ...}; a hung call is left running in a
+    daemon thread."""
+    if "error" in call:
+        return json.dumps({"error": call["error"]}), True
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    if name not in tools:
+        return json.dumps({"error": f"unknown tool {name!r}; tools: {sorted(tools)}"}), True
+    try:
+        inspect.signature(tools[name]).bind(**arguments)
+    except TypeError as e:
+        return json.dumps({"error": f"bad arguments for {name}: {e}"}), True
+    outcome = {}
+
+    def run():
+        try:
+            outcome["result"] = tools[name](**arguments)
+        except Exception as e:  # noqa: BLE001 - any tool failure becomes a message to the model
+            outcome["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return json.dumps({"error": f"{name} timed out after {timeout:g} s"}), True
+    if "error" in outcome:
+        return json.dumps({"error": outcome["error"]}), True
+    result = outcome["result"]
+    return (json.dumps(result) if isinstance(result, (dict, list)) else str(result)), False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The episode loop
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Episode:
+    """One episode: `prompt_ids`, `response_ids` (sampled and tool tokens, in order), `action_mask` (True on the
+    sampled ones), `logprobs` / `sampler_logprobs` / `entropy` per response token (0 on tool tokens), `messages`
+    (the conversation after the prompt: assistant turns as parsed, tool messages), `environment` (its instance, or
+    None), counts of `tool_calls`, `tool_failures`, `turns`, and how it ended (`truncated`: by the budget)."""
+    prompt_ids: List[int]
+    tools: Dict[str, Callable]
+    environment: object = None
+    response_ids: List[int] = field(default_factory=list)
+    action_mask: List[bool] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    sampler_logprobs: List[float] = field(default_factory=list)
+    entropy: List[float] = field(default_factory=list)
+    messages: List[dict] = field(default_factory=list)
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_rounds: int = 0
+    turns: int = 0
+    done: bool = False
+    truncated: bool = False
+
+    @property
+    def sampled(self) -> int:
+        return sum(self.action_mask)
+
+    def append(self, ids: Sequence[int], sampled: bool, logprobs=None, sampler_logprobs=None, entropy=None):
+        n = len(ids)
+        self.response_ids += list(ids)
+        self.action_mask += [sampled] * n
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
+        self.sampler_logprobs += list(sampler_logprobs) if sampler_logprobs is not None else [0.0] * n
+        self.entropy += list(entropy) if entropy is not None else [0.0] * n
+
+
+def start_episodes(prompts: Sequence, rows: Sequence[dict], toolset: Toolset, tokenizer, environments: list,
+                   max_prompt_length: int) -> List[Episode]:
+    """An Episode per (prompt messages, dataset row): its environment instance (from `environments`, one per row,
+    reset with the row; reset's text is appended to the last user message, as TRL), the prompt rendered with the
+    tools. A prompt longer than `max_prompt_length` after reset is a UserError naming the flag."""
+    episodes = []
+    for i, (prompt, row) in enumerate(zip(prompts, rows)):
+        environment = environments[i] if toolset.environment is not None else None
+        if environment is not None:
+            observation = environment.reset(**row)
+            if observation is not None:
+                prompt = list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        ids = tokenizer(du.render_prompt(tokenizer, prompt, toolset.schemas), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_length:
+            raise UserError(f"a prompt has {len(ids)} tokens after the environment's reset, more than "
+                            f"--max_prompt_length {max_prompt_length}: raise it")
+        episodes.append(Episode(prompt_ids=ids, tools=toolset.tools_for(environment), environment=environment))
+    return episodes
+
+
+def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset: Toolset, *, response_length: int,
+                 context_limit: int, max_tool_calling_iterations: Optional[int], tool_timeout: float,
+                 accelerator=None) -> List[Episode]:
+    """Play `episodes` to the end. generate(sequences: list of token-id lists, budgets: the most new tokens of each,
+    first_turn) ->
+    (turns: token-id lists, each cut after its EOS; logprobs; sampler_logprobs or None; entropy or None: per-token
+    lists) samples one turn per sequence. Each turn gets at most the episode's remaining budget: response_length
+    sampled tokens in all, and context_limit tokens of prompt + response. See the module docstring for how episodes
+    end and for the collectives."""
+    eos = tokenizer.eos_token_id
+    for turn in range(response_length + 1):  # every turn samples >= 1 token: the budget bounds the loop
+        running = [e for e in episodes if not e.done]
+        still_running = len(running) if accelerator is None else ru.global_sum(accelerator, len(running))
+        if still_running == 0:  # agreed by every process: they all stop after the same turn
+            break
+        budgets = [min(response_length - e.sampled, context_limit - len(e.prompt_ids) - len(e.response_ids))
+                   for e in running]
+        rows = [e.prompt_ids + e.response_ids for e in running] or [episodes[0].prompt_ids]  # dummy row: same calls
+        turns, logprobs, sampler_logprobs, entropy = generate(rows, budgets or [1], turn == 0)
+        for i, (episode, budget) in enumerate(zip(running, budgets)):
+            ids = turns[i][:budget]
+            cut = slice(0, len(ids))
+            episode.append(ids, True, logprobs[i][cut], None if sampler_logprobs is None else sampler_logprobs[i][cut],
+                           None if entropy is None else entropy[i][cut])
+            episode.turns += 1
+            message = parse_turn(tokenizer, ids, episode.prompt_ids + episode.response_ids[:-len(ids)],
+                                 toolset.schemas)
+            episode.messages.append(message)
+            if not ids or ids[-1] != eos:  # cut by the budget
+                episode.done = episode.truncated = True
+                continue
+            calls = message.get("tool_calls") or []
+            limit = max_tool_calling_iterations
+            if not calls or (limit is not None and episode.tool_rounds >= limit):
+                episode.done = True
+                continue
+            if episode.sampled >= response_length:  # no budget left for a turn after the results: calls not run
+                episode.done = episode.truncated = True
+                continue
+            results = []
+            for call in calls:
+                content, failed = call_tool(episode.tools, call, tool_timeout)
+                name = call.get("function", {}).get("name", "unknown")
+                results.append({"role": "tool", "name": name, "content": content})
+                episode.tool_calls += 1
+                episode.tool_failures += failed
+            suffix = tool_suffix_ids(tokenizer, results)
+            if len(episode.prompt_ids) + len(episode.response_ids) + len(suffix) >= context_limit:
+                episode.done = episode.truncated = True  # no room for the results and one more token
+                continue
+            episode.messages += results
+            episode.append(suffix, False)
+            episode.tool_rounds += 1
+    for episode in episodes:  # the loop bound was reached (cannot happen: each turn samples a token)
+        episode.done = True
+    return episodes
+
+
+def episode_tensors(episodes: List[Episode], pad_token_id: int, device=None) -> dict:
+    """Episodes -> the rollout's tensors: query_responses (B, Lq + R) [left-padded prompt | response right-padded
+    with pad], context_length Lq, action_mask (B, R) bool (True on sampled tokens), logprobs, sampler_logprobs,
+    entropy (B, R) float (pc.INVALID_LOGPROB / 0 off the sampled tokens), truncated (B,) bool."""
+    queries = pc.pad_sequences([e.prompt_ids for e in episodes], pad_token_id, "left")
+    width = max(1, max(len(e.response_ids) for e in episodes))
+
+    def right(values, fill, dtype):
+        return torch.tensor([list(v) + [fill] * (width - len(v)) for v in values], dtype=dtype)
+
+    responses = right([e.response_ids for e in episodes], pad_token_id, torch.long)
+    action_mask = right([e.action_mask for e in episodes], False, torch.bool)
+    out = dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
+               action_mask=action_mask,
+               logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32).masked_fill(~action_mask,
+                                                                                            pc.INVALID_LOGPROB),
+               sampler_logprobs=right([e.sampler_logprobs for e in episodes], 0.0, torch.float32).masked_fill(
+                   ~action_mask, pc.INVALID_LOGPROB),
+               entropy=right([e.entropy for e in episodes], 0.0, torch.float32),
+               truncated=torch.tensor([e.truncated for e in episodes]))
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in out.items()}
+
+
+def episode_metrics(episodes: List[Episode], accelerator, prefix: str = "") -> Dict[str, float]:
+    """Means over every process's episodes (one all-reduce): tools/call_frequency (tool calls per episode, TRL's
+    name), tools/failure_frequency (failed calls / calls, TRL's), episodes/turns (sampled turns per episode),
+    episodes/truncated_fraction (episodes ended by the budget)."""
+    sums = {"calls": sum(e.tool_calls for e in episodes), "failures": sum(e.tool_failures for e in episodes),
+            "turns": sum(e.turns for e in episodes), "truncated": sum(e.truncated for e in episodes),
+            "episodes": len(episodes)}
+    totals = ru.global_means(accelerator, sums, 1)  # sums over processes
+    return {f"{prefix}tools/call_frequency": totals["calls"] / max(totals["episodes"], 1),
+            f"{prefix}tools/failure_frequency": totals["failures"] / max(totals["calls"], 1),
+            f"{prefix}episodes/turns": totals["turns"] / max(totals["episodes"], 1),
+            f"{prefix}episodes/truncated_fraction": totals["truncated"] / max(totals["episodes"], 1)}
