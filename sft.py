@@ -16,8 +16,12 @@ Trains a policy on (prompt, completion) demonstrations with no reference, no rew
 
 Data: columns `prompt` and `completion` (text, or lists of {role, content} messages rendered with the chat template
 as in dpo.py), or one `messages` column: every message but the last is the prompt, the last (an assistant message)
-the completion. `--dataset toy`: the toy world has no demonstrations on disk, so `toy_demonstrations` builds them in
-memory from its prompt dataset: by default the correct answer (the letters sorted, toy_task.target_completion), so
+the completion. Tool-calling conversations (a `messages` row with tool calls, tool messages or several assistant
+turns, or a `tools` column of JSON schemas, TRL's format) train whole: the prompt is the messages before the first
+assistant turn, rendered with the tools; the loss is on each assistant turn's tokens through its EOS, not on tool
+results (du.tokenize_conversation: the same tokens and mask an episode of grpo.py/rloo.py samples, so SFT and RL
+agree token for token). `--model toy_tools` trains on the toy tool world's conversations. `--dataset toy`: the toy
+world has no demonstrations on disk, so `toy_demonstrations` builds them in memory from its prompt dataset: by default the correct answer (the letters sorted, toy_task.target_completion), so
 fine-tuning the toy SFT policy (greedy gold 0.47) on them teaches it the task; `--toy_demonstrations imperfect` gives
 the toy world's own noisy demonstrations (toy_task.imperfect_demonstration, seeded), the kind its SFT policy learned.
 
@@ -34,10 +38,12 @@ Logged each step: loss (the token mean above, nats per completion token); token_
 most likely token is the demonstrated one); num_tokens (completion tokens in the step's loss, all processes);
 grad_norm; lr; epoch; nonfinite/skipped; time/*. Each evaluation (before training, every --eval_steps, after the last
 step) logs eval/loss and eval/token_accuracy (token means over held-out examples) and, where the dataset has a gold
-scorer (the toy task), eval/gold_score of greedy completions of held-out prompts, with a few samples printed. Step 0
+scorer (the toy task; not tool conversations, whose gold needs the tool: grpo.py and rloo.py play them),
+eval/gold_score of greedy completions of held-out prompts, with a few samples printed. Step 0
 also holds data/* counts (data/dropped: examples truncation left without prompt or completion).
 """
 
+import json
 import math
 import os
 import random
@@ -62,6 +68,11 @@ ALIAS_DEFAULTS = {
                 per_device_eval_batch_size=256, num_train_epochs=1.0, warmup_ratio=0.1, weight_decay=0.0,
                 eval_steps=16, max_prompt_length=8, max_length=16, response_length=8, num_eval_prompts=256,
                 max_eval_examples=0),
+    # the toy tool world (toy_tools.py): its demonstration conversations, the loss on the assistant turns only
+    "toy_tools": dict(learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
+                      per_device_eval_batch_size=256, num_train_epochs=1.0, warmup_ratio=0.1, weight_decay=0.0,
+                      eval_steps=16, max_prompt_length=16, max_length=64, response_length=24, num_eval_prompts=0,
+                      max_eval_examples=0),
 }
 
 
@@ -188,21 +199,33 @@ def toy_demonstrations(split: str, kind: str, seed: int):
 
 
 def load_demonstrations(args: Args, split: str):
-    """`split` of the SFT data: the toy demonstrations for `toy`, else the dataset (alias `tldr` = trl-lib/tldr, whose
-    columns are prompt and completion; a hub id, folder or files) with its columns checked."""
+    """`split` of the SFT data: the toy demonstrations for `toy`, the tool world's conversations for `toy_tools`,
+    else the dataset (alias `tldr` = trl-lib/tldr, whose columns are prompt and completion; a hub id, folder or files)
+    with its columns checked."""
     if args.dataset == du.TOY_ALIAS:
         return toy_demonstrations(split, args.toy_demonstrations, args.seed)
-    data = du.load_prompt_dataset(args.dataset, split)
+    name = du.toy_tools_world()["sft_dataset"] if args.dataset == du.TOY_TOOLS_ALIAS else args.dataset
+    data = du.load_prompt_dataset(name, split)
     if "messages" not in data.column_names:
         du.require_columns(data, ["prompt", "completion"], args.dataset)
     return data
 
 
+def is_tool_conversation(messages: list, tools) -> bool:
+    """A `messages` row trained as a whole conversation (du.tokenize_conversation): it has tools, tool calls, tool
+    messages or several assistant turns. Other rows are (prompt, last assistant message) pairs."""
+    assistants = [m for m in messages if m.get("role") == "assistant"]
+    return bool(tools) or len(assistants) > 1 or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+
+
 def prompt_completion_pairs(data, name: str) -> list:
-    """Rows -> [(prompt, completion)], each text or a list of messages. A `messages` row is cut before its last
-    message, which must be the assistant's. Anything else is a UserError naming the row."""
+    """Rows -> [(prompt, completion, tools)], prompt and completion text or lists of messages. A `messages` row is
+    cut before its last message, which must be the assistant's; a tool conversation (is_tool_conversation) before
+    its first assistant message, `tools` then its `tools` column (JSON schemas, or a JSON string of them) or [];
+    else tools is None. Anything else is a UserError naming the row."""
     pairs = []
     for i, example in enumerate(data):
+        tools = None
         if "prompt" in example and "completion" in example:
             prompt, completion = example["prompt"], example["completion"]
         else:
@@ -210,28 +233,47 @@ def prompt_completion_pairs(data, name: str) -> list:
             if not (du.is_conversational(messages) and len(messages) >= 2 and messages[-1].get("role") == "assistant"):
                 raise UserError(f"dataset {name!r} row {i} column 'messages': expected a list of two or more "
                                 "{role, content} messages ending with the assistant's")
-            prompt, completion = messages[:-1], messages[-1:]
+            tools = example.get("tools")
+            tools = json.loads(tools) if isinstance(tools, str) else tools
+            if is_tool_conversation(messages, tools):
+                first = next(j for j, m in enumerate(messages) if m.get("role") == "assistant")
+                if first == 0:
+                    raise UserError(f"dataset {name!r} row {i} column 'messages': the conversation starts with an "
+                                    "assistant message (no prompt)")
+                prompt, completion, tools = messages[:first], messages[first:], list(tools or [])
+            else:
+                prompt, completion, tools = messages[:-1], messages[-1:], None
         for column, value in (("prompt", prompt), ("completion", completion)):
             if not (isinstance(value, str) or du.is_conversational(value)):
                 raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
                                 f"{{role, content}} messages, got {type(value).__name__}")
-        pairs.append((prompt, completion))
+        pairs.append((prompt, completion, tools))
     return pairs
 
 
 def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length: int, name: str):
-    """[(prompt, completion)] -> (rows, dropped): rows of token-id lists `prompt`, `completion` (EOS appended, then
-    cut by du.tokenize_prompt_completion's rule); an example with an empty prompt or a completion cut to nothing is
-    dropped and counted. No example left is a UserError."""
+    """[(prompt, completion, tools)] -> (rows, dropped): rows of token-id lists `prompt`, `completion` and the bool
+    list `completion_mask` (True on the tokens trained on). A pair: EOS appended to the completion, then cut by
+    du.tokenize_prompt_completion's rule, every completion token trained. A tool conversation (tools not None):
+    du.tokenize_conversation's tokens and mask (assistant turns only), cut by the same rule. An example with an empty
+    prompt or no trained token left is dropped and counted. No example left is a UserError."""
     rows, dropped = [], 0
-    for prompt, completion in pairs:
-        prompt_ids, completion_ids = du.tokenize_prompt_completion(
-            tokenizer, du.render_prompt(tokenizer, prompt), du.render_completion(tokenizer, prompt, completion),
-            max_prompt_length, max_length)
-        if not prompt_ids or not completion_ids:
+    for prompt, completion, tools in pairs:
+        if tools is None:
+            prompt_ids, completion_ids = du.tokenize_prompt_completion(
+                tokenizer, du.render_prompt(tokenizer, prompt), du.render_completion(tokenizer, prompt, completion),
+                max_prompt_length, max_length)
+            completion_mask = [True] * len(completion_ids)
+        else:
+            prompt_ids, completion_ids, completion_mask = du.tokenize_conversation(tokenizer, prompt + completion,
+                                                                                   tools)
+            prompt_ids = prompt_ids[-max_prompt_length:]
+            keep = max(0, max_length - len(prompt_ids))
+            completion_ids, completion_mask = completion_ids[:keep], completion_mask[:keep]
+        if not prompt_ids or not any(completion_mask):
             dropped += 1
             continue
-        rows.append({"prompt": prompt_ids, "completion": completion_ids})
+        rows.append({"prompt": prompt_ids, "completion": completion_ids, "completion_mask": completion_mask})
     if not rows:
         raise UserError(f"dataset {name!r}: no example is left after truncation to --max_prompt_length "
                         f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
@@ -239,25 +281,27 @@ def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length
 
 
 def prompt_completion_batch(rows, pad_token_id: int):
-    """b rows -> (query_responses (b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
-    RIGHT-padded to R, so every completion starts at position Lq (pc.forward_logits's layout)."""
+    """b rows -> (query_responses (b, Lq + R), context_length Lq, completion_mask (b, R) bool): prompts LEFT-padded
+    to Lq, completions RIGHT-padded to R, so every completion starts at position Lq (pc.forward_logits's layout);
+    the mask is the rows' completion_mask, False on padding."""
     prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
     completions = pc.pad_sequences([r["completion"] for r in rows], pad_token_id, "right")  # (b, R)
-    return torch.cat([prompts, completions], 1), prompts.shape[1]
+    completion_mask = pc.pad_sequences([[int(m) for m in r["completion_mask"]] for r in rows], 0, "right").bool()
+    return torch.cat([prompts, completions], 1), prompts.shape[1], completion_mask
 
 
 def completion_token_stats(model, rows, pad_token_id: int, device):
     """rows -> per completion token (b, R): negative log-likelihood under `model`, whether the most likely token
-    is the demonstrated one, and the mask of real tokens (False on padding). Only the positions that predict
-    completion tokens are computed: no prompt token is a target."""
-    query_responses, context_length = prompt_completion_batch(rows, pad_token_id)
+    is the demonstrated one, and the mask of the tokens trained on (False on padding and, in tool conversations, on
+    tool results). Only the positions that predict completion tokens are computed: no prompt token is a target."""
+    query_responses, context_length, completion_mask = prompt_completion_batch(rows, pad_token_id)
     query_responses = query_responses.to(device)
     completions = query_responses[:, context_length:]  # (b, R)
     # the full softmax, as TRL's SFTTrainer: pad is never a target, so maximum likelihood pushes its probability
     # down and the checkpoint does not emit it under samplers that do not suppress it (the RL scripts mask it)
     logits = pc.forward_logits(model, query_responses, context_length, pad_token_id, mask_pad=False)  # (b, R, V)
     token_nll = -pc.selective_logprobs(logits, completions)
-    mask = completions != pad_token_id
+    mask = (completions != pad_token_id) & completion_mask.to(completions.device)
     return token_nll, (logits.argmax(-1) == completions) & mask, mask
 
 
@@ -276,7 +320,7 @@ def accumulate_gradients(policy, accelerator, rows, batch_index, local_micro_bat
     token means over the whole batch) and num_tokens. The token count comes from `rows`, which every process holds:
     no collective."""
     world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
-    num_tokens = sum(len(rows[i]["completion"]) for i in batch_index)  # loss tokens of the step, all processes
+    num_tokens = sum(sum(rows[i]["completion_mask"]) for i in batch_index)  # loss tokens of the step, all processes
     tokens_per_micro_batch = num_tokens / (world * steps)
     sums = {"loss": 0.0, "token_accuracy": 0.0}
     for micro in range(steps):
@@ -338,12 +382,13 @@ def main() -> None:
     if args.max_eval_examples:
         eval_pairs = eval_pairs[:args.max_eval_examples]
     scorer = du.gold_scorer(args.dataset) if args.num_eval_prompts else None
-    eval_prompts = [p for p, _ in eval_pairs[:args.num_eval_prompts]] if scorer else []  # completed greedily
+    # completed greedily (single-turn: a tool conversation's prompt is not; grpo.py/rloo.py evaluate whole episodes)
+    eval_prompts = [p for p, _, tools in eval_pairs[:args.num_eval_prompts] if tools is None] if scorer else []
     positions = ru.model_positions(policy_path, args.trust_remote_code)
     ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
     if args.max_prompt_length is None:  # the longest prompt
-        args.max_prompt_length = max(len(tokenizer(du.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
-                                     for p, _ in [*train_pairs, *eval_pairs])
+        args.max_prompt_length = max(len(tokenizer(du.render_prompt(tokenizer, p, tools), add_special_tokens=False)
+                                         .input_ids) for p, _, tools in [*train_pairs, *eval_pairs])
     ru.fit_length(args, "max_prompt_length", args.max_length - 1,
                   f"one completion token of --max_length {args.max_length}")
     train_rows, dropped = tokenize_demonstrations(tokenizer, train_pairs, args.max_prompt_length, args.max_length,

@@ -176,3 +176,41 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.slow)
                 break
 
+
+# A real model family's chat template with tools, for the multi-turn tests (test_episodes.py, test_sft_tools.py)
+QWEN_TEMPLATE = r"""
+{%- if tools %}{{- '<|im_start|>system\n# Tools' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '<|im_end|>\n' }}{%- endif %}
+{%- for message in messages %}
+  {%- if message.role == 'user' %}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
+  {%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\n' + message.content }}
+    {%- for call in message.tool_calls or [] %}
+      {%- if message.content or not loop.first %}{{- '\n' }}{%- endif %}
+      {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson)
+          + '}\n</tool_call>' }}
+    {%- endfor %}{{- '<|im_end|>\n' }}
+  {%- elif message.role == 'tool' %}
+    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+    {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
+    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    """Characters as tokens (printable ASCII and newline), <|im_start|> / <|im_end|> (EOS) special, <tool_call> and
+    </tool_call> added tokens, the template above."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["[PAD]", "[UNK]", "\n"] + [chr(c) for c in range(32, 127)]
+    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
+                                        eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = QWEN_TEMPLATE
+    return tokenizer

@@ -1,10 +1,11 @@
 """Multi-turn episodes (episodes.py): the sequence trained on is the sequence sampled (token in, token out), tool
 results are masked out of the loss, tool failures become messages, and a TRL-style environment written here works.
 
-The real-model template is written here: Qwen 2.5's tool format (`<|im_start|>`/`<|im_end|>` turns, a newline after
-each `<|im_end|>`, calls as `<tool_call>\\n{json}\\n</tool_call>`, results as a user turn of `<tool_response>`
-blocks), on a character-level tokenizer. Episodes are played by a scripted sampler (fixed turns) so that the
-expected tokens are known; the model-level tests use a real tiny GPT-NeoX."""
+The real-model template is written in conftest.py (the qwen_tokenizer fixture): Qwen 2.5's tool format
+(`<|im_start|>`/`<|im_end|>` turns, a newline after each `<|im_end|>`, calls as `<tool_call>\\n{json}\\n</tool_call>`,
+results as a user turn of `<tool_response>` blocks), on a character-level tokenizer. Episodes are played by a
+scripted sampler (fixed turns) so that the expected tokens are known; the model-level tests use a real tiny GPT-NeoX.
+"""
 
 import json
 import textwrap
@@ -17,45 +18,8 @@ import torch
 import episodes as ep
 import policy_common as pc
 import reward_sources as rs
+from conftest import QWEN_TEMPLATE
 from errors import UserError
-
-QWEN_TEMPLATE = r"""
-{%- if tools %}{{- '<|im_start|>system\n# Tools' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
-{{- '<|im_end|>\n' }}{%- endif %}
-{%- for message in messages %}
-  {%- if message.role == 'user' %}{{- '<|im_start|>user\n' + message.content + '<|im_end|>\n' }}
-  {%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\n' + message.content }}
-    {%- for call in message.tool_calls or [] %}
-      {%- if message.content or not loop.first %}{{- '\n' }}{%- endif %}
-      {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson)
-          + '}\n</tool_call>' }}
-    {%- endfor %}{{- '<|im_end|>\n' }}
-  {%- elif message.role == 'tool' %}
-    {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
-    {{- '\n<tool_response>\n' + message.content + '\n</tool_response>' }}
-    {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
-  {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
-
-
-@pytest.fixture(scope="module")
-def qwen_tokenizer():
-    """Characters as tokens (printable ASCII and newline), <|im_start|> / <|im_end|> (EOS) special, <tool_call> and
-    </tool_call> added tokens, the template above."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["[PAD]", "[UNK]", "\n"] + [chr(c) for c in range(32, 127)]
-    tok = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(chars)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                        eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.chat_template = QWEN_TEMPLATE
-    return tokenizer
-
 
 def lookup(box: str) -> str:
     """Look up the letters kept in a box.

@@ -38,7 +38,8 @@ def hand_rows(lengths, seed=0):
     """Rows of random prompt / completion ids (no PAD among them; completions end with EOS)."""
     g = torch.Generator().manual_seed(seed)
     return [{"prompt": torch.randint(2, VOCAB, (p,), generator=g).tolist(),
-             "completion": torch.randint(2, VOCAB, (c - 1,), generator=g).tolist() + [EOS]} for p, c in lengths]
+             "completion": torch.randint(2, VOCAB, (c - 1,), generator=g).tolist() + [EOS], "completion_mask": [True] * c}
+            for p, c in lengths]
 
 
 def slow_token_nll(model, row):
@@ -183,16 +184,20 @@ def test_toy_demonstrations(toy):
 
 def test_tokenisation_truncation_rule_and_dropped_rows(toy_tokenizer):
     tokenizer, eos = toy_tokenizer, toy_tokenizer.eos_token_id
-    pairs = [("a b c d =", " a b c d"),  # prompt cut to "c d =", completion to " a b" (no EOS)
-             ("a =", " a b"),  # fits, EOS included
-             ("a b c d e f =", " a")]  # prompt cut to "e f =", " a" + EOS fit
+    pairs = [("a b c d =", " a b c d", None),  # prompt cut to "c d =", completion to " a b" (no EOS)
+             ("a =", " a b", None),  # fits, EOS included
+             ("a b c d e f =", " a", None)]  # prompt cut to "e f =", " a" + EOS fit
     rows, dropped = tokenize_demonstrations(tokenizer, pairs, max_prompt_length=3, max_length=5, name="hand")
     assert dropped == 0
-    assert rows[0] == {"prompt": encode(tokenizer, "c d ="), "completion": encode(tokenizer, " a b")}
-    assert rows[1] == {"prompt": encode(tokenizer, "a ="), "completion": encode(tokenizer, " a b") + [eos]}
-    assert rows[2] == {"prompt": encode(tokenizer, "e f ="), "completion": encode(tokenizer, " a") + [eos]}
+    assert rows[0] == {"prompt": encode(tokenizer, "c d ="), "completion": encode(tokenizer, " a b"),
+                       "completion_mask": [True] * 2}
+    assert rows[1] == {"prompt": encode(tokenizer, "a ="), "completion": encode(tokenizer, " a b") + [eos],
+                       "completion_mask": [True] * 3}
+    assert rows[2] == {"prompt": encode(tokenizer, "e f ="), "completion": encode(tokenizer, " a") + [eos],
+                       "completion_mask": [True] * 2}
     rows, dropped = tokenize_demonstrations(tokenizer, pairs, max_prompt_length=3, max_length=3, name="hand")
-    assert dropped == 2 and rows == [{"prompt": encode(tokenizer, "a ="), "completion": encode(tokenizer, " a")}]
+    assert dropped == 2 and rows == [{"prompt": encode(tokenizer, "a ="), "completion": encode(tokenizer, " a"),
+                                      "completion_mask": [True]}]
     with pytest.raises(UserError, match="no example is left"):
         tokenize_demonstrations(tokenizer, [pairs[0]], max_prompt_length=3, max_length=3, name="hand")
 
