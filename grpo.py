@@ -17,6 +17,11 @@
 # --num_eval_generations k and reward functions: pass@k and mean@k over k sampled completions per prompt.
 # --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
 # vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/vllm_sync.
+# --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
+# appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
+# tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
+# episodes/truncated_fraction (ended by the --response_length budget), and eval/ the same.
+#   python grpo.py --model toy_tools                # the toy tool world: a lookup tool, gold reward, a few minutes
 import math
 import os
 import time

@@ -239,8 +239,31 @@ def test_speed_grpo_settings_are_those_of_trls_grpo_config(tmp_path):
 
 def test_speed_and_toy_help():
     for script in ("benchmark/speed.py", "benchmark/speed_trl.py", "benchmark/speed_baselines.py", "benchmark/toy.py",
-                   "benchmark/plot.py", "benchmark/uniform_eval.py"):
+                   "benchmark/plot.py", "benchmark/uniform_eval.py", "benchmark/toy_tool_world.py"):
         assert "usage" in run_script(script, "--help").stdout
+
+
+def test_toy_tools_summary_hand_worked(tmp_path):
+    """benchmark/toy_tool_world.py's before/after numbers from a hand-written metrics.jsonl: gold from the first and last
+    evaluation, sampled numbers from step 1 and the mean of the last 10% of the training steps."""
+    import importlib
+
+    sys.path.insert(0, BENCH)
+    try:
+        toy_tools_bench = importlib.import_module("toy_tool_world")
+    finally:
+        sys.path.remove(BENCH)
+    rows = [{"step": 0, "eval/gold_score": 0.4, "eval/tools/call_frequency": 1.0}]
+    rows += [{"step": s, "tools/call_frequency": 0.5 + s / 40, "objective/scores": s / 20, "tools/failure_frequency":
+              0.1 if s == 1 else 0.0} for s in range(1, 21)]
+    rows[-1].update({"eval/gold_score": 0.9, "eval/tools/call_frequency": 0.95})
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = toy_tools_bench.summarise(str(tmp_path))
+    assert out["steps"] == 20 and out["gold_before"] == 0.4 and out["gold_after"] == 0.9
+    assert out["calls_before"] == pytest.approx(0.525) and out["calls_after"] == pytest.approx((0.5 + 19.5 / 40))
+    assert out["sampled_gold_before"] == pytest.approx(0.05) and out["sampled_gold_after"] == pytest.approx(19.5 / 20)
+    assert out["failures"] == pytest.approx(0.1 / 20) and out["eval_calls_after"] == 0.95
 
 
 def test_tldr_shell_scripts_parse():

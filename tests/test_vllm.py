@@ -223,3 +223,19 @@ def test_grpo_and_ppo_run_with_vllm(toy, tmp_path, script, extra):
         assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
     assert rows[2]["time/vllm_sync"] > 0
+
+
+def test_grpo_tool_episodes_with_vllm(toy_tools_world, tmp_path):
+    """Multi-turn episodes sampled by the engine (a turn per generate call, each row its own budget): tools are
+    called, the trainer's log-probs of the sampled tokens (tool tokens masked) agree with the engine's."""
+    out = str(tmp_path / "grpo_tools_vllm")
+    run_script("grpo.py", "--model", "toy_tools", "--use_vllm", "--max_steps", "2", "--num_eval_prompts", "16",
+               "--output_dir", out)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert row["tools/call_frequency"] > 0.2 and row["episodes/turns"] > 1.2
+        assert row["tools/failure_frequency"] < 0.2
+    assert rows[-1]["eval/tools/call_frequency"] > 0.5
+
