@@ -151,6 +151,24 @@ def test_template_only_appends_token_for_token(tokenizer):
     assert tokenizer.decode(full, skip_special_tokens=True) == rendered.replace(" [EOS]", "").strip()
 
 
+def test_played_episode_is_the_rendered_conversation(tokenizer):
+    """Token in, token out on the toy template: an episode played by episodes.run_episodes (a scripted sampler writes
+    the call turn and the answer; the lookup tool answers) is exactly the template's rendering of the finished
+    conversation, and the action mask is the assistant turns (the template is append-only)."""
+    import episodes as ep
+    from test_episodes import play
+
+    toolset = ep.Toolset([toy_tools.lookup], None, toy_tools.tool_schemas(), ["lookup"])
+    [episode] = play(tokenizer, toolset, [[f"<tool_call> {CALL_JSON} </tool_call> [EOS]", "e f h j [EOS]"]],
+                     prompts=(CONVERSATION[:1],))
+    assert episode.tool_calls == 1 and episode.tool_failures == 0 and not episode.truncated
+    assert episode.messages[1] == {"role": "tool", "name": "lookup", "content": "f j h e"}
+    assert episode.prompt_ids + episode.response_ids == _ids(tokenizer, _render(tokenizer, CONVERSATION[:1]
+                                                                                 + episode.messages))
+    ids, mask = toy_tools.conversation_ids(tokenizer, CONVERSATION[:1] + episode.messages, toy_tools.tool_schemas())
+    assert [False] * len(episode.prompt_ids) + episode.action_mask == mask
+
+
 def test_conversation_mask_is_the_assistant_turns(tokenizer):
     ids, mask = toy_tools.conversation_ids(tokenizer, CONVERSATION, toy_tools.tool_schemas())
     trained = [token for token, m in zip(tokenizer.convert_ids_to_tokens(ids), mask) if m]
