@@ -20,6 +20,12 @@ What gets built (deterministically from a seed, cached under $TOY_TASK_CACHE or 
   held-out evaluation set.
 - report.json: sizes, the reward model's held-out pairwise accuracy, the SFT policy's gold scores.
 
+The teacher (`build_teacher`, for distillation; its own cache folder `teacher-*` beside the world's, built after it):
+- teacher/: a larger GPT-NeoX (TEACHER_SIZE, the same vocabulary, positions and special tokens) with the world's
+  tokenizer files, trained as the SFT policy but on clean demonstrations (the sorted answer) of prompts outside
+  prompt/test: greedy decoding is nearly always right, where the SFT policy's mostly copies.
+- report.json: the teacher's and the SFT policy's greedy gold on prompt/test, both parameter counts.
+
 Use: `python -c "import toy_task; print(toy_task.build())"`, or any script with its defaults (`--model toy`).
 """
 
@@ -36,6 +42,9 @@ import torch
 import torch.nn.functional as F
 
 BUILDER_VERSION = 3  # bump whenever the build or anything it calls (generation, training) changes
+TEACHER_VERSION = 1  # the same for build_teacher (its folder also names the BUILDER_VERSION of the world it reads)
+TEACHER_SIZE = dict(hidden_size=256, num_hidden_layers=3, num_attention_heads=4, intermediate_size=1024)
+TEACHER_STEPS, TEACHER_BATCH_SIZE, TEACHER_LR = 150, 64, 2e-3
 LETTERS = list("abcdefghijkl")
 MIN_LETTERS, MAX_LETTERS = 3, 6
 MAX_NEW_TOKENS = MAX_LETTERS + 2  # room for an answer, its EOS and one mistake
@@ -109,11 +118,14 @@ def _make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
 
 
-def _model_config(tokenizer):
+def _model_config(tokenizer, hidden_size: int = 128, num_hidden_layers: int = 2, num_attention_heads: int = 4,
+                  intermediate_size: int = 512):
+    """The SFT policy's GPT-NeoX (the default size) or the teacher's (TEACHER_SIZE): all else the same."""
     from transformers import GPTNeoXConfig
 
-    return GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=512, max_position_embeddings=64, rotary_pct=0.25,
+    return GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                         num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                         max_position_embeddings=64, rotary_pct=0.25,
                          hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
                          use_parallel_residual=True, bos_token_id=tokenizer.eos_token_id,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -137,19 +149,17 @@ def _mask_and_positions(ids: torch.Tensor, pad: int):
     return mask, (mask.cumsum(1) - 1).clamp(min=0)
 
 
-def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
-    from transformers import GPTNeoXForCausalLM
-
-    model = GPTNeoXForCausalLM(_model_config(tokenizer))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+def _train_causal_lm(model, tokenizer, batches, steps: int, lr: float = 2e-3):
+    """`steps` AdamW steps of `model` on (prompts, completions) batches drawn from `batches`, each completion ended
+    with EOS; loss on the completion tokens only."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * (1 - s / steps))
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     model.train()
     for _ in range(steps):
-        prompts = [make_prompt(rng) for _ in range(batch_size)]
-        demos = [imperfect_demonstration(p, rng) for p in prompts]
+        prompts, completions = next(batches)
         q = _pad(_encode(tokenizer, prompts), pad, "left")
-        r = _pad([ids + [eos] for ids in _encode(tokenizer, demos)], pad, "right")
+        r = _pad([ids + [eos] for ids in _encode(tokenizer, completions)], pad, "right")
         ids = torch.cat([q, r], 1)
         mask, pos = _mask_and_positions(ids, pad)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
@@ -162,6 +172,35 @@ def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
         optimizer.zero_grad()
     model.eval()
     return model
+
+
+def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
+    from transformers import GPTNeoXForCausalLM
+
+    def imperfect_batches():
+        while True:
+            prompts = [make_prompt(rng) for _ in range(batch_size)]
+            yield prompts, [imperfect_demonstration(p, rng) for p in prompts]
+
+    return _train_causal_lm(GPTNeoXForCausalLM(_model_config(tokenizer)), tokenizer, imperfect_batches(), steps)
+
+
+def _train_teacher(tokenizer, rng: random.Random, avoid: set):
+    """The teacher: TEACHER_SIZE, trained as the SFT policy on clean demonstrations (the sorted answer) of prompts
+    not in `avoid`."""
+    from transformers import GPTNeoXForCausalLM
+
+    def clean_batches():
+        while True:
+            prompts = []
+            while len(prompts) < TEACHER_BATCH_SIZE:
+                p = make_prompt(rng)
+                if p not in avoid:
+                    prompts.append(p)
+            yield prompts, [target_completion(p) for p in prompts]
+
+    model = GPTNeoXForCausalLM(_model_config(tokenizer, **TEACHER_SIZE))
+    return _train_causal_lm(model, tokenizer, clean_batches(), TEACHER_STEPS, lr=TEACHER_LR)
 
 
 @torch.no_grad()
@@ -357,6 +396,88 @@ def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> 
             shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)
     return paths(root)
+
+
+def _build_teacher_into(root: str, seed: int, world: dict, verbose: bool) -> dict:
+    from datasets import load_from_disk
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    rng = random.Random(f"teacher-{seed}")  # a prompt stream of its own, not the world's
+    torch.manual_seed(seed)
+    t0 = time.time()
+    log = (lambda *a: print("[toy teacher]", *a, flush=True)) if verbose else (lambda *a: None)
+
+    # the world's tokenizer files, as they are: AutoTokenizer loads the teacher's tokenizer as the student's
+    teacher_dir = os.path.join(root, "teacher")
+    os.makedirs(teacher_dir)
+    for name in sorted(os.listdir(world["tokenizer"])):
+        shutil.copyfile(os.path.join(world["tokenizer"], name), os.path.join(teacher_dir, name))
+    tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
+
+    test_prompts = load_from_disk(world["prompt_dataset"])["test"]["prompt"]
+    teacher = _train_teacher(tokenizer, rng, avoid=set(test_prompts))
+    teacher.save_pretrained(teacher_dir, safe_serialization=True)
+    log(f"teacher trained ({time.time() - t0:.0f}s)")
+
+    greedy = _sample(teacher, tokenizer, test_prompts, greedy=True)
+    teacher_gold = sum(gold_score(p, c) for p, c in zip(test_prompts, greedy)) / len(test_prompts)
+    with open(os.path.join(world["root"], "report.json")) as f:
+        student_gold = json.load(f)["sft_gold_greedy"]
+    student = GPTNeoXForCausalLM.from_pretrained(world["policy"], dtype=torch.float32)
+    report = {
+        "teacher_version": TEACHER_VERSION, "builder_version": BUILDER_VERSION, "seed": seed,
+        "teacher_gold_greedy": round(teacher_gold, 4), "student_sft_gold_greedy": student_gold,
+        "teacher_parameters": teacher.num_parameters(), "student_parameters": student.num_parameters(),
+        "teacher_size": TEACHER_SIZE, "teacher_steps": TEACHER_STEPS, "n_prompt_test": len(test_prompts),
+        "build_seconds": round(time.time() - t0, 1),
+    }
+    with open(os.path.join(root, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    log(f"built in {time.time() - t0:.0f}s: {report}")
+    return report
+
+
+def teacher_paths(root: str) -> dict:
+    return {"root": root, "teacher": os.path.join(root, "teacher"), "report": os.path.join(root, "report.json")}
+
+
+def teacher_folder_name(seed: int) -> str:
+    """The teacher's cache folder, beside the world's: `teacher-`, teacher version, the world's builder version (the
+    teacher reads its tokenizer and test prompts), seed, torch and transformers releases."""
+    import transformers
+
+    return (f"teacher-v{TEACHER_VERSION}-toy{BUILDER_VERSION}-seed{seed}-torch{torch.__version__}"
+            f"-transformers{transformers.__version__}")
+
+
+def build_teacher(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
+    """Build the toy world's teacher once per (seed, versions, library releases: `teacher_folder_name`), after the
+    world itself (`build`, same seed and cache), and return its paths. Cached as `build` caches: a folder with
+    report.json renamed into place whole, concurrent builders waiting on a file lock."""
+    from filelock import FileLock
+
+    cache_dir = cache_dir or cache_root()
+    root = os.path.join(cache_dir, teacher_folder_name(seed))
+    if os.path.exists(os.path.join(root, "report.json")):
+        return teacher_paths(root)
+    world = build(seed, cache_dir, verbose)
+    with FileLock(root + ".lock"):
+        if not os.path.exists(os.path.join(root, "report.json")):
+            tmp = f"{root}.tmp-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                _build_teacher_into(tmp, seed, world, verbose)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            finally:
+                torch.set_num_threads(threads)
+            shutil.rmtree(root, ignore_errors=True)
+            os.rename(tmp, root)
+    return teacher_paths(root)
 
 
 def gold_scorer(dataset: str):
