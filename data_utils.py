@@ -52,6 +52,13 @@ def toy_tools_world() -> dict:
     return toy_tools.build()
 
 
+def toy_teacher() -> str:
+    """The toy world's teacher (built offline on first use: toy_task.build_teacher), the folder distill.py loads."""
+    import toy_task
+
+    return toy_task.build_teacher()["teacher"]
+
+
 def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
     """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task and the
     toy tool world do), else None. Evaluation reports `eval/gold_score` whenever one exists."""

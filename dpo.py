@@ -124,7 +124,8 @@ class Args:
     loss_type: Literal["sigmoid", "ipo", "hinge", "robust"] = "sigmoid"
     """loss variant: dpo.py sigmoid (DPO/cDPO), ipo, hinge (SLiC), robust (rDPO); grpo.py aggregation (see its code)"""
     beta: float = 0.1
-    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference)"""
+    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
+    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
     label_smoothing: float = 0.0
     """probability that a preference label is flipped (cDPO for sigmoid, the noise rate for robust)"""
     rpo_alpha: Optional[float] = None

@@ -173,7 +173,8 @@ class Args:
     num_iterations: int = 1
     """mu: optimizer steps on each generated batch (1: the ratio is 1 and no old-log-prob forward runs)"""
     beta: float = 0.0
-    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference)"""
+    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
+    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
     kl_target: Optional[float] = None
     """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
     kl_horizon: int = 10_000

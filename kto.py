@@ -76,7 +76,8 @@ class Args:
 
     # Algorithm specific arguments
     beta: float = 0.1
-    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference)"""
+    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
+    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
     desirable_weight: Optional[float] = None
     """loss weight of desirable examples (lambda_D); None = from the training data's counts (see loss_weights)"""
     undesirable_weight: Optional[float] = None

@@ -167,13 +167,13 @@ class Rewards:
 
     def __init__(self, tokenizer, reward_model=None, reward_tokenizer=None, mode: str = "tokens",
                  functions: Sequence[RewardFunction] = (), weights: Optional[Sequence[float]] = None,
-                 path: Optional[str] = None):
+                 path: Optional[str] = None, required: bool = True):
         self.tokenizer, self.reward_model, self.reward_tokenizer = tokenizer, reward_model, reward_tokenizer
         self.mode, self.path = mode, path  # path: where the reward model was loaded from
         self.functions = list(functions)
         names = ([REWARD_MODEL] if reward_model is not None else []) + [f.name for f in self.functions]
         self.names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
-        if not self.names:
+        if not self.names and required:  # required=False: a run that only logs rewards (distill.py) may have none
             raise UserError("no reward: give a --reward_model, --reward_funcs, or both")
         weights = [1.0] * len(self.names) if weights is None else list(weights)
         if len(weights) != len(self.names):
@@ -187,7 +187,8 @@ class Rewards:
         """Score B completions. query_responses (B, T) = [left-padded query | response, right-padded];
         `rows` the B dataset rows (dicts with `prompt` and any other columns) the queries came from; `episodes`
         (multi-turn, episodes.py): reward functions see each episode's conversation as its completion, and
-        `environments=` its environment instances.
+        `environments=` its environment instances; a reward model reads the episode's whole token sequence (tool
+        results included) as the response: as tokens, scored at its last token; as text, decoded as one completion.
         Returns (scores (B,), per_source (B, S)): per_source holds each source's score, NaN where a function
         returned None; scores = sum over sources of weight * score, NaNs left out (0 for a row no source scored).
         With reward functions every process must call this together (their failure is agreed: one all-reduce)."""
@@ -204,7 +205,8 @@ class Rewards:
                     break
                 columns.append(torch.tensor([math.nan if v is None else v for v in values]))
             self._agree(message, accelerator)
-        per_source = torch.stack([c.float().to(query_responses.device) for c in columns], 1)  # (B, S)
+        per_source = torch.stack([c.float().to(query_responses.device) for c in columns], 1) if columns else \
+            query_responses.new_zeros(len(query_responses), 0, dtype=torch.float32)  # (B, S)
         scores = torch.nansum(per_source * self.weights.to(per_source.device), 1)  # (B,)
         return scores, per_source
 

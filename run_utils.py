@@ -61,6 +61,18 @@ def default_reward_model(model: str) -> str:
     raise UserError(f"--reward_model is required when --model is {model!r} (no paired reward model is known)")
 
 
+def default_teacher(model: str) -> str:
+    """The teacher paired with a `--model` alias (toy -> the toy world's teacher)."""
+    if model == du.TOY_ALIAS:
+        return model
+    raise UserError(f"--teacher_model is required when --model is {model!r} (no paired teacher is known)")
+
+
+def resolve_teacher(name: str) -> str:
+    """`--teacher_model` -> a hub id or local folder (`toy`: the toy world's teacher, built on first use)."""
+    return du.toy_teacher() if name == du.TOY_ALIAS else name
+
+
 def default_dataset(model: str) -> str:
     """The dataset paired with a `--model` alias (toy -> toy, pythia-* -> tldr)."""
     if model in (du.TOY_ALIAS, du.TOY_TOOLS_ALIAS):

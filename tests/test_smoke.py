@@ -16,6 +16,7 @@ TINY = {  # script -> flags keeping the held-out evaluation to a few items
     "rloo.py": ["--num_eval_prompts", "8"],
     "grpo.py": ["--num_eval_prompts", "8"],
     "ppo.py": ["--num_eval_prompts", "8"],
+    "distill.py": ["--num_eval_prompts", "8"],
 }
 EVAL_KEY = {"reward.py": "eval/accuracy"}  # the others: the gold score of greedy completions
 

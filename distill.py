@@ -1,0 +1,376 @@
+# On-policy distillation (GKD): Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+# Self-Generated Mistakes" (https://arxiv.org/abs/2306.13649), and its policy-gradient form (verl, Thinking Machines
+# 2025 "On-Policy Distillation"). Flags follow TRL's DistillationConfig / GKDConfig where TRL has them.
+#   python distill.py                                # the toy teacher into the toy SFT policy, CPU, a few minutes
+#   accelerate launch distill.py --model <student> --teacher_model <teacher> --dataset <prompts>
+# Per step: with probability --lmbda the student samples the batch's completions (on-policy; rollout.py), else they
+# come from the dataset's `completion` column, or from the teacher with --seq_kd (off-policy); the teacher scores
+# every token of them (no grad); the student steps on a per-token divergence to the teacher on the completion tokens:
+#   --loss gkd: the generalized Jensen-Shannon divergence of the two next-token distributions (logits / temperature),
+#     JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M), M = beta T + (1 - beta) S: beta 0 = forward KL(T || S)
+#     (mode covering, what SFT on teacher samples minimises), 1 = reverse KL(S || T) (mode seeking), 0.5 = JSD;
+#     --loss_top_k k: over the teacher's k most likely tokens, both renormalised there (memory at real vocabularies).
+#   --loss pg: REINFORCE on the per-token advantage log p_T(y_t) - log p_S(y_t) of each sampled token (detached:
+#     the reverse KL's gradient estimate from the sample alone), with the RL scripts' ratio clipping (--cliprange).
+# Token losses are summed and divided by the step's completion tokens over all processes (a token mean over the
+# global batch, as sft.py and TRL's num_items_in_batch).
+# Metrics (metrics.jsonl, a row per step): loss/distill, objective/teacher_kl (on-policy steps: mean over sampled
+# tokens of log p_S - log p_T, the reverse KL per token), objective/entropy (student, per token), objective/scores
+# (the reward functions on the student's samples: logged, never trained on), val/on_policy, val/response_length,
+# lr, episode, time/*; eval/* (greedy, held-out prompts): gold_score (when the task has one), scores, eos_rate.
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import List, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+
+import data_utils as du
+import models
+import policy_common as pc
+import reward_sources as rs
+import rollout as ro
+import run_utils as ru
+import train_loop as tl
+import vllm_generation as vg
+from errors import RolloutError, UserError
+
+
+@dataclass
+class Args:
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """the name of this experiment"""
+    seed: int = 1
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
+    model: str = "toy"
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    teacher_model: Optional[str] = None
+    """teacher: alias (toy: the toy world's teacher), hub id or folder; same vocabulary; None = the one paired"""
+    reward_funcs: Optional[List[str]] = None
+    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
+    reward_weights: Optional[List[float]] = None
+    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
+    dataset: Optional[str] = None
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
+    eval_split: str = "test"
+    """split of the dataset held out for evaluation"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
+    track: bool = False
+    """log to Weights & Biases as well as metrics.jsonl"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project name"""
+
+    # Model loading
+    use_peft: bool = False
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
+    lora_target_modules: Optional[List[str]] = None
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
+    merge_peft: bool = False
+    """with --use_peft, save merged full weights instead of the adapter"""
+    load_in_4bit: bool = False
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow models with custom code from the hub"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
+
+    # Run length, optimisation, logging
+    total_episodes: int = 100_000
+    """total number of sampled completions (episodes) to train on"""
+    max_steps: Optional[int] = None
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+    per_device_train_batch_size: int = 8
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
+    gradient_accumulation_steps: int = 8
+    """micro-batches accumulated into one optimizer step"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
+    eval_steps: int = 0
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
+    num_eval_prompts: int = 512
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = none)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
+
+    # Algorithm specific arguments
+    loss: Literal["gkd", "pg"] = "gkd"
+    """gkd: generalized JSD of the next-token distributions; pg: REINFORCE on log p_teacher - log p_student"""
+    beta: float = 0.5
+    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
+    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
+    lmbda: float = 1.0
+    """fraction of steps whose completions the student samples (the rest: dataset completions, or the teacher's)"""
+    seq_kd: bool = False
+    """off-policy steps train on teacher-sampled completions (sequence-level KD) instead of the dataset's"""
+    loss_top_k: int = 0
+    """gkd: the divergence over the teacher's k most likely tokens, renormalised there (0 = the whole vocabulary)"""
+    cliprange: float = 0.2
+    """clip range of the policy's importance ratio"""
+    response_length: int = 256
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
+    max_prompt_length: Optional[int] = None
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
+    local_rollout_forward_batch_size: Optional[int] = None
+    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
+    memory than the training pass over as many rows)"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion without EOS (None = no penalty)"""
+
+    # vLLM generation (vllm_generation.py, README "vLLM")
+    use_vllm: bool = False
+    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine is sharded over (with one training process)"""
+    vllm_sleep_mode: bool = False
+    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
+    vllm_is_cap: float = 2.0
+    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+
+
+# Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
+ALIAS_DEFAULTS = {"toy": dict(
+    total_episodes=2048, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
+    response_length=8, max_prompt_length=8, eval_steps=8, num_eval_prompts=256, local_rollout_forward_batch_size=256)}
+
+
+# ALGO LOGIC: the distillation losses, pure functions of tensors (tested in tests/test_distill.py)
+def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
+                    top_k: int = 0) -> torch.Tensor:
+    """(b, R, V) student and teacher logits (temperature already applied) -> (b, R) per-token generalized JSD
+    beta KL(T || M) + (1 - beta) KL(S || M) with M = beta T + (1 - beta) S; beta 0 is KL(T || S) (forward), 1 is
+    KL(S || T) (reverse). top_k > 0: both distributions restricted to the teacher's top_k tokens and renormalised
+    there. The teacher's side carries no gradient."""
+    teacher_logits = teacher_logits.detach()
+    if top_k:
+        index = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), -1).indices  # (b, R, k)
+        student_logits, teacher_logits = student_logits.gather(-1, index), teacher_logits.gather(-1, index)
+    student, teacher = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
+
+    def kl(p, q):  # KL(p || q) per position, from log-probs; 0 log 0 = 0
+        return (p.exp() * (p - q)).nan_to_num(0.0).sum(-1)
+
+    if beta == 0:
+        return kl(teacher, student)
+    if beta == 1:
+        return kl(student, teacher)
+    mixture = torch.logsumexp(torch.stack([teacher + math.log(beta), student + math.log(1 - beta)]), 0)
+    return beta * kl(teacher, mixture) + (1 - beta) * kl(student, mixture)
+
+
+def pg_token_loss(new_logprobs, old_logprobs, teacher_logprobs, epsilon: float, is_weights=None):
+    """(b, R) log-probs of the sampled tokens under the student now, the student that sampled them, and the teacher ->
+    (b, R) clipped REINFORCE loss with per-token advantage A_t = log p_T(y_t) - log p_S_old(y_t) (detached):
+    -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon) A), ratio = exp(new - old); times is_weights when vLLM
+    sampled. Its gradient at ratio 1 is -A_t grad log p_S(y_t): descending it lowers the reverse KL."""
+    advantages = (teacher_logprobs - old_logprobs).detach()
+    ratio = torch.exp(new_logprobs - old_logprobs)
+    loss = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages)
+    return loss if is_weights is None else loss * is_weights
+
+
+def validate(args: Args) -> int:
+    """Check the flags before anything loads (one-line errors); returns the completions per process per step."""
+    if not 0 <= args.beta <= 1 or not 0 <= args.lmbda <= 1:
+        raise UserError(f"--beta and --lmbda must be in [0, 1], got {args.beta} and {args.lmbda}")
+    if args.loss == "pg" and (args.lmbda < 1 or args.loss_top_k):
+        raise UserError("--loss pg is on-policy REINFORCE on the sampled tokens: it needs --lmbda 1 and no "
+                        "--loss_top_k")
+    if min(args.learning_rate, args.max_grad_norm, args.temperature, args.cliprange) <= 0 or args.loss_top_k < 0:
+        raise UserError("--learning_rate, --max_grad_norm, --temperature and --cliprange must be > 0, --loss_top_k >= 0")
+    vg.validate_args(args)
+    if args.local_rollout_forward_batch_size is None:
+        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
+    if min(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.response_length,
+           args.total_episodes, args.num_eval_prompts, args.local_rollout_forward_batch_size,
+           1 if args.max_steps is None else args.max_steps) < 1:
+        raise UserError("batch sizes, --response_length, --total_episodes, --num_eval_prompts and --max_steps must "
+                        "be >= 1")
+    return args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+def load_teacher(args, tokenizer, positions_needed: int, accelerator):
+    """The frozen teacher: --teacher_model (None: the one paired with --model), its vocabulary the student's and its
+    positions enough for prompt + completion; one-line errors name both models otherwise."""
+    name = args.teacher_model or ru.default_teacher(args.model)
+    path = ru.resolve_teacher(name)
+    teacher_tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
+    if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"the teacher {name!r} has another vocabulary than the student {args.model!r} ("
+                        f"{len(teacher_tokenizer)} vs {len(tokenizer)} tokens): distillation compares next-token "
+                        "distributions token by token, so they must share one")
+    positions = ru.model_positions(path, args.trust_remote_code)
+    if positions is not None and positions < positions_needed:
+        raise UserError(f"the teacher {name!r} has {positions} positions, fewer than a prompt + completion of "
+                        f"{positions_needed} tokens (--max_prompt_length + --response_length): lower them")
+    teacher = models.load_causal_lm(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    return pc.prepare_frozen(teacher, accelerator), name
+
+
+def dataset_completions(data, indices, tokenizer, response_length: int) -> List[List[int]]:
+    """Off-policy completions of the training rows `indices`: their `completion` column (text, or messages rendered
+    after the prompt) + EOS, cut to response_length tokens."""
+    out = []
+    for i in indices:
+        row = data[i]
+        text = du.render_completion(tokenizer, row["prompt"], row["completion"])
+        out.append((tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:response_length])
+    return out
+
+
+def main():
+    # 1. arguments: validate and derive every batch size once
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    local_batch_size = validate(args)
+    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    batch_size = local_batch_size * accelerator.num_processes
+    num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
+    ru.seed_everything(args.seed, accelerator.process_index)
+
+    # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
+    policy_path = ru.resolve_model(args.model)
+    tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
+    data = ro.load_prompt_data(args, tokenizer, policy_path)
+    if args.lmbda < 1 and not args.seq_kd:
+        du.require_columns(data.train, ["completion"], data.name)  # the off-policy steps' completions
+    if args.reward_funcs is None and data.held_out.gold is not None:
+        args.reward_funcs = ["gold"]  # evaluated and logged, never trained on
+    output_dir = ru.output_dir(args, data.name, accelerator)
+
+    # 3. models: the student (+LoRA), the frozen teacher; reward functions (logged only)
+    teacher, teacher_name = load_teacher(args, tokenizer, args.max_prompt_length + args.response_length, accelerator)
+    policy = models.load_policy(policy_path, tokenizer, args)
+    reward_sources = rs.Rewards(tokenizer, functions=[rs.load_reward_function(spec, data.name)
+                                                      for spec in args.reward_funcs or []], weights=args.reward_weights,
+                                required=False)
+
+    # 4. optimizer, linear decay per step, checkpointable state, the sampler
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  eps=1e-5, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_total_batches))
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0)
+    logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
+    logger.progress(num_total_batches, state["step"], batch_size, "episodes",
+                    ("loss/distill", "objective/teacher_kl", "eval/gold_score"))
+    sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, None, prompts=data.train_prompts,
+                         rows=data.train, samples_per_prompt=1, prompts_per_process=local_batch_size,
+                         max_prompt_length=args.max_prompt_length, weights_version=state["step"])
+    pad, chunk = tokenizer.pad_token_id, args.local_rollout_forward_batch_size
+    teacher_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+    stop = tl.StopSignal()
+    if state["step"] == 0:
+        logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)
+
+    start_time, start_episode = time.time(), state["episode"]
+    while state["step"] < num_total_batches:
+        step = state["step"] + 1
+        # 5. the batch's completions: the student's samples (probability lmbda; the same draw on every process), else
+        #    the dataset's or, with --seq_kd, the teacher's
+        on_policy = random.Random(f"distill-{args.seed}-{step}").random() < args.lmbda
+        if on_policy:
+            with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
+                batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"],
+                                        old_logprobs=args.loss == "pg")
+            query_responses, context_length, response_mask = batch.query_responses, batch.context_length, \
+                batch.response_mask
+        else:
+            indices = du.data_positions(len(data.train_prompts), args.seed,
+                                        state["prompts_seen"] + accelerator.process_index * local_batch_size,
+                                        local_batch_size)
+            queries = pc.pad_sequences([data.train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
+            if args.seq_kd:
+                query_responses, _ = pc.batch_generation(teacher, queries, pad, tokenizer.eos_token_id,
+                                                         teacher_config, chunk, accelerator)
+            else:
+                completions = pc.pad_sequences(dataset_completions(data.train, indices, tokenizer,
+                                                                   args.response_length), pad, "right")
+                query_responses = torch.cat([queries, completions.to(accelerator.device)], 1)
+            context_length = queries.shape[1]
+            response_mask = query_responses[:, context_length:] != pad
+        global_tokens = ru.global_sum(accelerator, response_mask.sum().item())
+        tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
+
+        # 6. the teacher's view of every completion token, then one optimizer step over the micro-batches
+        losses, teacher_kl, entropy = [], [], []
+        for mb in torch.arange(local_batch_size, device=accelerator.device).view(args.gradient_accumulation_steps, -1):
+            tokens, mask = query_responses[mb, context_length:], response_mask[mb]
+            with torch.no_grad():
+                teacher_logits = pc.forward_logits(teacher, query_responses[mb], context_length, pad,
+                                                   args.temperature)  # (b, R, V)
+            with accelerator.accumulate(policy):
+                student_logits = pc.forward_logits(policy, query_responses[mb], context_length, pad, args.temperature)
+                if args.loss == "gkd":
+                    token_loss = generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
+                else:
+                    new_logprobs = pc.selective_logprobs(student_logits, tokens)
+                    is_weights, _ = batch.importance_weights(batch.logprobs[mb], mb)
+                    token_loss = pg_token_loss(new_logprobs, batch.logprobs[mb],
+                                               pc.selective_logprobs(teacher_logits, tokens), args.cliprange, is_weights)
+                loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
+                accelerator.backward(loss)
+            losses.append(loss.detach())
+            with torch.no_grad():
+                student_logprobs = pc.selective_logprobs(student_logits.detach(), tokens)
+                teacher_kl.append(((student_logprobs - pc.selective_logprobs(teacher_logits, tokens)) * mask).sum())
+                entropy.append((pc.entropy_from_logits(student_logits.detach()) * mask).sum())
+        optimizer_step(torch.stack(losses), state, step)
+        state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
+                     prompts_seen=state["prompts_seen"] + batch_size)
+
+        # 7. log (per-token means, averaged over processes), evaluate every eval_steps and after the last
+        local_tokens = max(response_mask.sum().item(), 1)
+        metrics = ru.reduce_metrics(accelerator, {  # each micro-batch's loss is its share of the global token mean
+            "loss/distill": torch.stack(losses).mean(),
+            "objective/entropy": torch.stack(entropy).sum() / local_tokens,
+            "val/response_length": response_mask.sum(1).float().mean(), "val/on_policy": float(on_policy),
+            "nonfinite/skipped": float(state["nonfinite_skipped"]),
+            **({"objective/teacher_kl": torch.stack(teacher_kl).sum() / local_tokens} if on_policy else {}),
+            **({"objective/scores": batch.scores.mean()} if on_policy and reward_sources.names else {}),
+        })
+        if on_policy:
+            metrics.update(batch.metrics)
+        metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
+                        "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
+        if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
+            metrics.update(sampler.evaluate(data.held_out, logger, step))
+        logger.log(metrics, step=step)
+
+        # 8. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
+            logger.close()
+            return
+
+    # 9. final save
+    sampler.close()
+    tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
+    logger.close(os.path.join(output_dir, "model"))
+
+
+if __name__ == "__main__":
+    ru.main_guard(main)

@@ -1,0 +1,220 @@
+"""distill.py: the generalized JSD against TRL 1.16's generalized_jsd_loss and a slow float64 loop, its forward and
+reverse KL gradients against their closed forms, the policy-gradient form by hand, and the start-up errors."""
+
+import math
+
+import pytest
+import torch
+
+from distill import generalized_jsd, pg_token_loss
+from errors import UserError
+
+BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
+
+
+def random_logits(seed, shape=(3, 5, 11), scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g) * scale, torch.randn(*shape, generator=g) * scale
+
+
+def slow_jsd(student_logits, teacher_logits, beta):
+    """The definition, one position and one token at a time, in float64."""
+    out = torch.zeros(student_logits.shape[:-1], dtype=torch.float64)
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in student_logits.shape[:-1]]):
+        s = torch.softmax(student_logits[tuple(index)].double(), -1).tolist()
+        t = torch.softmax(teacher_logits[tuple(index)].double(), -1).tolist()
+        m = [beta * tv + (1 - beta) * sv for sv, tv in zip(s, t)]
+
+        def kl(p, q):
+            return sum(pv * math.log(pv / qv) for pv, qv in zip(p, q) if pv > 0)
+
+        out[tuple(index)] = beta * kl(t, m) + (1 - beta) * kl(s, m)
+    return out
+
+
+@pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
+def test_generalized_jsd_is_the_definition(beta):
+    """0 < beta < 1 (at 0 and 1 the mixture is one of the two and the JSD vanishes: those are defined as the KLs, as
+    GKD's limits and TRL do; next test)."""
+    student, teacher = random_logits(0)
+    expected = slow_jsd(student, teacher, beta)
+    assert torch.allclose(generalized_jsd(student, teacher, beta).double(), expected, atol=1e-5)
+
+
+def test_beta_zero_and_one_are_forward_and_reverse_kl():
+    student, teacher = random_logits(1)
+    s, t = torch.log_softmax(student.double(), -1), torch.log_softmax(teacher.double(), -1)
+    forward = (t.exp() * (t - s)).sum(-1)  # KL(teacher || student)
+    reverse = (s.exp() * (s - t)).sum(-1)  # KL(student || teacher)
+    assert torch.allclose(generalized_jsd(student, teacher, 0.0).double(), forward, atol=1e-5)
+    assert torch.allclose(generalized_jsd(student, teacher, 1.0).double(), reverse, atol=1e-5)
+    assert (generalized_jsd(student, teacher, 0.5) <= math.log(2) + 1e-6).all()  # JSD is bounded by log 2
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_equals_trl_generalized_jsd_loss(beta, temperature, top_k):
+    """TRL 1.16's GKDTrainer.generalized_jsd_loss on the same logits (top-k: on the logits gathered at the teacher's
+    top-k tokens), padding positions labelled -100: its batchmean is our masked per-token mean."""
+    trl_gkd = pytest.importorskip("trl.experimental.gkd")
+    student, teacher = random_logits(2, scale=2.0)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    mask[2, 1:] = False
+    labels = torch.where(mask, 1, -100)
+    ours = generalized_jsd(student / temperature, teacher / temperature, beta, top_k)
+    ours = ours[mask].sum() / mask.sum()
+    if top_k:
+        index = teacher.topk(top_k, -1).indices
+        student, teacher = student.gather(-1, index), teacher.gather(-1, index)
+    theirs = trl_gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta,
+                                                     temperature=temperature)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-6)
+
+
+def test_top_k_renormalises_over_the_teachers_top_tokens():
+    student, teacher = random_logits(3, shape=(2, 2, 9))
+    index = teacher.topk(3, -1).indices
+    expected = slow_jsd(student.gather(-1, index), teacher.gather(-1, index), 0.5)
+    assert torch.allclose(generalized_jsd(student, teacher, 0.5, top_k=3).double(), expected, atol=1e-5)
+    assert torch.allclose(generalized_jsd(student, teacher, 0.5, top_k=9), generalized_jsd(student, teacher, 0.5),
+                          atol=1e-6)  # k = V: the whole vocabulary
+
+
+def test_kl_gradients_match_their_closed_forms():
+    """d KL(T || S) / d z_S = p_S - p_T; d KL(S || T) / d z_S = p_S (log p_S - log p_T - KL(S || T)); the teacher
+    gets no gradient."""
+    student, teacher = random_logits(4)
+    for beta, closed_form in ((0.0, lambda s, t: s.exp() - t.exp()),
+                              (1.0, lambda s, t: s.exp() * (s - t - (s.exp() * (s - t)).sum(-1, keepdim=True)))):
+        z = student.clone().double().requires_grad_(True)
+        zt = teacher.clone().double().requires_grad_(True)
+        generalized_jsd(z, zt, beta).sum().backward()
+        s, t = torch.log_softmax(student.double(), -1), torch.log_softmax(teacher.double(), -1)
+        assert torch.allclose(z.grad, closed_form(s, t).to(z.grad.dtype), atol=1e-5)
+        assert zt.grad is None or (zt.grad == 0).all()
+
+
+def test_pg_token_loss_hand_worked():
+    """Two tokens: advantages log p_T - log p_S_old = -0.5 and +1.0. At ratio 1 the loss is -A; with new log-probs
+    moved by +0.3 (ratio e^0.3 = 1.35 > 1.2) the positive-advantage token is clipped at 1.2, the negative one is not
+    (min picks the unclipped -1.35 * -0.5 = 0.675)."""
+    old = torch.tensor([[-1.0, -2.0]])
+    teacher = torch.tensor([[-1.5, -1.0]])
+    assert torch.allclose(pg_token_loss(old.clone(), old, teacher, 0.2), torch.tensor([[0.5, -1.0]]))
+    new = old + 0.3
+    ratio = math.exp(0.3)
+    expected = torch.tensor([[ratio * 0.5, -1.2 * 1.0]])
+    assert torch.allclose(pg_token_loss(new, old, teacher, 0.2), expected, atol=1e-6)
+    # the gradient at ratio 1 is -A d log p_S: descending raises log p_S where the teacher likes the token more
+    new = old.clone().requires_grad_(True)
+    pg_token_loss(new, old, teacher, 0.2).sum().backward()
+    assert torch.allclose(new.grad, torch.tensor([[0.5, -1.0]]))
+
+
+@pytest.mark.parametrize("flags,match", [(["--beta", "1.5"], "--beta and --lmbda"),
+                                         (["--loss", "pg", "--lmbda", "0.5"], "needs --lmbda 1"),
+                                         (["--loss_top_k", "-1"], "--loss_top_k >= 0")])
+def test_invalid_flags(flags, match):
+    from conftest import run_script_in_process
+
+    proc = run_script_in_process("distill.py", *flags)
+    assert proc.returncode == 2 and match in proc.stderr
+
+
+def save_teacher(tmp_path, tokenizer, positions=64, extra_token=False):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    if extra_token:
+        tokenizer.add_tokens(["[EXTRA]"])
+    config = GPTNeoXConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=positions)
+    GPTNeoXForCausalLM(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+def test_teacher_with_another_vocabulary_or_too_few_positions_is_refused(toy, tmp_path):
+    import models
+    from conftest import run_script_in_process
+
+    other = save_teacher(tmp_path / "vocab", models.load_tokenizer(toy["policy"]), extra_token=True)
+    proc = run_script_in_process("distill.py", "--teacher_model", other)
+    assert proc.returncode == 2 and "another vocabulary" in proc.stderr and other in proc.stderr
+    short = save_teacher(tmp_path / "short", models.load_tokenizer(toy["policy"]), positions=8)
+    proc = run_script_in_process("distill.py", "--teacher_model", short)
+    assert proc.returncode == 2 and "has 8 positions" in proc.stderr
+    with pytest.raises(UserError, match="--teacher_model is required"):
+        import run_utils
+
+        run_utils.default_teacher("some/model")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Runs: the toy teacher distilled into the toy SFT policy closes >= 80% of their gold gap, on 1 and 2 processes; a
+# run resumed from a checkpoint equals the uninterrupted one (on- and off-policy steps both taken)
+# ---------------------------------------------------------------------------------------------------------
+def gap_closed(rows, toy_teacher):
+    import json
+
+    with open(toy_teacher["report"]) as f:
+        teacher_gold = json.load(f)["teacher_gold_greedy"]
+    evals = [r for r in rows if "eval/gold_score" in r]
+    before, after = evals[0]["eval/gold_score"], evals[-1]["eval/gold_score"]
+    return (after - before) / (teacher_gold - before)
+
+
+def test_distill_closes_the_gap_to_the_teacher(toy_teacher, tmp_path):
+    from conftest import read_metrics, run_script
+
+    out = str(tmp_path / "distill")
+    run_script("distill.py", "--output_dir", out)
+    rows = read_metrics(out)
+    assert gap_closed(rows, toy_teacher) >= 0.8
+    on_policy = [r for r in rows if r.get("val/on_policy") == 1.0]
+    assert len(on_policy) == len(rows) - 1  # --lmbda 1: every step sampled by the student
+    assert on_policy[-1]["objective/teacher_kl"] < 0.5 * on_policy[0]["objective/teacher_kl"]
+
+
+def test_distill_on_two_processes(toy_teacher, tmp_path):
+    from conftest import read_metrics
+    from test_scale import run_distributed
+
+    out = str(tmp_path / "distill2")
+    run_distributed("distill.py", "--per_device_train_batch_size", "32", "--output_dir", out)
+    assert gap_closed(read_metrics(out), toy_teacher) >= 0.8
+
+
+def test_resume_equals_the_uninterrupted_run(toy_teacher, tmp_path):
+    import os
+    import shutil
+
+    from conftest import read_metrics, run_script
+    from safetensors.torch import load_file
+
+    flags = ["--max_steps", "4", "--save_steps", "2", "--lmbda", "0.5", "--seq_kd", "--eval_steps", "2",
+             "--num_eval_prompts", "32", "--seed", "5"]
+    full = str(tmp_path / "full")
+    run_script("distill.py", "--output_dir", full, *flags)
+    rows = read_metrics(full)
+    assert {r["val/on_policy"] for r in rows if r["step"] > 0} == {0.0, 1.0}  # both kinds of step are taken
+    resumed = str(tmp_path / "resumed")
+    os.makedirs(resumed)
+    shutil.copytree(os.path.join(full, "checkpoint-2"), os.path.join(resumed, "checkpoint-2"))
+    with open(os.path.join(full, "metrics.jsonl")) as f, open(os.path.join(resumed, "metrics.jsonl"), "w") as g:
+        g.writelines(f.readlines()[:3])  # steps 0..2, as the first run had written them at its checkpoint
+    run_script("distill.py", "--output_dir", resumed, "--resume_from", os.path.join(resumed, "checkpoint-2"), *flags)
+
+    def without_time(rs):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rs]
+
+    full_rows, resumed_rows = without_time(rows), without_time(read_metrics(resumed))
+    assert [r["step"] for r in resumed_rows] == [0, 1, 2, 3, 4]
+    for a, b in zip(full_rows, resumed_rows):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
+    weights = [load_file(os.path.join(folder, "model", "model.safetensors")) for folder in (full, resumed)]
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-5)
