@@ -20,6 +20,8 @@
 # tokens of log p_S - log p_T, the reverse KL per token), objective/entropy (student, per token), objective/scores
 # (the reward functions on the student's samples: logged, never trained on), val/on_policy, val/response_length,
 # lr, episode, time/*; eval/* (greedy, held-out prompts): gold_score (when the task has one), scores, eos_rate.
+# --use_vllm samples with a colocated vLLM engine (vllm_generation.py; time/vllm_sync); with --loss pg the truncated
+# importance weights min(pi_trainer / pi_vllm, cap) weight each token's loss (vllm/logprob_diff, vllm/is_weight_*).
 import math
 import os
 import random
@@ -319,7 +321,7 @@ def main():
         tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
 
         # 6. the teacher's view of every completion token, then one optimizer step over the micro-batches
-        losses, teacher_kl, entropy = [], [], []
+        losses, teacher_kl, entropy, is_stats = [], [], [], {}
         for mb in torch.arange(local_batch_size, device=accelerator.device).view(args.gradient_accumulation_steps, -1):
             tokens, mask = query_responses[mb, context_length:], response_mask[mb]
             with torch.no_grad():
@@ -331,7 +333,9 @@ def main():
                     token_loss = generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
                 else:
                     new_logprobs = pc.selective_logprobs(student_logits, tokens)
-                    is_weights, _ = batch.importance_weights(batch.logprobs[mb], mb)
+                    is_weights, mb_is_stats = batch.importance_weights(batch.logprobs[mb], mb)  # vLLM sampled
+                    for key, value in mb_is_stats.items():
+                        is_stats.setdefault(key, []).append(value)
                     token_loss = pg_token_loss(new_logprobs, batch.logprobs[mb],
                                                pc.selective_logprobs(teacher_logits, tokens), args.cliprange, is_weights)
                 loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
@@ -354,6 +358,7 @@ def main():
             "nonfinite/skipped": float(state["nonfinite_skipped"]),
             **({"objective/teacher_kl": torch.stack(teacher_kl).sum() / local_tokens} if on_policy else {}),
             **({"objective/scores": batch.scores.mean()} if on_policy and reward_sources.names else {}),
+            **{key: torch.stack(values).mean() for key, values in is_stats.items()},
         })
         if on_policy:
             metrics.update(batch.metrics)

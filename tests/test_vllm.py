@@ -239,3 +239,16 @@ def test_grpo_tool_episodes_with_vllm(toy_tools_world, tmp_path):
         assert row["tools/failure_frequency"] < 0.2
     assert rows[-1]["eval/tools/call_frequency"] > 0.5
 
+
+def test_distill_pg_with_vllm(toy, tmp_path):
+    """distill.py --use_vllm --loss pg: the engine samples, the trainer's old log-probs agree with the engine's (the
+    truncated importance weights near 1), and the student moves toward the teacher."""
+    out = str(tmp_path / "distill_vllm")
+    run_script("distill.py", "--use_vllm", "--loss", "pg", "--max_steps", "3", "--num_eval_prompts", "32",
+               "--output_dir", out)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+    assert rows[-1]["eval/gold_score"] > rows[0]["eval/gold_score"] + 0.1
+
