@@ -195,11 +195,15 @@ def _drop_nones(message: dict) -> dict:
     """A message without the None fields a datasets column adds to every row (`tool_calls: None`, `name: None`, and
     absent call arguments), which some chat templates would render."""
     message = {k: v for k, v in message.items() if v is not None}
-    if message.get("tool_calls"):
-        message["tool_calls"] = [
-            {**call, "function": {**call["function"], "arguments": {k: v for k, v in call["function"].get(
-                "arguments", {}).items() if v is not None}}} if isinstance(call.get("function", {}).get(
-                    "arguments"), dict) else call for call in message["tool_calls"]]
+    calls = []
+    for call in message.get("tool_calls") or []:
+        arguments = call.get("function", {}).get("arguments")
+        if isinstance(arguments, dict):
+            arguments = {k: v for k, v in arguments.items() if v is not None}
+            call = {**call, "function": {**call["function"], "arguments": arguments}}
+        calls.append(call)
+    if calls:
+        message["tool_calls"] = calls
     return message
 
 

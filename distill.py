@@ -327,6 +327,7 @@ def main():
             with torch.no_grad():
                 teacher_logits = pc.forward_logits(teacher, query_responses[mb], context_length, pad,
                                                    args.temperature)  # (b, R, V)
+                teacher_logprobs = pc.selective_logprobs(teacher_logits, tokens)  # (b, R): of the tokens trained on
             with accelerator.accumulate(policy):
                 student_logits = pc.forward_logits(policy, query_responses[mb], context_length, pad, args.temperature)
                 if args.loss == "gkd":
@@ -336,14 +337,14 @@ def main():
                     is_weights, mb_is_stats = batch.importance_weights(batch.logprobs[mb], mb)  # vLLM sampled
                     for key, value in mb_is_stats.items():
                         is_stats.setdefault(key, []).append(value)
-                    token_loss = pg_token_loss(new_logprobs, batch.logprobs[mb],
-                                               pc.selective_logprobs(teacher_logits, tokens), args.cliprange, is_weights)
+                    token_loss = pg_token_loss(new_logprobs, batch.logprobs[mb], teacher_logprobs, args.cliprange,
+                                               is_weights)
                 loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
                 accelerator.backward(loss)
             losses.append(loss.detach())
             with torch.no_grad():
                 student_logprobs = pc.selective_logprobs(student_logits.detach(), tokens)
-                teacher_kl.append(((student_logprobs - pc.selective_logprobs(teacher_logits, tokens)) * mask).sum())
+                teacher_kl.append(((student_logprobs - teacher_logprobs) * mask).sum())
                 entropy.append((pc.entropy_from_logits(student_logits.detach()) * mask).sum())
         optimizer_step(torch.stack(losses), state, step)
         state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,

@@ -87,11 +87,15 @@ def environment_tools(environment) -> List[Callable]:
 @dataclass
 class Toolset:
     """A run's tools: `functions` (--tools), `environment` (the --environment class, or None), `schemas` (every
-    tool's JSON schema, the environment's methods included: what the chat template shows), `names`."""
+    tool's JSON schema, the environment's methods included: what the chat template shows)."""
     functions: List[Callable]
     environment: Optional[type]
     schemas: List[dict]
-    names: List[str]
+
+    @property
+    def names(self) -> List[str]:
+        """The tools' names, as the schemas show them."""
+        return [schema["function"]["name"] for schema in self.schemas]
 
     def new_environment(self):
         """A fresh instance of the environment class (None without one)."""
@@ -138,7 +142,7 @@ def load_toolset(args, tokenizer) -> Optional[Toolset]:
         raise UserError(f"--environment {args.environment!r}: the class has no public method to use as a tool")
     schemas = [_schema(fn, "--tools" if fn in functions else "--environment") for fn in tools]
     check_chat_template(tokenizer, names[0])
-    return Toolset(functions, environment, schemas, names)
+    return Toolset(functions, environment, schemas)
 
 
 def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
@@ -206,9 +210,10 @@ def parse_turn(tokenizer, turn_ids: List[int], prefix_ids: List[int], schemas: L
             calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
         except (ValueError, AttributeError) as e:
             calls.append({"error": f"could not parse the tool call {block.strip()[:80]!r}: {e}"})
-    if "<tool_call>" in TOOL_CALL_BLOCK.sub("", text):
+    content = TOOL_CALL_BLOCK.sub("", text)
+    if "<tool_call>" in content:
         calls.append({"error": "a <tool_call> block is not closed"})
-    content = TOOL_CALL_BLOCK.sub("", text).strip()
+    content = content.strip()
     return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 

@@ -120,7 +120,6 @@ class Rollout:
     eos_token_id: int
     action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
     episode_truncated: Optional[torch.Tensor] = None  # (B,) multi-turn: the episode ended at the budget
-    episodes: Optional[list] = None  # multi-turn: the episodes.Episode of each row (conversation, counts)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -261,16 +260,17 @@ class Sampler:
                        ref_logprobs=ref_logprobs, entropy=entropies, sampler_logprobs=sampler_logprobs,
                        is_cap=getattr(args, "vllm_is_cap", 2.0), metrics=metrics, pad_token_id=self.pad,
                        eos_token_id=self.eos, action_mask=action_mask,
-                       episode_truncated=None if episodes is None else truncated, episodes=episodes)
+                       episode_truncated=None if episodes is None else truncated)
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
-               first_turn: bool = True, budgets: Optional[List[int]] = None):
+               first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True):
         """One completion per row of `queries` (B, Lq), left-padded, by HF generate or vLLM -> (query_responses
         (B, Lq + R), logprobs (B, R) of the sampled tokens (HF; None with vLLM), entropy (B, R) or None, vLLM's
         log-probs (B, R) or None). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
-        stops each row at its own (HF generates R for every row; the caller cuts)."""
+        stops each row at its own (HF generates R for every row; the caller cuts). use_vllm=False: HF generate even
+        with an engine."""
         config = generation_config or self.generation_config
-        if self.vllm is not None:
+        if self.vllm is not None and use_vllm:
             query_responses, sampler_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
                                                                    budgets)
             return query_responses, None, None, sampler_logprobs
@@ -287,14 +287,13 @@ class Sampler:
             self.environments.append(self.toolset.new_environment())
         episodes = ep.start_episodes([row["prompt"] for row in rows], rows, self.toolset, self.tokenizer,
                                      self.environments, self.max_prompt_length)
-        vllm, self.vllm = self.vllm, (self.vllm if use_vllm else None)
 
         def generate(sequences, budgets: List[int], first_turn: bool):
             queries = pc.pad_sequences(sequences, self.pad, "left").to(self.accelerator.device)
             config = copy.deepcopy(generation_config)
             config.max_new_tokens = max(budgets)
             query_responses, logprobs, entropies, sampler_logprobs = self.sample(
-                queries, weights_version, entropy, config, first_turn, budgets)
+                queries, weights_version, entropy, config, first_turn, budgets, use_vllm)
             responses = query_responses[:, queries.shape[1]:].tolist()
             turns = [[t for t in response if t != self.pad] for response in responses]
 
@@ -303,13 +302,10 @@ class Sampler:
 
             return turns, lists(logprobs) or [[0.0] * len(t) for t in turns], lists(sampler_logprobs), lists(entropies)
 
-        try:
-            return ep.run_episodes(episodes, generate, self.tokenizer, self.toolset,
-                                   response_length=generation_config.max_new_tokens, context_limit=self.context_limit,
-                                   max_tool_calling_iterations=self.args.max_tool_calling_iterations,
-                                   tool_timeout=self.args.tool_timeout, accelerator=self.accelerator)
-        finally:
-            self.vllm = vllm
+        return ep.run_episodes(episodes, generate, self.tokenizer, self.toolset,
+                               response_length=generation_config.max_new_tokens, context_limit=self.context_limit,
+                               max_tool_calling_iterations=self.args.max_tool_calling_iterations,
+                               tool_timeout=self.args.tool_timeout, accelerator=self.accelerator)
 
     def check_logprobs(self, query_responses: torch.Tensor, context_length: int, sampled_logprobs: torch.Tensor,
                        response_mask: torch.Tensor, step: int) -> float:

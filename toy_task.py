@@ -367,27 +367,24 @@ def folder_name(seed: int) -> str:
     return f"v{BUILDER_VERSION}-seed{seed}-torch{torch.__version__}-transformers{transformers.__version__}"
 
 
-def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
-    """Build the toy world once per (seed, builder version, library releases: `folder_name`) and return its paths. A finished build is a
-    folder with report.json, made by renaming a completed temporary folder, so a half-written cache is never
-    used; concurrent builders (several processes of one run) wait on a file lock."""
+def cached_build(root: str, build_into) -> None:
+    """Make the cache folder `root` once: `build_into(tmp)` writes a temporary folder (report.json last), which is
+    renamed into place whole, so a half-written cache is never used; concurrent builders (several processes of one
+    run) wait on a file lock. Builds are deterministic with a fixed thread count: it is pinned for the build only."""
     from filelock import FileLock
 
-    cache_dir = cache_dir or cache_root()
-    root = os.path.join(cache_dir, folder_name(seed))
     if os.path.exists(os.path.join(root, "report.json")):
-        return paths(root)
-    os.makedirs(cache_dir, exist_ok=True)
+        return
+    os.makedirs(os.path.dirname(root), exist_ok=True)
     with FileLock(root + ".lock"):
         if not os.path.exists(os.path.join(root, "report.json")):
             tmp = f"{root}.tmp-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
-            # builds are deterministic with a fixed thread count; pin it for the build only
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                _build_into(tmp, seed, verbose)
+                build_into(tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -395,6 +392,13 @@ def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> 
                 torch.set_num_threads(threads)
             shutil.rmtree(root, ignore_errors=True)
             os.rename(tmp, root)
+
+
+def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
+    """Build the toy world once per (seed, builder version, library releases: `folder_name`) and return its paths
+    (`cached_build`: a finished build is a folder with report.json, never a half-written one)."""
+    root = os.path.join(cache_dir or cache_root(), folder_name(seed))
+    cached_build(root, lambda tmp: _build_into(tmp, seed, verbose))
     return paths(root)
 
 
@@ -452,31 +456,12 @@ def teacher_folder_name(seed: int) -> str:
 
 def build_teacher(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
     """Build the toy world's teacher once per (seed, versions, library releases: `teacher_folder_name`), after the
-    world itself (`build`, same seed and cache), and return its paths. Cached as `build` caches: a folder with
-    report.json renamed into place whole, concurrent builders waiting on a file lock."""
-    from filelock import FileLock
-
+    world itself (`build`, same seed and cache), and return its paths. Cached as `build` caches (`cached_build`)."""
     cache_dir = cache_dir or cache_root()
     root = os.path.join(cache_dir, teacher_folder_name(seed))
-    if os.path.exists(os.path.join(root, "report.json")):
-        return teacher_paths(root)
-    world = build(seed, cache_dir, verbose)
-    with FileLock(root + ".lock"):
-        if not os.path.exists(os.path.join(root, "report.json")):
-            tmp = f"{root}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                _build_teacher_into(tmp, seed, world, verbose)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            finally:
-                torch.set_num_threads(threads)
-            shutil.rmtree(root, ignore_errors=True)
-            os.rename(tmp, root)
+    if not os.path.exists(os.path.join(root, "report.json")):
+        world = build(seed, cache_dir, verbose)
+        cached_build(root, lambda tmp: _build_teacher_into(tmp, seed, world, verbose))
     return teacher_paths(root)
 
 

@@ -45,7 +45,6 @@ import json
 import os
 import random
 import re
-import shutil
 import time
 
 import torch
@@ -326,31 +325,10 @@ def folder_name(seed: int) -> str:
 
 
 def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
-    """Build the tool world once per (seed, builder version, library releases) and return its paths: a finished
-    build is a folder with report.json, renamed into place whole; concurrent builders wait on a file lock."""
-    from filelock import FileLock
-
-    cache_dir = cache_dir or toy_task.cache_root()
-    root = os.path.join(cache_dir, folder_name(seed))
-    if os.path.exists(os.path.join(root, "report.json")):
-        return paths(root)
-    os.makedirs(cache_dir, exist_ok=True)
-    with FileLock(root + ".lock"):
-        if not os.path.exists(os.path.join(root, "report.json")):
-            tmp = f"{root}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                _build_into(tmp, seed, verbose)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-            finally:
-                torch.set_num_threads(threads)
-            shutil.rmtree(root, ignore_errors=True)
-            os.rename(tmp, root)
+    """Build the tool world once per (seed, builder version, library releases) and return its paths, cached as the
+    toy task's (toy_task.cached_build: a finished build is a folder with report.json, never a half-written one)."""
+    root = os.path.join(cache_dir or toy_task.cache_root(), folder_name(seed))
+    toy_task.cached_build(root, lambda tmp: _build_into(tmp, seed, verbose))
     return paths(root)
 
 

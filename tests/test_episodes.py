@@ -35,7 +35,7 @@ def lookup(box: str) -> str:
 
 
 def toolset_of(*tools):
-    return ep.Toolset(list(tools), None, [ep._schema(t, "--tools") for t in tools], [t.__name__ for t in tools])
+    return ep.Toolset(list(tools), None, [ep._schema(t, "--tools") for t in tools])
 
 
 def encode(tokenizer, text):

@@ -158,7 +158,7 @@ def test_played_episode_is_the_rendered_conversation(tokenizer):
     import episodes as ep
     from test_episodes import play
 
-    toolset = ep.Toolset([toy_tools.lookup], None, toy_tools.tool_schemas(), ["lookup"])
+    toolset = ep.Toolset([toy_tools.lookup], None, toy_tools.tool_schemas())
     [episode] = play(tokenizer, toolset, [[f"<tool_call> {CALL_JSON} </tool_call> [EOS]", "e f h j [EOS]"]],
                      prompts=(CONVERSATION[:1],))
     assert episode.tool_calls == 1 and episode.tool_failures == 0 and not episode.truncated
