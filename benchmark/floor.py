@@ -9,6 +9,7 @@ as the scripts), this times the model calls one step of ours makes, each alone, 
   grpo   generate | reference log-probs (beta > 0 only) | reward | forward + backward | AdamW
   dpo    reference log-probs | forward + backward (chosen and rejected, each prompt once) | AdamW
   kto    reference log-probs | forward + backward (own completions; the mismatched ones without gradient) | AdamW
+  distill  generate | teacher logits | forward + backward (the student's logits, the divergence) | AdamW
 Their sum is the step time ours could reach with no loss, bookkeeping or framework around the model: divided by
 TRL's step from the latest speed.py report of the setting (results/speed*.json) it is the ratio that no trimming of
 the rest can beat; only fewer or cheaper passes move it. Median of --repeats timings after one warm-up each.
@@ -32,7 +33,7 @@ for p in (ROOT, HERE):
 
 from speed_settings import hyper, setting_paths  # noqa: E402
 
-ALGOS = ("rloo", "grpo", "dpo", "kto")
+ALGOS = ("rloo", "grpo", "dpo", "kto", "distill")
 REPEATS = {"toy": 20, "tldr": 5}  # timed calls of each pass, by setting, unless --repeats
 
 
@@ -112,6 +113,27 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
         update(lambda: (pc.selective_logprobs(pc.forward_logits(policy, query_responses, ctx, pad, temperature,
                                                                 share_prompts=share), responses)
                         * (responses != pad)).sum())
+        return passes
+
+    if algo == "distill":  # one completion per prompt (nothing to share), the whole vocabulary (no top-k)
+        import distill
+
+        B, R, chunk = f["per_device_train_batch_size"], f["response_length"], f["local_rollout_forward_batch_size"]
+        prompts = load_from_disk(paths["prompt_dataset"])["train"]["prompt"][:B]
+        queries = pc.pad_sequences([tokenizer(p)["input_ids"] for p in prompts], pad, "left")
+        config = pc.make_generation_config(tokenizer, R, temperature)
+        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk)
+        ctx = queries.shape[1]
+        passes["generate"] = timed(lambda: pc.batch_generation(policy, queries, pad, eos, config, chunk), repeats)
+        teacher = models.load_causal_lm(paths["teacher"], tokenizer)
+        teacher.eval()
+        with torch.no_grad():
+            teacher_logits = pc.forward_logits(teacher, query_responses, ctx, pad, temperature)
+            passes["teacher logits"] = timed(lambda: pc.forward_logits(teacher, query_responses, ctx, pad,
+                                                                       temperature), repeats)
+        mask = query_responses[:, ctx:] != pad
+        update(lambda: (distill.generalized_jsd(pc.forward_logits(policy, query_responses, ctx, pad, temperature),
+                                                teacher_logits, f["beta"]) * mask).sum())
         return passes
 
     # DPO and KTO: prompts and completions from the setting's datasets, each prompt twice (chosen / rejected,

@@ -8,22 +8,23 @@ import importlib
 import os
 import tempfile
 
-TRL_ALGOS = ("rloo", "dpo", "kto", "grpo")  # TRL 1.16 has no PPOTrainer
+TRL_ALGOS = ("rloo", "dpo", "kto", "grpo", "distill")  # TRL 1.16 has no PPOTrainer; distill: DistillationTrainer
 BASELINES = ("generation", "sharing:toy", "sharing:tldr", "logprobs:selective:toy", "logprobs:full:toy",
              "logprobs:selective:pythia", "logprobs:full:pythia")  # the measurements of speed_baselines.py
 
 # TL;DR shapes (Huang et al. 2024; TRL's TL;DR runs): ~400-token prompts, 53-token responses, RLOO k=4, DPO pairs;
 # GRPO with RLOO's shapes (16 completions per step, 4 per prompt), TRL's and grpo.py's default beta 0 (no reference).
 TLDR = dict(prompt_tokens=400, response_length=53, vocab=3072, layers=8, width=256, rloo_k=4, rloo_batch=16,
-            dpo_batch=4, kto_batch=8, temperature=0.7, grpo_generations=4, grpo_batch=16, grpo_beta=0.0)
+            dpo_batch=4, kto_batch=8, temperature=0.7, grpo_generations=4, grpo_batch=16, grpo_beta=0.0,
+            distill_batch=16, teacher_layers=8, teacher_width=512)
 
 
-def tldr_model_config():
-    """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1)."""
+def tldr_model_config(layers: int = TLDR["layers"], width: int = TLDR["width"]):
+    """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1); the teacher's is wider."""
     from transformers import GPTNeoXConfig
 
-    return GPTNeoXConfig(vocab_size=TLDR["vocab"], hidden_size=TLDR["width"], num_hidden_layers=TLDR["layers"],
-                         num_attention_heads=4, intermediate_size=4 * TLDR["width"], max_position_embeddings=512,
+    return GPTNeoXConfig(vocab_size=TLDR["vocab"], hidden_size=width, num_hidden_layers=layers,
+                         num_attention_heads=4, intermediate_size=4 * width, max_position_embeddings=512,
                          hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=1, pad_token_id=0)
 
@@ -42,8 +43,10 @@ def build_tldr_shaped(root: str) -> dict:
     from toy_task import save_dataset
 
     out = {k: os.path.join(root, k) for k in ("policy", "reward", "prompt_dataset", "preference_dataset",
-                                              "unpaired_dataset")}
+                                              "unpaired_dataset", "teacher")}
     if os.path.exists(os.path.join(root, "done")):
+        if not os.path.exists(os.path.join(out["teacher"], "config.json")):  # a build from before the teacher
+            build_tldr_teacher(out["policy"], out["teacher"])
         return out
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -65,15 +68,27 @@ def build_tldr_shaped(root: str) -> dict:
                   for s, ps in prompts.items()}, out["preference_dataset"])
     save_dataset({s: [{"prompt": p, "completion": " " + text(R), "label": i % 2 == 0} for i, p in enumerate(ps)]
                   for s, ps in prompts.items()}, out["unpaired_dataset"])
+    build_tldr_teacher(out["policy"], out["teacher"])
     open(os.path.join(root, "done"), "w").close()
     return out
+
+
+def build_tldr_teacher(policy_dir: str, out: str) -> None:
+    """The distillation teacher stand-in: a random-weight GPT-NeoX of TLDR['teacher_layers'] layers and width
+    TLDR['teacher_width'] (~3.5x the student's parameters, as Pythia-2.8B to 1B), the student's tokenizer; seeded."""
+    import torch
+    from transformers import AutoTokenizer, GPTNeoXForCausalLM
+
+    torch.manual_seed(1)
+    GPTNeoXForCausalLM(tldr_model_config(TLDR["teacher_layers"], TLDR["teacher_width"])).save_pretrained(out)
+    AutoTokenizer.from_pretrained(policy_dir).save_pretrained(out)
 
 
 def setting_paths(setting: str) -> dict:
     if setting == "toy":
         import toy_task
 
-        return toy_task.build(verbose=False)
+        return dict(toy_task.build(verbose=False), teacher=toy_task.build_teacher(verbose=False)["teacher"])
     return build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))
 
 
@@ -96,6 +111,9 @@ def hyper(setting: str, algo: str) -> dict:
                     learning_rate=3e-6, temperature=TLDR["temperature"], beta=TLDR["grpo_beta"], epsilon=0.2,
                     loss_type="dapo", scale_rewards="group", importance_sampling_level="token", num_iterations=1,
                     local_rollout_forward_batch_size=TLDR["grpo_batch"])
+    if algo == "distill":  # TRL's DistillationConfig defaults: on-policy, reverse KL (beta 1), temperature 1
+        return dict(common, per_device_train_batch_size=TLDR["distill_batch"], learning_rate=3e-6, beta=1.0,
+                    temperature=1.0, local_rollout_forward_batch_size=TLDR["distill_batch"])
     raise ValueError(f"--setting tldr measures {', '.join(TRL_ALGOS)}, not {algo}")
 
 
@@ -119,8 +137,10 @@ def ours_flags(setting: str, algo: str, paths: dict) -> list:
     if setting == "toy":
         return ["--num_eval_prompts", "16"]
     data = paths[{"rloo": "prompt_dataset", "grpo": "prompt_dataset", "dpo": "preference_dataset",
-                  "kto": "unpaired_dataset"}[algo]]
+                  "kto": "unpaired_dataset", "distill": "prompt_dataset"}[algo]]
     flags = ["--model", paths["policy"], "--dataset", data, "--num_eval_prompts", "2"]
+    if algo == "distill":
+        flags += ["--teacher_model", paths["teacher"]]
     if algo in ("rloo", "grpo"):
         flags += ["--reward_model", paths["reward"]]
     if algo == "dpo":
@@ -135,14 +155,17 @@ def ours_flags(setting: str, algo: str, paths: dict) -> list:
 SETTING_TEXT = {
     "toy": "Setting: the toy task with each script's toy defaults (the same model and batch for every row of an "
            "algorithm; GRPO: 64 completions per step, 4 per prompt, beta 0.2, so a reference model in both, loss "
-           "dapo, one optimizer step per generated batch).",
+           "dapo, one optimizer step per generated batch; distillation: the toy teacher (2.4M parameters) into the toy "
+           "SFT policy (0.4M), on-policy, reverse KL, 64 completions of 8 tokens per step).",
     "tldr": f"Setting: TL;DR shapes on CPU-sized random-weight stand-ins (`--setting tldr`): prompts of "
             f"{TLDR['prompt_tokens']} tokens, responses of {TLDR['response_length']}; RLOO k={TLDR['rloo_k']} with "
             f"{TLDR['rloo_batch']} completions per step; GRPO {TLDR['grpo_generations']} completions per prompt, "
             f"{TLDR['grpo_batch']} per step, beta {TLDR['grpo_beta']} (TRL's and grpo.py's default: "
             f"{'no reference model' if TLDR['grpo_beta'] == 0 else 'a reference model'} in either), loss dapo, one "
             f"optimizer step per generated batch; DPO {TLDR['dpo_batch']} pairs and KTO {TLDR['kto_batch']} examples "
-            f"per step; a GPT-NeoX policy and reward model of {TLDR['layers']} layers, width {TLDR['width']}, "
+            f"per step; distillation {TLDR['distill_batch']} on-policy completions per step, reverse KL, from a "
+            f"teacher of {TLDR['teacher_layers']} layers, width {TLDR['teacher_width']}; a GPT-NeoX policy and reward "
+            f"model of {TLDR['layers']} layers, width {TLDR['width']}, "
             f"vocabulary {TLDR['vocab']} (transformer layers ~8x the output layer's work, as in Pythia-1B). Timing "
             "only: nothing learns.",
 }

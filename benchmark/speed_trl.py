@@ -1,9 +1,9 @@
-"""TRL's side of benchmark/speed.py: one trainer (RLOOTrainer, DPOTrainer, KTOTrainer or GRPOTrainer; TRL 1.16
-has no PPOTrainer) on the same SFT policy, reward model, data and hyper-parameters as ours, for --warmup + --steps
-steps: optimizer steps, or for GRPO generated batches of num_iterations optimizer steps each, as grpo.py counts
-them. A step ends at TRL's `on_step_end` callback (GRPO: that of its batch's last optimizer step); the result
-(seconds per step over the --steps steps after --warmup) is written as JSON to --out. Run by speed.py in a child
-process of its own (peak memory is that process's); by hand:
+"""TRL's side of benchmark/speed.py: one trainer (RLOOTrainer, DPOTrainer, KTOTrainer, GRPOTrainer or
+DistillationTrainer; TRL 1.16 has no PPOTrainer) on the same SFT policy, reward model (or teacher), data and
+hyper-parameters as ours, for --warmup + --steps steps: optimizer steps, or for GRPO generated batches of
+num_iterations optimizer steps each, as grpo.py counts them. A step ends at TRL's `on_step_end` callback (GRPO:
+that of its batch's last optimizer step); the result (seconds per step over the --steps steps after --warmup) is
+written as JSON to --out. Run by speed.py in a child process of its own (peak memory is that process's); by hand:
 
     python benchmark/speed_trl.py rloo --setting toy --steps 5 --warmup 1 --out /tmp/trl_rloo.json
     python benchmark/speed_trl.py grpo --setting tldr --steps 2 --warmup 1 --out /tmp/trl_grpo.json
@@ -24,8 +24,8 @@ for p in (os.path.dirname(HERE), HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import models  # noqa: E402
 import speed_settings as settings  # noqa: E402
-import models
 
 
 def common_fields(output_dir: str, max_steps: int) -> dict:
@@ -62,7 +62,6 @@ def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
     import datasets
     import trl
 
-    
     paths, d = settings.setting_paths(setting), settings.hyper(setting, algo)
     tokenizer = models.load_tokenizer(paths["policy"])
     model = models.load_causal_lm(paths["policy"], tokenizer)
@@ -107,6 +106,17 @@ def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
         if penalty is not None:
             unmatched.insert(0, f"missing-EOS penalty (ours: score - {penalty} without EOS; TRL has no such option)")
         return trainer, unmatched
+    if algo == "distill":
+        import distill
+
+        teacher = models.load_causal_lm(paths["teacher"], tokenizer)
+        config = trl.DistillationConfig(**common, max_completion_length=d["response_length"],
+                                        temperature=d.get("temperature", distill.Args.temperature), top_p=1.0, top_k=0,
+                                        beta=d.get("beta", distill.Args.beta), adam_epsilon=1e-5, warmup_steps=0,
+                                        log_completions=False)
+        dataset = datasets.load_from_disk(paths["prompt_dataset"], keep_in_memory=True)["train"]
+        return trl.DistillationTrainer(model=model, teacher_model=teacher, args=config, train_dataset=dataset,
+                                       processing_class=tokenizer, callbacks=callbacks), []
     raise ValueError(f"TRL has no trainer for {algo} here")
 
 
