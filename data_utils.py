@@ -250,15 +250,44 @@ def tokenize_conversation(tokenizer, messages: list, tools: Optional[list] = Non
     return prompt_ids, completion_ids, completion_mask
 
 
-def tokenize_prompt_completion(tokenizer, prompt: str, completion: str, max_prompt_length: int,
-                               max_length: int):
-    """Token ids of (prompt, completion + EOS) under the documented truncation rule:
+def tokenize_completion(tokenizer, prompt, completion) -> List[int]:
+    """Token ids of a completion ending with the EOS token, where the policy stops sampling. The rule:
+    - text: its tokens + EOS, always.
+    - messages (rendered after `prompt`: render_completion): the rendered text's tokens. If they contain EOS and the
+      tokens after the last one decode to whitespace or nothing (a template that ends the assistant turn with EOS,
+      e.g. "<|im_end|>\\n" with eos "<|im_end|>"), they are cut right after that EOS and nothing is appended: one
+      EOS, where the RL policy stops sampling and where tokenize_conversation cuts a turn, never
+      "<|im_end|>\\n<|im_end|>". Else (a template that ends turns with another token, or with none) EOS is appended,
+      as to text.
+    TRL 1.16 (trl/trainer/sft_trainer.py and reward_trainer.py, `_prepare_dataset`; its DPO and KTO trainers alike)
+    appends the EOS text to a text completion unless the text already ends with it (`add_eos`), and nothing to
+    messages: it trains on the template's tokens past the prompt, the whitespace after the turn's EOS included, and
+    RewardTrainer scores a conversation at that last token."""
+    ids = tokenizer(render_completion(tokenizer, prompt, completion), add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    if is_conversational(completion) and eos in ids:
+        end = len(ids) - ids[::-1].index(eos)  # just after the last EOS
+        if not tokenizer.decode(ids[end:]).strip():
+            return ids[:end]
+    return ids + [eos]
+
+
+def tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length: int, max_length: int,
+                               end_with_eos: bool = True):
+    """Token ids of (prompt, completion), each text or a list of messages (rendered here: render_prompt,
+    render_completion), under the documented truncation rule:
     1. the prompt keeps its LAST `max_prompt_length` tokens (truncated from the left);
-    2. the completion keeps its FIRST `max_length - len(prompt)` tokens (truncated from the right);
-    EOS is appended before truncation, so a truncated completion has no EOS. Returns (prompt_ids,
-    completion_ids); completion_ids is empty when truncation removed all of it (callers drop and count)."""
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"][-max_prompt_length:] if max_prompt_length > 0 else []
-    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    2. the completion, ending with EOS by tokenize_completion's rule (end_with_eos=False: its rendered tokens, nothing
+       appended nor cut: reward.py's text mode), keeps its FIRST `max_length - len(prompt)` tokens (truncated from
+       the right), so a truncated completion has no EOS. Returns (prompt_ids, completion_ids); completion_ids is
+       empty when truncation removed all of it (callers drop and count)."""
+    prompt_ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+    prompt_ids = prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []
+    if end_with_eos:
+        completion_ids = tokenize_completion(tokenizer, prompt, completion)
+    else:
+        text = render_completion(tokenizer, prompt, completion)
+        completion_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return prompt_ids, completion_ids[:max(0, max_length - len(prompt_ids))]
 
 

@@ -20,8 +20,14 @@
 # tokens of log p_S - log p_T, the reverse KL per token), objective/entropy (student, per token), objective/scores
 # (the reward functions on the student's samples: logged, never trained on), val/on_policy, val/response_length,
 # lr, episode, time/*; eval/* (greedy, held-out prompts): gold_score (when the task has one), scores, eos_rate.
-# --use_vllm samples with a colocated vLLM engine (vllm_generation.py; time/vllm_sync); with --loss pg the truncated
-# importance weights min(pi_trainer / pi_vllm, cap) weight each token's loss (vllm/logprob_diff, vllm/is_weight_*).
+# --use_vllm samples with a colocated vLLM engine (vllm_generation.py; time/vllm_sync); with --loss pg the importance
+# weights pi_trainer / pi_vllm, truncated or masked, per token or per completion (--vllm_importance_sampling_mode),
+# weight each token's loss (vllm/logprob_diff, vllm/is_weight_*, vllm/is_truncated_frac or vllm/is_masked_frac).
+# With --loss gkd the engine's samples are used as they are, without importance correction: the divergence is taken
+# over the whole next-token distribution at each position, the sample only chooses the positions (states), and a
+# state distribution off by the engine's rounding is the same small bias as TRL's DistillationTrainer with vLLM.
+# Memory: the teacher runs without gradients in chunks of --local_rollout_forward_batch_size rows, its output layer
+# on the completion positions only; with one completion per prompt there are no repeated prompts to share.
 import math
 import os
 import random
@@ -153,8 +159,15 @@ class Args:
     """GPUs one vLLM engine is sharded over (with one training process)"""
     vllm_sleep_mode: bool = False
     """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
+    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
+    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
+    vllm_importance_sampling_clip_max: vg.ClipMax = 3.0
+    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """lower bound of the importance weight (None = none)"""
 
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
@@ -238,13 +251,9 @@ def load_teacher(args, tokenizer, positions_needed: int, accelerator):
 
 def dataset_completions(data, indices, tokenizer, response_length: int) -> List[List[int]]:
     """Off-policy completions of the training rows `indices`: their `completion` column (text, or messages rendered
-    after the prompt) + EOS, cut to response_length tokens."""
-    out = []
-    for i in indices:
-        row = data[i]
-        text = du.render_completion(tokenizer, row["prompt"], row["completion"])
-        out.append((tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id])[:response_length])
-    return out
+    after the prompt) ending with one EOS (du.tokenize_completion), cut to response_length tokens."""
+    rows = [data[i] for i in indices]
+    return [du.tokenize_completion(tokenizer, row["prompt"], row["completion"])[:response_length] for row in rows]
 
 
 def main():
@@ -324,9 +333,10 @@ def main():
         losses, teacher_kl, entropy, is_stats = [], [], [], {}
         for mb in torch.arange(local_batch_size, device=accelerator.device).view(args.gradient_accumulation_steps, -1):
             tokens, mask = query_responses[mb, context_length:], response_mask[mb]
-            with torch.no_grad():
-                teacher_logits = pc.forward_logits(teacher, query_responses[mb], context_length, pad,
-                                                   args.temperature)  # (b, R, V)
+            with torch.no_grad():  # in chunks of --local_rollout_forward_batch_size rows (the teacher's activations)
+                teacher_logits = torch.cat([pc.forward_logits(teacher, query_responses[rows], context_length, pad,
+                                                              args.temperature)
+                                            for rows in mb.split(chunk)])  # (b, R, V)
                 teacher_logprobs = pc.selective_logprobs(teacher_logits, tokens)  # (b, R): of the tokens trained on
             with accelerator.accumulate(policy):
                 student_logits = pc.forward_logits(policy, query_responses[mb], context_length, pad, args.temperature)

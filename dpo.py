@@ -174,9 +174,10 @@ def validate(args: Args) -> None:
 
 # Data: (prompt, chosen, rejected) -> token ids
 def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
-    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected` (EOS
-    appended to completions, then cut by du.tokenize_prompt_completion's rule); a pair with a completion cut to nothing
-    is dropped and counted. A value that is neither text nor a list of messages is a UserError."""
+    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
+    (completions ending with one EOS, du.tokenize_completion, then cut by du.tokenize_prompt_completion's rule); a pair
+    with a completion cut to nothing is dropped and counted. A value that is neither text nor a list of messages is a
+    UserError."""
     rows, dropped = [], 0
     for i, example in enumerate(dataset):
         for column in ("prompt", "chosen", "rejected"):
@@ -184,10 +185,9 @@ def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length:
             if not (isinstance(value, str) or du.is_conversational(value)):
                 raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
                                 f"{{role, content}} messages, got {type(value).__name__}")
-        prompt = du.render_prompt(tokenizer, example["prompt"])
         (prompt_ids, chosen_ids), (_, rejected_ids) = [du.tokenize_prompt_completion(
-            tokenizer, prompt, du.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
-            max_length) for column in ("chosen", "rejected")]
+            tokenizer, example["prompt"], example[column], max_prompt_length, max_length)
+            for column in ("chosen", "rejected")]
         if not prompt_ids or not chosen_ids or not rejected_ids:
             dropped += 1
             continue

@@ -6,8 +6,11 @@
 #   python grpo.py --reward_funcs gold               # the same on the toy task's verifiable reward, no reward model
 #   accelerate launch grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts> --reward_funcs file.py:fn
 # Per step: sample num_generations completions per prompt (rollout.py), score them (reward model and/or reward
-# functions, weighted: reward_sources.py), advantage = (reward - group mean) / (group std + 1e-4), then num_iterations
-# optimizer steps on the clipped surrogate (+ beta x k3 KL to the reference in the loss), token losses aggregated per --loss_type.
+# functions, weighted: reward_sources.py), advantage = (reward - group mean) / (group std + 1e-4) (a group whose
+# rewards are all equal: exactly 0), then num_iterations optimizer steps on the clipped surrogate (+ beta x k3 KL to
+# the reference in the loss), token losses aggregated per --loss_type. DAPO's --dynamic_sampling samples more prompts
+# until the batch holds only groups whose rewards differ (dynamic_sampling/rounds, /frac_flat_sampled); its overlong
+# shaping, --overlong_buffer_length, is a reward source `overlong` (reward_sources.py).
 # Metrics (metrics.jsonl, a row per step): objective/scores (the weighted reward), objective/kl (sequence KL to the
 # reference, k1, when beta > 0), objective/beta, objective/entropy, objective/frac_reward_zero_std (groups whose
 # rewards are all equal: no signal), objective/advantage_std, reward/<source>/mean and /std, loss/policy,
@@ -16,7 +19,8 @@
 # prompts): scores, kl, response_length, eos_rate, reward/<source>/*, gold_score (when the task has one), and with
 # --num_eval_generations k and reward functions: pass@k and mean@k over k sampled completions per prompt.
 # --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
-# vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/vllm_sync.
+# vllm/is_truncated_frac or vllm/is_masked_frac (importance weights on the policy loss, per
+# --vllm_importance_sampling_mode) and time/vllm_sync.
 # --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
 # appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
 # tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
@@ -129,6 +133,11 @@ class Args:
     """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = None
     """subtracted from the score of a completion without EOS (None = no penalty)"""
+    overlong_buffer_length: int = 0
+    """DAPO's overlong shaping: a penalty rising linearly over the last this many tokens before --response_length
+    (reward source `overlong`, weight 1; 0 = off)"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong penalty at --response_length tokens is -this (DAPO: 1.0)"""
     local_rollout_forward_batch_size: Optional[int] = None
     """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
     memory than the training pass over as many rows)"""
@@ -144,8 +153,15 @@ class Args:
     """GPUs one vLLM engine is sharded over (with one training process)"""
     vllm_sleep_mode: bool = False
     """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
+    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
+    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
+    vllm_importance_sampling_clip_max: vg.ClipMax = 3.0
+    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """lower bound of the importance weight (None = none)"""
 
     # Tools and environments: multi-turn episodes (episodes.py, README "Tools"; TRL's interface)
     tools: Optional[List[str]] = None
@@ -165,7 +181,8 @@ class Args:
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """loss variant: dpo.py sigmoid (DPO/cDPO), ipo, hinge (SLiC), robust (rDPO); grpo.py aggregation (see its code)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
-    """one importance ratio per token, or one per sequence from the mean token log-ratio (sequence = GSPO)"""
+    """one importance ratio per token, or one per sequence from the mean token log-ratio (sequence = GSPO; with
+    --loss_type bnpo, dr_grpo or dapo, which sum token losses, each sequence then weighs by its length: a warning)"""
     epsilon: float = 0.2
     """lower clip range of the importance ratio: ratio >= 1 - epsilon"""
     epsilon_high: Optional[float] = None
@@ -183,6 +200,10 @@ class Args:
     """leave completions without EOS (cut at response_length) out of the loss (DAPO)"""
     skip_zero_std_groups: bool = False
     """leave groups whose rewards are all equal (zero advantage) out of the loss and its normalisation"""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: sample more prompts until the batch is filled with groups whose rewards differ"""
+    dynamic_sampling_max_rounds: int = 8
+    """with --dynamic_sampling, at most this many rollouts per step (then flat groups fill the rest, counted)"""
     num_eval_generations: int = 0
     """k completions sampled per held-out prompt for eval/pass@k and eval/mean@k with reward functions (0 = off)"""
 
@@ -205,13 +226,17 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     """(P * G,) rewards, NaN for a completion no source scored, grouped prompt by prompt (rows [i*G, (i+1)*G) share
     prompt i) -> (advantages (P * G,), zero_std (P * G,) bool: the row's group has no reward spread).
     advantage = reward - mean of its group, divided by (std + 1e-4) of its group (`group`), of all processes'
-    rewards (`batch`), or not (`none`); stds are unbiased, NaN rows are left out and get advantage 0."""
+    rewards (`batch`), or not (`none`); stds are unbiased, NaN rows are left out and get advantage 0.
+    A group is flat when its scored rewards' maximum equals their minimum, decided on the rewards themselves: in
+    float32 the mean of G equal values can be a rounding step off (3 x 1000.1: std 6e-5, advantages +0.35 each),
+    so a computed std is never compared with 0; a flat group's advantages are exactly 0."""
     grouped = rewards.view(-1, num_generations)  # (P, G)
     mean = grouped.nanmean(1, keepdim=True)
     count = (~grouped.isnan()).sum(1, keepdim=True)
     std = (((grouped - mean) ** 2).nansum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (P, 1)
-    zero_std = torch.isclose(std, torch.zeros_like(std)).expand_as(grouped).reshape(-1)
-    advantages = (grouped - mean).reshape(-1)
+    flat = grouped.nan_to_num(nan=-math.inf).amax(1, keepdim=True) <= grouped.nan_to_num(nan=math.inf).amin(1, True)
+    zero_std = flat.expand_as(grouped).reshape(-1)  # (P * G,); a group nothing scored counts as flat
+    advantages = (grouped - mean).masked_fill(flat, 0.0).reshape(-1)
     if scale_rewards == "group":
         advantages = advantages / (std.expand_as(grouped).reshape(-1) + 1e-4)
     elif scale_rewards == "batch":
@@ -224,6 +249,38 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return advantages.nan_to_num(0.0), zero_std
+
+
+def dynamic_sampling_rollout(sampler, accelerator, args, prompts_seen: int, weights_version: int,
+                             local_prompts: int, old_logprobs: bool):
+    """DAPO's dynamic sampling (Yu et al. 2025): roll out this process's local_prompts prompts, keep the groups whose
+    rewards differ (a flat group has zero advantage: no signal), and roll out the next prompts of the stream until
+    EVERY process holds local_prompts such groups (one all-reduce per round, so all run the same rounds) or
+    --dynamic_sampling_max_rounds rounds ran; the batch is the first local_prompts kept groups, topped up with flat
+    ones if the cap was reached. Returns (batch, prompts consumed over all processes, metrics)."""
+    G, kept, flat, rounds, sampled_flat = args.num_generations, [], [], 0, 0
+    while True:
+        rollout = sampler.rollout(prompts_seen + rounds * local_prompts * accelerator.num_processes,
+                                  weights_version=weights_version, old_logprobs=old_logprobs)
+        rounds += 1
+        _, zero_std = group_advantages(scored_rewards(rollout), G, "none")  # (B,): the row's group is flat
+        group_is_flat = zero_std.view(-1, G)[:, 0]  # (P,)
+        rows = torch.arange(len(zero_std), device=zero_std.device).view(-1, G)  # (P, G)
+        kept.append(rollout.subset(rows[~group_is_flat].flatten()))
+        flat.append(rollout.subset(rows[group_is_flat].flatten()))
+        sampled_flat += group_is_flat.sum().item()
+        short = sum(len(r.rows) for r in kept) < local_prompts * G
+        if ru.global_sum(accelerator, float(short)) == 0 or rounds == args.dynamic_sampling_max_rounds:
+            break
+    batch = ro.concat_rollouts([r for r in kept + flat if r.rows]).subset(torch.arange(local_prompts * G))
+    metrics = {"dynamic_sampling/rounds": float(rounds),
+               "dynamic_sampling/frac_flat_sampled": sampled_flat / (rounds * local_prompts)}
+    return batch, rounds * local_prompts * accelerator.num_processes, metrics
+
+
+def scored_rewards(batch) -> torch.Tensor:
+    """(B,) the batch's rewards, NaN where no reward source scored the completion (left out of its group)."""
+    return batch.scores.masked_fill(batch.source_scores.isnan().all(1), math.nan)
 
 
 def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *, importance_sampling_level: str,
@@ -287,16 +344,22 @@ def validate(args: Args):
         raise UserError("--epsilon, --epsilon_high, --learning_rate, --max_grad_norm and --temperature must be > 0")
     if args.beta < 0 or (args.kl_target is not None and (args.kl_target <= 0 or args.beta == 0)):
         raise UserError("--beta must be >= 0, and --kl_target (> 0) adapts a --beta that starts above 0")
+    if args.importance_sampling_level == "sequence" and args.loss_type != "grpo" and os.environ.get("RANK", "0") == "0":
+        print(f"warning: with --importance_sampling_level sequence the '{args.loss_type}' loss sums per-token "
+              "contributions, which weights each sequence by its completion length instead of optimising the "
+              "per-sequence objective (TRL 1.16 warns the same); GSPO's setup is --loss_type grpo", flush=True)
     vg.validate_args(args)
     ep.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_iterations, args.per_device_train_batch_size, args.num_eval_prompts, args.kl_horizon,
+           args.dynamic_sampling_max_rounds,
            args.gradient_accumulation_steps, args.response_length, args.total_episodes,
            args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1 \
             or args.num_eval_generations < 0:
         raise UserError("batch sizes, --num_iterations, --num_eval_prompts, --response_length, --total_episodes, "
-                        "--kl_horizon and --max_steps must be >= 1, --num_eval_generations >= 0")
+                        "--kl_horizon, --dynamic_sampling_max_rounds and --max_steps must be >= 1, "
+                        "--num_eval_generations >= 0")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     local_prompts = pc.exact_div(local_batch_size, args.num_generations, "local_batch_size "
                                  "(per_device_train_batch_size * gradient_accumulation_steps) / num_generations")
@@ -353,11 +416,18 @@ def main():
         # 5. rollout: this process's local_prompts prompts, num_generations completions each, scored; reference
         #    log-probs when beta > 0; old log-probs only for reused batches (at one iteration the training forward's
         #    own, detached: a ratio of exactly 1, as TRL)
+        #    (--dynamic_sampling: more prompts until the batch holds only groups whose rewards differ)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
-            batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"],
-                                    old_logprobs=args.num_iterations > 1)
+            if args.dynamic_sampling:
+                batch, prompts_used, sampling_metrics = dynamic_sampling_rollout(
+                    sampler, accelerator, args, state["prompts_seen"], state["step"], local_prompts,
+                    old_logprobs=args.num_iterations > 1)
+            else:
+                batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"],
+                                        old_logprobs=args.num_iterations > 1)
+                prompts_used, sampling_metrics = local_prompts * accelerator.num_processes, {}
         response_mask, truncated, ref_logprobs = batch.response_mask, batch.truncated, batch.ref_logprobs  # (B, R)...
-        scores = batch.scores.masked_fill(batch.source_scores.isnan().all(1), math.nan)  # scored by no source: left out
+        scores = scored_rewards(batch)  # (B,): scored by no source: NaN, left out
 
         # 6. group-relative advantages; the loss mask and its token count over all processes (for dapo)
         advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, accelerator)
@@ -376,7 +446,8 @@ def main():
                 with accelerator.accumulate(policy):
                     new_logprobs, token_entropy = sampler.logprobs(policy, batch, mb, entropy=iteration == 0)
                     old = new_logprobs.detach() if batch.logprobs is None else batch.logprobs[mb]
-                    # sampled by vLLM: each token's surrogate weighted by min(pi_old / pi_vllm, cap); else None
+                    # sampled by vLLM: each token's surrogate weighted by pi_old / pi_vllm, per token or per
+                    # completion, truncated or masked (--vllm_importance_sampling_mode); else None
                     is_weights, is_stats = batch.importance_weights(old, mb)
                     token_loss, mb_stats = per_token_loss(
                         new_logprobs, old, None if ref_logprobs is None else ref_logprobs[mb], advantages[mb],
@@ -394,7 +465,7 @@ def main():
                         kl.append(((old - ref_logprobs[mb]) * response_mask[mb]).sum(1))
             optimizer_step(torch.stack(losses[-args.gradient_accumulation_steps:]), state, step)
         state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
-                     prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
+                     prompts_seen=state["prompts_seen"] + prompts_used)
 
         # 8. log, adapt beta (--kl_target), evaluate every eval_steps steps and after the last
         scored = ~scores.isnan()
@@ -406,7 +477,7 @@ def main():
             "val/num_eos_tokens": (~truncated).sum().float(), "val/truncated_fraction": truncated.float().mean(),
             "val/response_length": response_mask.sum(1).float().mean(),
             "nonfinite/skipped": float(state["nonfinite_skipped"]),
-            **({"objective/kl": torch.cat(kl).mean()} if reference is not None else {}),
+            **({"objective/kl": torch.cat(kl).mean()} if reference is not None else {}), **sampling_metrics,
         })
         metrics.update(batch.metrics)
         metrics.update(reward_sources.metrics(batch.source_scores, accelerator))

@@ -226,14 +226,13 @@ def to_unpaired(dataset, name: str):
 
 
 def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
-    """Rows -> (examples, dropped). Each example: index, prompt_ids, completion_ids (EOS appended), label.
+    """Rows -> (examples, dropped). Each example: index, prompt_ids, completion_ids (ending with one EOS:
+    du.tokenize_completion), label.
     Rows whose prompt or completion is emptied by truncation are dropped and counted."""
     examples, dropped = [], 0
     for row in dataset:
-        prompt = du.render_prompt(tokenizer, row["prompt"])
-        completion = du.render_completion(tokenizer, row["prompt"], row["completion"])
-        prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
-                                                                   max_length)
+        prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"],
+                                                                   max_prompt_length, max_length)
         if not prompt_ids or not completion_ids:
             dropped += 1
             continue

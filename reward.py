@@ -15,9 +15,11 @@ Implementation details, with where they come from:
    SfFD's reward.py does (Huang et al. 2024): weight ~ Normal(0, std 1 / sqrt(hidden_size + 1)), bias 0 where the head
    has one; a checkpoint that already is a sequence classifier keeps its head.
 2. Input (--reward_model_input; None = tokens, the convention of SfFD and TRL's RewardTrainer):
-     tokens  prompt ids + completion ids + the EOS token, scored at the last non-pad token (the EOS);
-     text    the same ids without the appended EOS, scored at the last token: how TRL's RLOO/GRPO trainers (and
-             reward_sources.py's text mode) read a reward model, which then never sees EOS.
+     tokens  prompt ids + completion ids ending with one EOS, scored at the last non-pad token (the EOS): EOS appended
+             to text, and to messages unless the chat template already ends the turn with EOS (then cut after it;
+             data_utils.tokenize_completion);
+     text    the ids as rendered, nothing appended, scored at the last token: how TRL's RLOO/GRPO trainers (and
+             reward_sources.py's text mode) read a reward model, which then never sees an appended EOS.
    Prompt and completion are tokenised apart, as the RL scripts see them; prompts longer than --max_prompt_length
    keep their last tokens, completions their first (data_utils.tokenize_prompt_completion; a cut completion has no
    EOS); a pair with a completion cut to nothing is dropped and counted (data/dropped). The mode is saved in the
@@ -175,15 +177,14 @@ def validate(args: Args) -> None:
 
 
 # Data: (prompt, chosen, rejected[, margin]) -> token ids, as the reward model will read them
-def reward_input_ids(tokenizer, prompt: str, completion: str, max_prompt_length: int, max_length: int, mode: str):
-    """(prompt_ids, completion_ids) of one completion as read in `mode`: tokens = data_utils.tokenize_prompt_completion
-    (EOS appended, then the prompt cut from the left and the completion from the right); text = the same without the
-    appended EOS (a cut completion has none in either mode)."""
-    prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length,
-                                                               max_length)
-    if mode == "text" and completion_ids and completion_ids[-1] == tokenizer.eos_token_id:
-        completion_ids = completion_ids[:-1]
-    return prompt_ids, completion_ids
+def reward_input_ids(tokenizer, prompt, completion, max_prompt_length: int, max_length: int, mode: str):
+    """(prompt_ids, completion_ids) of one completion (text, or messages rendered with the chat template) as read in
+    `mode`, by data_utils.tokenize_prompt_completion (the prompt cut from the left, the completion from the right):
+    tokens = the completion ending with one EOS (data_utils.tokenize_completion: appended to text, and to messages
+    unless the template already ends the turn with EOS); text = the completion's tokens as rendered, nothing appended,
+    as reward_sources.py's text mode reads it (a cut completion loses its end, EOS included, in either mode)."""
+    return du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length, max_length,
+                                         end_with_eos=mode == "tokens")
 
 
 def tokenize_pairs(tokenizer, dataset, max_prompt_length: int, max_length: int, mode: str, name: str):
@@ -201,10 +202,9 @@ def tokenize_pairs(tokenizer, dataset, max_prompt_length: int, max_length: int, 
         margin = example["margin"] if has_margin else 0.0
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
             raise UserError(f"dataset {name!r} row {i} column 'margin': expected a finite number, got {margin!r}")
-        prompt = du.render_prompt(tokenizer, example["prompt"])
         (prompt_ids, chosen_ids), (_, rejected_ids) = [reward_input_ids(
-            tokenizer, prompt, du.render_completion(tokenizer, example["prompt"], example[column]), max_prompt_length,
-            max_length, mode) for column in ("chosen", "rejected")]
+            tokenizer, example["prompt"], example[column], max_prompt_length, max_length, mode)
+            for column in ("chosen", "rejected")]
         if not chosen_ids or not rejected_ids:
             dropped += 1
             continue

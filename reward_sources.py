@@ -110,6 +110,23 @@ def environment_reward(environment: type) -> RewardFunction:
     return RewardFunction(environment.__name__, get_reward)
 
 
+def overlong_penalty(response_length: int, buffer_length: int, factor: float) -> RewardFunction:
+    """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13; TRL's get_soft_overlong_punishment, times a factor)
+    as a reward source named `overlong`: 0 for a completion of at most L = response_length - buffer_length tokens,
+    then a linear penalty factor * (L - |y|) / buffer_length down to -factor at response_length (and below it, for
+    tool episodes longer than the sampling budget, -factor). |y| counts the completion's tokens as completion_ids
+    holds them (EOS included; tool episodes: tool results included)."""
+    if not 0 < buffer_length < response_length or factor < 0:
+        raise UserError(f"--overlong_buffer_length must be in (0, --response_length = {response_length}) and "
+                        f"--overlong_penalty_factor >= 0, got {buffer_length} and {factor}")
+    start = response_length - buffer_length
+
+    def overlong(completion_ids, **columns):
+        return [factor * max(-1.0, min(0.0, (start - len(ids)) / buffer_length)) for ids in completion_ids]
+
+    return RewardFunction("overlong", overlong)
+
+
 def _short(value, width: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= width else text[:width - 3] + "..."
@@ -312,11 +329,8 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     that every column a function requires is in each of `datasets`, and that conversational data read as text
     has a chat template. The reward model gets a pad token of its own if it has none (the policy's is untouched)."""
     functions = [load_reward_function(spec, dataset) for spec in args.reward_funcs or []]
-    weights = args.reward_weights
     if environment is not None and callable(getattr(environment, "get_reward", None)):
-        functions.append(environment_reward(environment))  # --environment's own reward: the last source
-        if weights is not None and len(weights) == len(args.reward_funcs or []) + bool(args.reward_model):
-            weights = list(weights) + [1.0]  # weight 1 unless --reward_weights names it (TRL)
+        functions.append(environment_reward(environment))  # --environment's own reward (TRL's rule)
     for function in functions:
         supplied = {"prompts", "completions", "completion_ids", "environments"}
         for data in datasets:
@@ -325,6 +339,12 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
                 raise UserError(f"reward function {function.name!r} needs column(s) {missing}; dataset {dataset!r} "
                                 f"has {data.column_names}")
     name = args.reward_model or (None if functions else ru.default_reward_model(model_alias))
+    if getattr(args, "overlong_buffer_length", 0):  # shaping, not a reward: the paired reward model stays
+        functions.append(overlong_penalty(args.response_length, args.overlong_buffer_length,
+                                          args.overlong_penalty_factor))
+    weights, named = args.reward_weights, len(args.reward_funcs or []) + (name is not None)
+    if weights is not None and len(weights) == named:  # the sources the flags added: weight 1 unless named (TRL)
+        weights = list(weights) + [1.0] * (len(functions) - len(args.reward_funcs or []))
     if name is None:
         if args.reward_model_input is not None:
             raise UserError("--reward_model_input is given but there is no reward model")

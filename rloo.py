@@ -16,7 +16,8 @@
 # held-out prompts): scores, kl, response_length, eos_rate, reward/<source>/*, gold_score (when the task has a
 # ground-truth scorer).
 # --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
-# vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/vllm_sync.
+# vllm/is_truncated_frac or vllm/is_masked_frac (importance weights on the policy loss, per
+# --vllm_importance_sampling_mode) and time/vllm_sync.
 # --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
 # appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
 # tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
@@ -159,6 +160,11 @@ class Args:
     """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = 1.0
     """subtracted from the score of a completion without EOS (None = no penalty)"""
+    overlong_buffer_length: int = 0
+    """DAPO's overlong shaping: a penalty rising linearly over the last this many tokens before --response_length
+    (reward source `overlong`, weight 1; 0 = off)"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong penalty at --response_length tokens is -this (DAPO: 1.0)"""
     local_rollout_forward_batch_size: Optional[int] = None
     """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
     memory than the training pass over as many rows)"""
@@ -174,8 +180,15 @@ class Args:
     """GPUs one vLLM engine is sharded over (with one training process)"""
     vllm_sleep_mode: bool = False
     """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
+    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
+    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
+    vllm_importance_sampling_clip_max: vg.ClipMax = 3.0
+    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """lower bound of the importance weight (None = none)"""
 
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
@@ -205,9 +218,13 @@ def per_token_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: 
 
 def leave_one_out_baseline(rewards: torch.Tensor, rloo_k: int) -> torch.Tensor:
     """(P * k,) -> (P * k,) mean reward of the OTHER k-1 completions of the same prompt.
-    Rows are grouped prompt by prompt (repeat_interleave order): rows [i*k, (i+1)*k) share prompt i."""
+    Rows are grouped prompt by prompt (repeat_interleave order): rows [i*k, (i+1)*k) share prompt i.
+    A group whose rewards are all equal (max == min) gets that value as its baseline exactly: in float32 the
+    (sum - own) / (k - 1) of equal values can be a rounding step off, and whitening would blow that up."""
     grouped = rewards.view(-1, rloo_k)  # (P, k)
-    return ((grouped.sum(1, keepdim=True) - grouped) / (rloo_k - 1)).reshape(-1)
+    baseline = (grouped.sum(1, keepdim=True) - grouped) / (rloo_k - 1)
+    flat = grouped.amax(1, keepdim=True) == grouped.amin(1, keepdim=True)  # (P, 1)
+    return torch.where(flat, grouped, baseline).reshape(-1)
 
 
 def token_level_returns(scores: torch.Tensor, kl: torch.Tensor, response_mask: torch.Tensor,
@@ -360,8 +377,9 @@ def main():
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
                 batch.scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
                 normalize=args.normalize_advantage, accelerator=accelerator)
-            # sampled by vLLM: each action's loss weighted by min(pi_trainer / pi_vllm, cap); else None
-            is_weights, is_stats = batch.importance_weights(batch.logprobs, per_sequence=advantages.dim() == 1)
+            # sampled by vLLM: each action's loss weighted by pi_trainer / pi_vllm, truncated or masked; the sequence
+            # view's action is the completion (one weight each, sequence_* modes), the token view's a token; else None
+            is_weights, is_stats = batch.importance_weights(batch.logprobs, sequence_loss=advantages.dim() == 1)
 
         # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         losses, stats = [], dict(clipfrac=[], approxkl=[], ratio=[])

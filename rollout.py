@@ -27,13 +27,14 @@ largest |sampled - recomputed| over their tokens, on all processes, is logged as
 tolerance (float32: 1e-3 on any token; bf16/fp16, whose kernels round differently in generation and in a forward:
 0.05 on average over the tokens) the run stops with a RolloutError, its finished steps checkpointed.
 With vLLM the engine's log-probs are not the trainer's (other kernels, a KV cache, bf16): the old log-probs come from
-a trainer forward, and `Rollout.importance_weights` reweights the policy loss by truncated importance weights.
+a trainer forward, and `Rollout.importance_weights` reweights the policy loss by importance weights.
 """
 
 from __future__ import annotations
 
-import math
 import copy
+import dataclasses
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -114,12 +115,13 @@ class Rollout:
     ref_logprobs: Optional[torch.Tensor]  # (B, R) the reference's; meaningless after EOS (mask with response_mask)
     entropy: Optional[torch.Tensor]  # (B, R) entropy of the sampling distribution at each response position
     sampler_logprobs: Optional[torch.Tensor]  # (B, R) vLLM's log-probs of its samples (None: HF generate sampled)
-    is_cap: float  # C of the truncated importance weights min(pi_trainer / pi_vllm, C) (--vllm_is_cap)
     metrics: dict  # rollout/logprob_check (at the steps checked), time/vllm_sync (vLLM)
     pad_token_id: int
     eos_token_id: int
     action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
     episode_truncated: Optional[torch.Tensor] = None  # (B,) multi-turn: the episode ended at the budget
+    # how the loss of vLLM's samples is reweighted (--vllm_importance_sampling_*; read only with sampler_logprobs)
+    importance_sampling: vg.ImportanceSampling = vg.ImportanceSampling()
 
     @property
     def responses(self) -> torch.Tensor:
@@ -148,14 +150,56 @@ class Rollout:
         prompts = len(self.query_responses) // k
         return (torch.randperm(prompts, device=device)[:, None] * k + torch.arange(k, device=device)).flatten()
 
-    def importance_weights(self, trainer_logprobs: torch.Tensor, rows=slice(None), per_sequence: bool = False):
-        """Truncated importance sampling for rows `rows` sampled by vLLM (Yao et al. 2025; vllm_generation.py):
-        (weights, stats) with weights min(pi_trainer / pi_vllm, cap), detached, per token (b, R) or per completion
-        (b,) with `per_sequence`; (None, {}) when the trainer's own policy sampled them (HF generate)."""
+    def subset(self, rows: torch.Tensor) -> "Rollout":
+        """The rows `rows` (whole groups of samples_per_prompt, in order) as a Rollout of their own."""
+        per_row = ("query_responses", "scores", "source_scores", "logprobs", "ref_logprobs", "entropy",
+                   "sampler_logprobs", "action_mask", "episode_truncated")
+        picked = {name: None if getattr(self, name) is None else getattr(self, name)[rows] for name in per_row}
+        return dataclasses.replace(self, rows=[self.rows[i] for i in rows.tolist()], **picked)
+
+    def importance_weights(self, trainer_logprobs: torch.Tensor, rows=slice(None), sequence_loss: bool = False):
+        """Importance sampling for rows `rows` sampled by vLLM (`vg.importance_weights`, --vllm_importance_sampling_*):
+        (weights, stats) with weights pi_trainer / pi_vllm truncated or masked, detached, (b, R) (token_* modes: per
+        token; sequence_*: the completion's on each of its tokens) or (b,) with `sequence_loss` (a loss with one term
+        per completion); (None, {}) when the trainer's own policy sampled them (HF generate)."""
         if self.sampler_logprobs is None:
             return None, {}
-        return vg.truncated_importance_weights(trainer_logprobs, self.sampler_logprobs[rows], self.response_mask[rows],
-                                               self.is_cap, per_sequence=per_sequence)
+        return vg.importance_weights(trainer_logprobs, self.sampler_logprobs[rows], self.response_mask[rows],
+                                     self.importance_sampling, sequence_loss=sequence_loss)
+
+
+def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
+    """Several rollouts of one step as one (rows in order; e.g. dynamic sampling's rounds): prompts re-padded on the
+    left to the longest context, responses on the right to the longest (pad; INVALID_LOGPROB for old log-probs,
+    0 elsewhere, outside the response mask either way); numeric metrics averaged over the rounds that have them."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    first, pad = rollouts[0], rollouts[0].pad_token_id
+    context_length = max(r.context_length for r in rollouts)
+    length = max(r.query_responses.shape[1] - r.context_length for r in rollouts)  # R
+
+    def response_side(name: str, fill):  # (B, R_i) per rollout -> (sum B, R), right-filled
+        if getattr(first, name) is None:
+            return None
+        return torch.cat([torch.nn.functional.pad(getattr(r, name), (0, length - getattr(r, name).shape[1]),
+                                                  value=fill) for r in rollouts])
+
+    query_responses = torch.cat([torch.nn.functional.pad(r.query_responses, (
+        context_length - r.context_length, length - r.query_responses.shape[1] + r.context_length), value=pad)
+        for r in rollouts])  # (sum B, Lq + R): left pad to the longest prompt, right pad to the longest response
+    metrics = {}
+    for key in {key for r in rollouts for key in r.metrics}:
+        values = [r.metrics[key] for r in rollouts if key in r.metrics]
+        metrics[key] = sum(values) / len(values)
+    return dataclasses.replace(
+        first, query_responses=query_responses, context_length=context_length,
+        rows=[row for r in rollouts for row in r.rows],
+        scores=torch.cat([r.scores for r in rollouts]), source_scores=torch.cat([r.source_scores for r in rollouts]),
+        logprobs=response_side("logprobs", pc.INVALID_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
+        entropy=response_side("entropy", 0.0), sampler_logprobs=response_side("sampler_logprobs", 0.0),
+        action_mask=response_side("action_mask", False), metrics=metrics,
+        episode_truncated=None if first.episode_truncated is None else torch.cat([r.episode_truncated
+                                                                                   for r in rollouts]))
 
 
 class Sampler:
@@ -258,9 +302,9 @@ class Sampler:
         return Rollout(query_responses=query_responses, context_length=context_length, samples_per_prompt=k, rows=rows,
                        scores=scores, source_scores=source_scores, logprobs=logprobs if old_logprobs else None,
                        ref_logprobs=ref_logprobs, entropy=entropies, sampler_logprobs=sampler_logprobs,
-                       is_cap=getattr(args, "vllm_is_cap", 2.0), metrics=metrics, pad_token_id=self.pad,
-                       eos_token_id=self.eos, action_mask=action_mask,
-                       episode_truncated=None if episodes is None else truncated)
+                       metrics=metrics, pad_token_id=self.pad, eos_token_id=self.eos, action_mask=action_mask,
+                       episode_truncated=None if episodes is None else truncated,
+                       importance_sampling=vg.ImportanceSampling.from_args(args))
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
                first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True):

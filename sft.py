@@ -6,9 +6,11 @@ Trains a policy on (prompt, completion) demonstrations with no reference, no rew
            / the number of those completion tokens
 - Prompt tokens carry no loss: the prompt is context only (TRL's SFTTrainer default for prompt-completion data,
   `completion_only_loss`). Huang et al.'s sft.py (below) trained on the query tokens as well.
-- EOS is appended to every completion, so the policy learns where to stop (du.tokenize_prompt_completion: the prompt
-  keeps its last --max_prompt_length tokens, the completion + EOS its first --max_length minus prompt tokens; a cut
-  completion has no EOS). An example with an empty prompt or nothing left of its completion is dropped and counted.
+- Every completion ends with one EOS, so the policy learns where to stop: appended to text, and to messages unless
+  the chat template already ends the assistant turn with EOS (then cut after it; du.tokenize_completion). Then
+  du.tokenize_prompt_completion: the prompt keeps its last --max_prompt_length tokens, the completion its first
+  --max_length minus prompt tokens (a cut completion has no EOS). An example with an empty prompt or nothing left of
+  its completion is dropped and counted.
 - Normalisation: a token mean over the whole optimizer step (every micro-batch of every process), not a mean of
   micro-batch means: each completion token weighs the same whichever micro-batch it falls in, so
   --gradient_accumulation_steps and the number of processes leave the gradient unchanged (as TRL's
@@ -253,16 +255,16 @@ def prompt_completion_pairs(data, name: str) -> list:
 
 def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length: int, name: str):
     """[(prompt, completion, tools)] -> (rows, dropped): rows of token-id lists `prompt`, `completion` and the bool
-    list `completion_mask` (True on the tokens trained on). A pair: EOS appended to the completion, then cut by
-    du.tokenize_prompt_completion's rule, every completion token trained. A tool conversation (tools not None):
-    du.tokenize_conversation's tokens and mask (assistant turns only), cut by the same rule. An example with an empty
-    prompt or no trained token left is dropped and counted. No example left is a UserError."""
+    list `completion_mask` (True on the tokens trained on). A pair: the completion ending with EOS
+    (du.tokenize_completion), cut by du.tokenize_prompt_completion's rule, every completion token trained. A tool
+    conversation (tools not None): du.tokenize_conversation's tokens and mask (assistant turns only), cut by the same
+    rule. An example with an empty prompt or no trained token left is dropped and counted. No example left is a
+    UserError."""
     rows, dropped = [], 0
     for prompt, completion, tools in pairs:
         if tools is None:
-            prompt_ids, completion_ids = du.tokenize_prompt_completion(
-                tokenizer, du.render_prompt(tokenizer, prompt), du.render_completion(tokenizer, prompt, completion),
-                max_prompt_length, max_length)
+            prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion,
+                                                                       max_prompt_length, max_length)
             completion_mask = [True] * len(completion_ids)
         else:
             prompt_ids, completion_ids, completion_mask = du.tokenize_conversation(tokenizer, prompt + completion,

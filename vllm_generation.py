@@ -14,9 +14,10 @@ tokens, stop at EOS, the pad token suppressed (a -100 logit bias, vLLM's largest
 token's probability) and the model's own generation_config.json ignored. Outputs have `batch_generation`'s layout.
 
 vLLM's log-probs of the sampled tokens are not the trainer's (other kernels, bf16 rounding, a KV cache): the scripts
-compute the trainer's log-probs with a forward and reweight the policy loss by the truncated importance weight
-min(pi_trainer / pi_vllm, cap) (`truncated_importance_weights`; Yao et al. 2025, "Your Efficient RL Framework
-Secretly Brings You Off-Policy RL Training").
+compute the trainer's log-probs with a forward and reweight the policy loss by importance weights pi_trainer / pi_vllm,
+truncated or masked outside [clip_min, clip_max], per token or per completion (`importance_weights`, TRL 1.16's
+vllm_importance_sampling_mode; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+Training").
 """
 import atexit
 import math
@@ -24,10 +25,12 @@ import os
 import shutil
 import tempfile
 import time
-from typing import List, Optional
+from dataclasses import dataclass
+from typing import Annotated, List, Optional
 
 import torch
 import torch.nn as nn
+import tyro
 
 import models
 import policy_common as pc
@@ -46,18 +49,69 @@ def require_vllm():
     return vllm
 
 
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# the type of --vllm_importance_sampling_clip_max: also spelled --vllm_importance_sampling_cap, TRL 1.16's deprecated
+# name for it, so a TRL command line carries over
+ClipMax = Annotated[Optional[float], tyro.conf.arg(aliases=("--vllm_importance_sampling_cap",))]
+
+
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """How the policy loss of vLLM's samples is reweighted (TRL 1.16's vllm_importance_sampling_*): `mode` is
+    token_* (a ratio per token) or sequence_* (one per completion, from its summed log-ratio), *_truncate (clamped
+    into [clip_min, clip_max]) or *_mask (0 outside them); None: no bound on that side."""
+    mode: str = "sequence_mask"
+    clip_max: Optional[float] = 3.0
+    clip_min: Optional[float] = None
+
+    @classmethod
+    def from_args(cls, args) -> "ImportanceSampling":
+        """The scripts' --vllm_importance_sampling_* flags; ppo.py, which has only --vllm_is_cap, truncates per
+        token at it."""
+        if not hasattr(args, "vllm_importance_sampling_mode"):
+            return cls("token_truncate", getattr(args, "vllm_is_cap", 2.0), None)
+        return cls(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
+                   args.vllm_importance_sampling_clip_min)
+
+
 def validate_args(args) -> None:
-    """The --vllm_* flags shared by rloo.py, grpo.py and ppo.py: a clear error before anything loads."""
+    """The --vllm_* flags shared by rloo.py, grpo.py, ppo.py and distill.py: a clear error before anything loads."""
     if not args.use_vllm:
         return
     require_vllm()
-    if args.vllm_is_cap < 1:
-        raise UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
-                        f"{args.vllm_is_cap}")
+    validate_importance_sampling(args)
     if not 0 < args.vllm_gpu_memory_utilization <= 1 or args.vllm_tensor_parallel_size < 1:
         raise UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
     if getattr(args, "load_in_4bit", False):
         raise UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
+
+
+def validate_importance_sampling(args) -> None:
+    """--vllm_importance_sampling_mode / _clip_max / _clip_min (ppo.py: --vllm_is_cap) against what each script's
+    loss can take: UserErrors for bad values."""
+    if not hasattr(args, "vllm_importance_sampling_mode"):  # ppo.py: per-token truncation at --vllm_is_cap
+        if args.vllm_is_cap < 1:
+            raise UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
+                            f"{args.vllm_is_cap}")
+        return
+    mode, low, high = (args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
+                       args.vllm_importance_sampling_clip_max)
+    if mode not in IS_MODES:
+        raise UserError(f"--vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
+    if (high is not None and high < 1) or (low is not None and not 0 <= low <= 1):
+        raise UserError(f"--vllm_importance_sampling_clip_max must be >= 1 and --vllm_importance_sampling_clip_min "
+                        f"in [0, 1] (the weight of an action both engines agree on is 1), got {high} and {low}")
+    if low is not None and high is not None and low >= high:  # TRL's GRPOConfig check
+        raise UserError(f"--vllm_importance_sampling_clip_min ({low}) must be less than "
+                        f"--vllm_importance_sampling_clip_max ({high})")
+    if mode.endswith("_truncate") and low is None and high is None:
+        raise UserError(f"--vllm_importance_sampling_mode {mode} clamps the weights: set "
+                        "--vllm_importance_sampling_clip_max and/or --vllm_importance_sampling_clip_min")
+    if getattr(args, "token_level_kl", None) is False and mode.startswith("token_"):
+        # rloo.py's sequence view: the completion is one action with one ratio; a weight per token has nowhere to go
+        raise UserError(f"--vllm_importance_sampling_mode {mode} weights each token's loss, but rloo.py's loss has one "
+                        "term per completion (its sequence view): use sequence_truncate / sequence_mask, or "
+                        "--token_level_kl for a loss per token")
 
 
 def merged_state_dict(model: nn.Module) -> dict:
@@ -256,25 +310,46 @@ def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len:
                          verbose=args.verbose, weights_version=weights_version)
 
 
-def truncated_importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor,
-                                 response_mask: torch.Tensor, cap: float, per_sequence: bool):
-    """Truncated importance sampling (Yao et al. 2025): completions were sampled by the engine (pi_vllm), the loss
-    is about the trainer's policy (pi_trainer), so each sampled action's loss term is weighted by
-    w = min(pi_trainer / pi_vllm, cap), detached. trainer/sampler_logprobs, response_mask: (B, R).
-    per_sequence=False: one weight per token, (B, R), 0 on padding; True: one per completion, (B,), from the summed
-    log-ratio (for losses whose action is the whole completion, RLOO's sequence view).
-    Returns (weights, stats): vllm/logprob_diff (mean |log pi_trainer - log pi_vllm| per token), and the weights'
-    mean, min, max and the fraction truncated at the cap (vllm/is_*), before truncation."""
+def importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       sampling: ImportanceSampling, sequence_loss: bool = False):
+    """Importance sampling of vLLM's samples (TRL 1.16's GRPOTrainer._generate_and_score_completions, its
+    vllm_importance_sampling_mode; Yao et al. 2025): completions were sampled by the engine (pi_vllm), the loss is
+    about the trainer's policy (pi_trainer), so each sampled action's loss term is weighted by the ratio
+    r = pi_trainer / pi_vllm, detached. trainer/sampler_logprobs, response_mask: (B, R).
+      token_*     r_t = exp(log pi_trainer(y_t) - log pi_vllm(y_t)), one per token
+      sequence_*  r = exp(sum over the completion's actions of that log-ratio), one per completion
+      *_truncate  w = clamp(r, clip_min, clip_max)
+      *_mask      w = r inside [clip_min, clip_max], else 0
+    (a clip_* of None: no bound on that side). Returns (weights, stats): weights (B, R), 0 on padding (sequence_*:
+    the completion's weight on each of its tokens), or with `sequence_loss` (the loss has one term per completion,
+    RLOO's sequence view; sequence_* only) (B,). stats: vllm/logprob_diff (mean |log pi_trainer - log pi_vllm| per
+    token), vllm/is_weight_mean|min|max (of r, before truncation or masking, over the actions: tokens or
+    completions) and the fraction of actions outside the bounds, vllm/is_truncated_frac (*_truncate) or
+    vllm/is_masked_frac (*_mask)."""
+    per_sequence = sampling.mode.startswith("sequence_")
+    if sequence_loss and not per_sequence:
+        raise UserError(f"--vllm_importance_sampling_mode {sampling.mode} weights tokens; this loss has one term per "
+                        "completion")
     mask = response_mask.to(trainer_logprobs.dtype)
-    log_ratio = (trainer_logprobs - sampler_logprobs).detach() * mask  # (B, R)
+    # TRL sets a NaN log-ratio (a token vLLM could not score) to 0: ratio 1, no correction
+    log_ratio = torch.nan_to_num((trainer_logprobs - sampler_logprobs).detach() * mask, nan=0.0)  # (B, R)
     if per_sequence:
-        log_ratio, mask = log_ratio.sum(1), torch.ones(len(log_ratio), device=log_ratio.device)  # (B,)
+        log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1): the summed log-ratio, as TRL (not GSPO's mean)
     ratio = torch.exp(log_ratio)
-    weights = torch.clamp(ratio, max=cap) * mask
-    actions = mask.bool()
+    low = -math.inf if sampling.clip_min is None else sampling.clip_min
+    high = math.inf if sampling.clip_max is None else sampling.clip_max
+    outside = (ratio < low) | (ratio > high)
+    if sampling.mode.endswith("_truncate"):
+        weights = torch.clamp(ratio, min=sampling.clip_min, max=sampling.clip_max)
+    else:
+        weights = ratio.masked_fill(outside, 0.0)
+    actions = response_mask.bool() if not per_sequence else response_mask.bool().any(1, keepdim=True)
     stats = {"vllm/logprob_diff": pc.masked_mean((trainer_logprobs - sampler_logprobs).abs().detach(),
                                                  response_mask.bool()),
              "vllm/is_weight_mean": ratio[actions].mean(), "vllm/is_weight_min": ratio[actions].min(),
              "vllm/is_weight_max": ratio[actions].max(),
-             "vllm/is_truncated_frac": (ratio[actions] > cap).float().mean()}
-    return weights, stats
+             "vllm/is_truncated_frac" if sampling.mode.endswith("_truncate") else "vllm/is_masked_frac":
+                 outside[actions].float().mean()}
+    if sequence_loss:
+        return weights.squeeze(1), stats  # (B,)
+    return weights * mask, stats  # (B, R), 0 on padding

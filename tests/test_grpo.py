@@ -46,7 +46,7 @@ def slow_group_advantages(rewards, num_generations, scale_rewards):
                 advantages.append((r - mean) / (batch_std + 1e-4))
             else:
                 advantages.append(r - mean)
-            zero_std.append(abs(std) < 1e-8 if len(scored) > 1 else None)
+            zero_std.append(max(scored) == min(scored) if len(scored) > 1 else None)  # no spread: all equal
     return advantages, zero_std
 
 
@@ -85,6 +85,51 @@ def test_equal_rewards_give_zero_advantage_never_nan(scale_rewards):
     adv, zero_std = group_advantages(torch.full((8,), 0.7), 4, scale_rewards)
     torch.testing.assert_close(adv, torch.zeros(8), atol=1e-6, rtol=0)
     assert zero_std.all()
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_flat_groups_are_decided_on_the_rewards_not_a_float32_std(scale_rewards):
+    # issue 32's case: 3 x 1000.1 in float32 has a group mean one rounding step off, std 6e-5 > 1e-8, and the old
+    # isclose(std, 0) test gave each completion +0.349; a grid of group sizes and values that are not exact in binary
+    values = [0.1, 0.3, 0.7, 1.1, 1000.1, 12345.678, -3.3, 7.77]
+    off_by_rounding = 0
+    for G in range(2, 17):
+        for value in values:
+            rewards = torch.full((2 * G,), value)
+            rewards[G:] = torch.arange(G) * 0.5  # a second group with spread: untouched
+            mean = rewards[:G].mean()
+            off_by_rounding += bool((rewards[:G] != mean).any())
+            adv, zero_std = group_advantages(rewards, G, scale_rewards)
+            assert adv[:G].tolist() == [0.0] * G, (G, value, adv[:G])  # exactly zero, compared as values
+            assert zero_std[:G].all() and not zero_std[G:].any()
+            assert adv[G:].abs().sum() > 0
+    assert off_by_rounding > 20  # the grid does exercise the rounding (63 of 120 here)
+    # the issue's exact numbers, under the old test: non-zero advantages and not counted
+    rewards = torch.full((3,), 1000.1)
+    std = rewards.std()
+    assert 0 < std and not torch.isclose(std, torch.zeros(()))
+    assert (rewards - rewards.mean()).abs().max() > 0
+    adv, zero_std = group_advantages(rewards, 3, scale_rewards)
+    assert adv.tolist() == [0.0, 0.0, 0.0] and zero_std.all()
+
+
+@pytest.mark.parametrize("flags,warned", [
+    (["--importance_sampling_level", "sequence"], True),  # GSPO with the default dapo loss
+    (["--importance_sampling_level", "sequence", "--loss_type", "bnpo"], True),
+    (["--importance_sampling_level", "sequence", "--loss_type", "dr_grpo"], True),
+    (["--importance_sampling_level", "sequence", "--loss_type", "grpo"], False),  # GSPO's own setup
+    ([], False),
+])
+def test_sequence_ratios_with_a_token_sum_loss_warn_once(flags, warned, capsys, monkeypatch):
+    import grpo
+    import run_utils as ru
+
+    monkeypatch.delenv("RANK", raising=False)
+    grpo.validate(ru.parse_args(grpo.Args, argv=flags))
+    out = capsys.readouterr().out
+    assert out.count("warning:") == (1 if warned else 0)
+    if warned:
+        assert "weights each sequence by its completion length" in out and "--loss_type grpo" in out
 
 
 REWARD = st.one_of(st.sampled_from([0.0, 1.0, NAN]), st.floats(-5, 5))  # ties (zero std) and NaNs are common

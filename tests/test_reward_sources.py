@@ -147,6 +147,38 @@ def test_the_toy_reward_model_records_tokens(toy):
 # ---------------------------------------------------------------------------------------------------------
 # reward functions: calling, None, weights, statistics, errors
 # ---------------------------------------------------------------------------------------------------------
+def test_overlong_penalty_hand_worked_and_equal_to_trl():
+    # --response_length 10, --overlong_buffer_length 4: no penalty up to 6 tokens, then -1/4 per token, -1 at 10
+    completion_ids = [[7] * n for n in range(13)]
+    expected = [0.0] * 7 + [-0.25, -0.5, -0.75, -1.0, -1.0, -1.0]  # longer than the budget (tool episodes): -1
+    overlong = rs.overlong_penalty(10, 4, 1.0)
+    assert overlong.name == "overlong"
+    assert overlong.fn(completion_ids=completion_ids) == expected
+    assert rs.overlong_penalty(10, 4, 0.5).fn(completion_ids=completion_ids) == [0.5 * v for v in expected]
+    trl_rewards = pytest.importorskip("trl.rewards")
+    assert overlong.fn(completion_ids=completion_ids) == trl_rewards.get_soft_overlong_punishment(10, 4)(
+        completion_ids=completion_ids)
+    for bad in ((10, 0, 1.0), (10, 10, 1.0), (10, 4, -1.0)):
+        with pytest.raises(UserError, match="--overlong_buffer_length"):
+            rs.overlong_penalty(*bad)
+
+
+def test_overlong_is_one_more_source_and_keeps_the_paired_reward_model(toy):
+    tokenizer = models.load_tokenizer(toy["policy"])
+    accelerator = SimpleNamespace(device="cpu", print=lambda *a: None, state=SimpleNamespace())
+    args = SimpleNamespace(reward_funcs=None, reward_model=None, reward_model_input=None, reward_weights=[2.0],
+                           trust_remote_code=False, bf16=False, response_length=8, overlong_buffer_length=3,
+                           overlong_penalty_factor=1.0)
+    sources = rs.load_rewards(args, tokenizer, "toy", "toy", [], accelerator)
+    assert sources.names == ["reward_model", "overlong"]  # shaping alone does not replace the reward model
+    query_responses, context_length, rows, _ = toy_batch(toy, COMPLETIONS)
+    scores, per_source = sources(query_responses, context_length, rows)
+    lengths = (query_responses[:, context_length:] != tokenizer.pad_token_id).sum(1)
+    penalty = torch.clamp((5 - lengths) / 3, -1.0, 0.0)  # start = 8 - 3
+    torch.testing.assert_close(per_source[:, 1], penalty)
+    torch.testing.assert_close(scores, 2.0 * per_source[:, 0] + penalty)  # weight 2 named, overlong's 1
+
+
 def test_weighted_sum_with_none_and_statistics_hand_worked(toy):
     query_responses, context_length, rows, tokenizer = toy_batch(toy, COMPLETIONS[:3])
     for row, answer in zip(rows, ["x", "y", "z"]):
@@ -290,6 +322,18 @@ def test_rloo_with_reward_model_and_functions_from_a_file(funcs, tmp_path):
     # every_other scores 1.0 on 4 of the 8 held-out rows (one call), weighted 0.5: 0.25 on average
     assert first["eval/scores"] == pytest.approx(weighted + 0.25, abs=1e-5)
     assert first["eval/reward/every_other/mean"] == 1.0 and first["eval/reward/every_other/std"] == 0.0
+
+
+def test_overlong_shaping_is_logged_as_its_own_source(toy, tmp_path):
+    out = str(tmp_path / "overlong")
+    # the toy's completions take 4-8 of its 8 tokens: a buffer of 4 penalises the longer ones
+    run_script("grpo.py", "--overlong_buffer_length", "4", "--overlong_penalty_factor", "0.5", *TINY,
+               "--output_dir", out)
+    rows = read_metrics(out)
+    train = [r for r in rows if r["step"] > 0]
+    assert all("reward/reward_model/mean" in r and "reward/overlong/mean" in r for r in train)
+    assert all(-0.5 <= r["reward/overlong/mean"] < 0 for r in train)  # some completions reach the buffer
+    assert "eval/reward/overlong/mean" in rows[0]
 
 
 BAD_SOURCES = [

