@@ -288,7 +288,7 @@ def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *
     """The clipped surrogate (+ beta x k3 KL to the reference) per token. new/old/ref_logprobs, mask: (b, R);
     advantages (b,). Token level: ratio_t = exp(new_t - old_t); sequence level (GSPO): one ratio per sequence,
     exp(mean over its tokens of new - old). is_weights (b, R): the surrogate of each token times its weight (vLLM's
-    truncated importance sampling; the KL term is not reweighted, as TRL). Returns (loss (b, R), stats)."""
+    importance sampling, --vllm_importance_sampling_mode; the KL term is not reweighted, as TRL). Returns (loss (b, R), stats)."""
     mask = mask.to(new_logprobs.dtype)
     log_ratio = new_logprobs - old_logprobs  # (b, R)
     if importance_sampling_level == "sequence":

@@ -275,7 +275,7 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     """Clipped-ratio REINFORCE loss. new/old_logprobs, response_mask: (B, R).
     advantages (B,): the completion is one action, ratio = exp(sum_t new - old) (RLOO's sequence view).
     advantages (B, R): every token is an action with its own ratio; token losses are summed per sequence.
-    is_weights (shaped as advantages): each action's loss times its weight (vLLM's truncated importance sampling).
+    is_weights (shaped as advantages): each action's loss times its weight (vLLM's importance sampling, --vllm_importance_sampling_mode).
     Returns (loss, stats) with stats = clipfrac, ratio (per action, for logging), approxkl."""
     mask = response_mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask  # (B, R)
