@@ -38,6 +38,7 @@ from typing import List, Literal, Optional
 import torch
 import torch.nn.functional as F
 
+import chunked_head
 import data_utils as du
 import models
 import policy_common as pc
@@ -93,6 +94,10 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     verbose: bool = False
@@ -209,6 +214,16 @@ def pg_token_loss(new_logprobs, old_logprobs, teacher_logprobs, epsilon: float, 
     ratio = torch.exp(new_logprobs - old_logprobs)
     loss = -torch.min(ratio * advantages, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * advantages)
     return loss if is_weights is None else loss * is_weights
+
+
+def teacher_outputs(teacher, query_responses, context_length: int, pad_token_id: int, temperature: float,
+                    hidden: bool) -> torch.Tensor:
+    """(b, T) -> the teacher's (b, R, V) logits / temperature at the response positions (pad masked), or with
+    `hidden` its (b, R, H) last hidden states there (chunked_head.head_logits turns a chunk into those logits)."""
+    if not hidden:
+        return pc.forward_logits(teacher, query_responses, context_length, pad_token_id, temperature)
+    with chunked_head.hidden_instead_of_logits(teacher):
+        return pc.response_outputs(teacher, query_responses, context_length, pad_token_id)
 
 
 def validate(args: Args) -> int:
@@ -333,17 +348,31 @@ def main():
         losses, teacher_kl, entropy, is_stats = [], [], [], {}
         for mb in torch.arange(local_batch_size, device=accelerator.device).view(args.gradient_accumulation_steps, -1):
             tokens, mask = query_responses[mb, context_length:], response_mask[mb]
-            with torch.no_grad():  # in chunks of --local_rollout_forward_batch_size rows (the teacher's activations)
-                teacher_logits = torch.cat([pc.forward_logits(teacher, query_responses[rows], context_length, pad,
-                                                              args.temperature)
-                                            for rows in mb.split(chunk)])  # (b, R, V)
-                teacher_logprobs = pc.selective_logprobs(teacher_logits, tokens)  # (b, R): of the tokens trained on
+            # the teacher's logits, or with --logprob_chunk_tokens its last hidden states (its output layer then runs
+            # a chunk of positions at a time, beside the student's), no grad, --local_rollout_forward_batch_size rows
+            # at a time (its activations)
+            teacher_hidden = chunked_head.wanted(teacher, tokens.numel(), args.logprob_chunk_tokens)
+            with torch.no_grad():
+                teacher_out = torch.cat([teacher_outputs(teacher, query_responses[rows], context_length, pad,
+                                                         args.temperature, teacher_hidden) for rows in mb.split(chunk)])
+
+            def token_terms(student_logits, teacher_chunk, token_chunk):  # (n, V), (n, V or H), (n,) -> 4 x (n,)
+                teacher_logits = (chunked_head.head_logits(teacher, teacher_chunk, args.temperature, pad)
+                                  if teacher_hidden else teacher_chunk)
+                divergence = (generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
+                              if args.loss == "gkd" else torch.zeros_like(token_chunk, dtype=torch.float))
+                with torch.no_grad():
+                    teacher_logprobs = pc.selective_logprobs(teacher_logits, token_chunk)
+                    student_entropy = pc.entropy_from_logits(student_logits.detach())
+                return divergence, pc.selective_logprobs(student_logits, token_chunk), teacher_logprobs, student_entropy
+
             with accelerator.accumulate(policy):
-                student_logits = pc.forward_logits(policy, query_responses[mb], context_length, pad, args.temperature)
+                divergence, new_logprobs, teacher_logprobs, token_entropy = pc.map_response_logits(
+                    policy, query_responses[mb], context_length, pad, token_terms, teacher_out, tokens,
+                    temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)  # (b, R) each
                 if args.loss == "gkd":
-                    token_loss = generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
+                    token_loss = divergence
                 else:
-                    new_logprobs = pc.selective_logprobs(student_logits, tokens)
                     is_weights, mb_is_stats = batch.importance_weights(batch.logprobs[mb], mb)  # vLLM sampled
                     for key, value in mb_is_stats.items():
                         is_stats.setdefault(key, []).append(value)
@@ -352,10 +381,8 @@ def main():
                 loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
                 accelerator.backward(loss)
             losses.append(loss.detach())
-            with torch.no_grad():
-                student_logprobs = pc.selective_logprobs(student_logits.detach(), tokens)
-                teacher_kl.append(((student_logprobs - teacher_logprobs) * mask).sum())
-                entropy.append((pc.entropy_from_logits(student_logits.detach()) * mask).sum())
+            teacher_kl.append(((new_logprobs.detach() - teacher_logprobs) * mask).sum())
+            entropy.append((token_entropy * mask).sum())
         optimizer_step(torch.stack(losses), state, step)
         state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
                      prompts_seen=state["prompts_seen"] + batch_size)

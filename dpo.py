@@ -113,6 +113,10 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     verbose: bool = False
@@ -280,7 +284,7 @@ def batch_losses(args, policy, reference, rows, pad_token_id: int, device):
     query_responses, context_length = concatenated_inputs(rows, pad_token_id)
     query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
     token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id,
-                                          share_prompts=args.share_prompts)
+                                          share_prompts=args.share_prompts, chunk_tokens=args.logprob_chunk_tokens)
     policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
     ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id,
                                 share_prompts=args.share_prompts)
@@ -384,7 +388,7 @@ def main() -> None:
     reference = pc.create_reference(
         policy, tokenizer, policy_name=policy_path, ref_model=args.ref_model and ru.resolve_model(args.ref_model),
         use_peft=args.use_peft, reference_free=args.reference_free, accelerator=accelerator, bf16=args.bf16,
-        trust_remote_code=args.trust_remote_code)
+        trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
 
     # 3. optimizer, schedule (not given to prepare: accelerate would step it on every process; checkpoints save it)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,

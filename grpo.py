@@ -93,6 +93,10 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     verbose: bool = False
@@ -388,7 +392,7 @@ def main():
     reference = None if args.beta == 0 else pc.create_reference(
         policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft, accelerator=accelerator, bf16=args.bf16,
         ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
-        trust_remote_code=args.trust_remote_code)
+        trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
                                      accelerator, environment=toolset and toolset.environment)
 

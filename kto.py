@@ -148,6 +148,10 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     verbose: bool = False
@@ -313,13 +317,14 @@ def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_
 
 
 def policy_logprob_sums(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                        joint: bool) -> torch.Tensor:
+                        joint: bool, chunk_tokens: Optional[int] = 0) -> torch.Tensor:
     """`completion_logprob_sums` of the policy, (2B, T) -> (2B,), the mismatched half (rows B..2B-1) without
     gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a no-grad fork of
     its keys and values, then the own completions with gradient (`grad_rows`, prompt_sharing.split_logits), so that
-    nothing of the mismatched half is kept for the backward. Else two plain forwards."""
+    nothing of the mismatched half is kept for the backward. Else two plain forwards. `chunk_tokens`: the output
+    layer on that many positions at a time (--logprob_chunk_tokens)."""
     grad_rows = len(query_responses) // 2 if joint else None
-    logprobs_fn = functools.partial(pc.response_logprobs, policy, grad_rows=grad_rows)
+    logprobs_fn = functools.partial(pc.response_logprobs, policy, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
     return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint)
 
 
@@ -350,7 +355,8 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
                      else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad_token_id, joint))
     ref_logps, kl_ref_logps = all_ref_logps.chunk(2)
-    policy_logps, kl_policy_logps = policy_logprob_sums(policy, query_responses, ctx, pad_token_id, joint).chunk(2)
+    policy_logps, kl_policy_logps = policy_logprob_sums(policy, query_responses, ctx, pad_token_id, joint,
+                                                        args.logprob_chunk_tokens).chunk(2)
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()
@@ -472,7 +478,8 @@ def main():
     policy, optimizer = accelerator.prepare(policy, optimizer)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                                    chunk_tokens=args.logprob_chunk_tokens)
     # not prepared (accelerate would step it once per process); checkpoints carry its state as JSON
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
                               num_training_steps=total_steps)

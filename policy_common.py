@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import chunked_head
 import models
 import prompt_sharing
 from errors import UserError
@@ -40,11 +42,13 @@ class Reference:
     - "adapter_off": the policy's own base weights with its LoRA adapter switched off (no second copy).
     - "none":        reference-free; `logprobs` returns zeros.
 
-    `logprobs(...)` has the signature of `response_logprobs` and is always run under no_grad."""
+    `logprobs(...)` has the signature of `response_logprobs` and is always run under no_grad, the output layer on
+    `chunk_tokens` positions at a time (`map_response_logits`; 0: all at once)."""
 
-    def __init__(self, mode: str, model: Optional[nn.Module] = None, policy: Optional[nn.Module] = None):
+    def __init__(self, mode: str, model: Optional[nn.Module] = None, policy: Optional[nn.Module] = None,
+                 chunk_tokens: Optional[int] = 0):
         assert mode in ("copy", "adapter_off", "none"), mode
-        self.mode, self.model, self.policy = mode, model, policy
+        self.mode, self.model, self.policy, self.chunk_tokens = mode, model, policy, chunk_tokens
         if mode == "copy":
             model.eval()
             model.requires_grad_(False)
@@ -67,7 +71,7 @@ class Reference:
                                device=query_responses.device)
         with self._model() as model:
             return response_logprobs_no_grad(model, query_responses, context_length, pad_token_id, temperature,
-                                             chunk_size, share_prompts)
+                                             chunk_size, share_prompts, chunk_tokens=self.chunk_tokens)
 
     def free(self) -> None:
         """Drop the frozen copy (e.g. after precomputing reference log-probs); later calls are an error."""
@@ -76,16 +80,17 @@ class Reference:
 
 def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_model: Optional[str] = None,
                      use_peft: bool = False, reference_free: bool = False, accelerator=None, bf16: bool = False,
-                     trust_remote_code: bool = False) -> Reference:
+                     trust_remote_code: bool = False, chunk_tokens: Optional[int] = 0) -> Reference:
     """Build the Reference for a run from `--ref_model`: `reference_free` -> none; `ref_model=None` means "the
     starting policy": with `use_peft` its adapter-off base (no copy), otherwise a frozen copy of `policy_name`
     (the model the policy was loaded from). A given `ref_model` must share the policy's vocabulary. A frozen
-    copy is prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine)."""
+    copy is prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine). `chunk_tokens`:
+    the --logprob_chunk_tokens of its log-probs."""
     if reference_free:
         return Reference("none")
     if ref_model is None:
         if use_peft:
-            return Reference("adapter_off", policy=policy)
+            return Reference("adapter_off", policy=policy, chunk_tokens=chunk_tokens)
         ref_model = policy_name
     else:
         models.check_same_vocab(tokenizer, models.load_tokenizer(ref_model, trust_remote_code=trust_remote_code),
@@ -94,7 +99,7 @@ def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_mode
     model.eval().requires_grad_(False)
     if accelerator is not None:
         model = prepare_frozen(model, accelerator)
-    return Reference("copy", model=model)
+    return Reference("copy", model=model, chunk_tokens=chunk_tokens)
 
 
 def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
@@ -197,7 +202,7 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     """
     R = generation_config.max_new_tokens
     generation_config = copy.deepcopy(generation_config)
-    generation_config.return_dict_in_generate, generation_config.output_scores = True, True
+    generation_config.return_dict_in_generate = True
     responses, logprobs, entropies = [], [], []
     with unwrap_for_generation(model, accelerator) as gen_model, _no_model_sampling_defaults(gen_model):
         share_prompts = share_prompts and prompt_sharing.takes_cache(gen_model)
@@ -206,15 +211,13 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             attention_mask, position_ids = padding_inputs(query, pad_token_id)
             prefill = (prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids,
                                                        **_keep_last(gen_model, 1)) if share_prompts else {})
+            sampled = SampledTokenStats(generation_config, return_entropy)
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
-                                     generation_config=generation_config, **prefill)
+                                     generation_config=generation_config, logits_processor=[sampled], **prefill)
             response = out.sequences[:, query.shape[1]:]
-            scores = torch.stack(out.scores, 1).float()  # (b, r, V), r <= R, processed as sampled (pad at -inf)
-            logprob = scores.log_softmax(-1)
+            logprob, entropy = sampled.finish(response[:, -1])  # (b, r), r <= R
             if return_entropy:
-                entropies.append(F.pad(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1),
-                                       (0, R - response.shape[1])))
-            logprob = torch.gather(logprob, 2, response.unsqueeze(-1)).squeeze(-1)
+                entropies.append(F.pad(entropy, (0, R - response.shape[1])))
             responses.append(F.pad(response, (0, R - response.shape[1]), value=pad_token_id))
             logprobs.append(F.pad(logprob, (0, R - logprob.shape[1]), value=INVALID_LOGPROB))
     responses = truncate_after_eos(torch.cat(responses), eos_token_id, pad_token_id)
@@ -223,6 +226,46 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
         return (torch.cat([queries, responses], 1), logprobs,
                 torch.cat(entropies).masked_fill(responses == pad_token_id, 0.0))
     return torch.cat([queries, responses], 1), logprobs
+
+
+class SampledTokenStats:
+    """A logits processor for `generate` that keeps, of each step's sampling distribution, only the log-prob of the
+    token sampled from it (and its entropy): (b,) numbers per step instead of the (b, V) scores `output_scores` would
+    keep for every step. Custom processors run before generate's temperature warper, so the distribution is taken
+    here as scores / temperature: the config must sample with temperature alone (make_generation_config's; no top-k,
+    top-p or other warper, checked). The token sampled at step t is read from the inputs of step t + 1; `finish`
+    takes the last one."""
+
+    WARPERS = dict(top_k=(None, 0), top_p=(None, 1.0), min_p=(None,), typical_p=(None, 1.0), top_h=(None,),
+                   epsilon_cutoff=(None, 0.0), eta_cutoff=(None, 0.0))
+
+    def __init__(self, generation_config, entropy: bool = False):
+        if generation_config.do_sample:
+            extra = [k for k, off in self.WARPERS.items() if getattr(generation_config, k, None) not in off]
+            if extra:
+                raise ValueError(f"batch_generation samples with temperature alone; the config also sets {extra}")
+        temperature = generation_config.temperature if generation_config.do_sample else None
+        self.temperature = 1.0 if temperature is None else temperature
+        self.entropy, self.logprobs, self.entropies, self.last = entropy, [], [], None
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.logprobs.append(torch.gather(self.last, 1, tokens.unsqueeze(-1)).squeeze(-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self._take(input_ids[:, -1])
+        logprob = (scores / self.temperature if self.temperature != 1.0 else scores).float().log_softmax(-1)
+        if self.entropy:
+            self.entropies.append(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1))
+        self.last = logprob
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor):
+        """(b,) the tokens sampled at the last step -> ((b, r) log-probs of the r sampled tokens, (b, r) entropy or
+        None)."""
+        self._take(last_tokens)
+        self.last = None
+        return torch.stack(self.logprobs, 1), torch.stack(self.entropies, 1) if self.entropy else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,32 +297,74 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
     `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept for the backward (with
     `share_prompts`, they run on a no-grad fork of the shared queries' cache: prompt_sharing.split_logits; else,
     or where the cache cannot be forked, rows 0..n-1 in one plain call and the others in a second, no-grad one)."""
+    logits = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
+    if temperature != 1.0:
+        logits = logits / temperature
+    return mask_pad_(logits, pad_token_id) if mask_pad else logits
+
+
+def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                     share_prompts: bool = False, grad_rows: Optional[int] = None) -> torch.Tensor:
+    """(B, T) ids -> (B, T - context_length, X): the model's output (its `logits` field) at the positions that
+    predict the response tokens; X = V, or the hidden size H within chunked_head.hidden_instead_of_logits.
+    `share_prompts`, `grad_rows`: as in `forward_logits`."""
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     R = query_responses.shape[1] - context_length
     split = grad_rows is not None and 0 < grad_rows < len(query_responses)
-    logits = None
     if share_prompts and R > 0 and prompt_sharing.takes_cache(unwrap(model)):
         logits = (prompt_sharing.split_logits(model, query_responses, attention_mask, position_ids, context_length,
                                               grad_rows, **_keep_last(model, 1)) if split else
                   prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
                                                **_keep_last(model, 1)))
+        if logits is not None:
+            return logits
 
-    def plain(rows: slice):  # (rows, R, V): one forward over full rows, the output layer on the response positions
+    def plain(rows: slice):  # (rows, R, X): one forward over full rows, the output layer on the response positions
         input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
         out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
                     use_cache=False, **_keep_last(model, R + 1))
         return out.logits[:, -(R + 1):-1]
 
-    if logits is None and split:
-        logits = plain(slice(0, grad_rows))
-        with torch.no_grad():
-            other_logits = plain(slice(grad_rows, None))
-        logits = torch.cat([logits, other_logits])
-    elif logits is None:
-        logits = plain(slice(None))
-    if temperature != 1.0:
-        logits = logits / temperature
-    return mask_pad_(logits, pad_token_id) if mask_pad else logits
+    if not split:
+        return plain(slice(None))
+    logits = plain(slice(0, grad_rows))
+    with torch.no_grad():
+        other_logits = plain(slice(grad_rows, None))
+    return torch.cat([logits, other_logits])
+
+
+def map_response_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                        fn, *extra: torch.Tensor, temperature: float = 1.0, mask_pad: bool = True,
+                        share_prompts: bool = False, grad_rows: Optional[int] = None, chunk_tokens: Optional[int] = 0) -> tuple:
+    """Per-token results of the response logits without keeping (B, R, V) when it would be large.
+    fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) tensors, each reduced over the vocabulary, where logits
+    are `forward_logits`' (/ temperature, pad masked with `mask_pad`) at n response positions and `extra` are
+    (B, R, ...) tensors the caller needs alongside (the tokens, a teacher's hidden states), flattened the same way.
+    Returns the tuple with each result shaped (B, R, ...). With `chunk_tokens` > 0 (None: chunked_head's default for
+    the model's vocabulary) and more response positions (B x R) than that, the output layer runs on about
+    `chunk_tokens` positions at a time (chunked_head.py): the same numbers to float rounding, at the memory of one
+    chunk's logits; else, and for models chunked_head does not support, on all of them at once (0: always).
+    `share_prompts`, `grad_rows`: as in `forward_logits`."""
+    B, R = query_responses.shape[0], query_responses.shape[1] - context_length
+    flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
+    if not chunked_head.wanted(model, B * R, chunk_tokens):
+        logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature, share_prompts,
+                                mask_pad, grad_rows)
+        results = fn(logits.reshape(B * R, -1), *flat)
+    else:
+        with chunked_head.hidden_instead_of_logits(model):
+            hidden = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
+        hidden = hidden.reshape(B * R, -1)
+        chunks = functools.partial(chunked_head.map_chunks, model, fn, chunk_tokens=chunk_tokens,
+                                   temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad)
+        split = (grad_rows or 0) * R if grad_rows is not None and 0 < grad_rows < B else None
+        if split is None:
+            results = chunks(hidden, flat)
+        else:  # rows grad_rows.. carry no gradient: their chunks are not checkpointed
+            with torch.no_grad():
+                other = chunks(hidden[split:], [e[split:] for e in flat])
+            results = tuple(torch.cat(pair) for pair in zip(chunks(hidden[:split], [e[:split] for e in flat]), other))
+    return tuple(r.reshape(B, R, *r.shape[1:]) for r in results)
 
 
 def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -319,36 +404,49 @@ def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch
     return torch.cat(out)
 
 
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor):  # map_response_logits' fn: (n, V), (n,) -> ((n,),)
+    return (selective_logprobs(logits, tokens),)
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # -> ((n,) log-probs, (n,) entropy, no grad)
+    with torch.no_grad():
+        entropy = entropy_from_logits(logits.detach())
+    return selective_logprobs(logits, tokens), entropy
+
+
 def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                      temperature: float = 1.0, share_prompts: bool = False,
-                      grad_rows: Optional[int] = None) -> torch.Tensor:
-    """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature
-    (`share_prompts`, `grad_rows`: as in `forward_logits`).
+                      temperature: float = 1.0, share_prompts: bool = False, grad_rows: Optional[int] = None, *,
+                      return_entropy: bool = False, mask_pad: bool = True, chunk_tokens: Optional[int] = 0):
+    """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature, or
+    ((B, R) log-probs, (B, R) entropy at each response position, without gradient) with `return_entropy`
+    (`share_prompts`, `grad_rows`, `mask_pad`: as in `forward_logits`; `chunk_tokens`: the output layer on that
+    many positions at a time, `map_response_logits`).
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
-    logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature, share_prompts,
-                            grad_rows=grad_rows)
-    return selective_logprobs(logits, query_responses[:, context_length:])
+    results = map_response_logits(model, query_responses, context_length, pad_token_id,
+                                  _logprobs_and_entropy if return_entropy else _logprobs,
+                                  query_responses[:, context_length:], temperature=temperature, mask_pad=mask_pad,
+                                  share_prompts=share_prompts, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
+    return results if return_entropy else results[0]
 
 
 @torch.no_grad()
 def response_logprobs_no_grad(model: nn.Module, query_responses: torch.Tensor, context_length: int,
                               pad_token_id: int, temperature: float = 1.0, chunk_size: Optional[int] = None,
-                              share_prompts: bool = False, return_entropy: bool = False):
+                              share_prompts: bool = False, return_entropy: bool = False,
+                              chunk_tokens: Optional[int] = 0):
     """`response_logprobs` without gradient, `chunk_size` rows per forward (all by default), so that a whole rollout
-    batch is scored with one chunk's logits alive at a time: (B, T) ids -> (B, R) log-probs of the response tokens,
-    or ((B, R) log-probs, (B, R) entropy at each response position) with `return_entropy`, under logits /
+    batch is scored with one chunk's activations alive at a time: (B, T) ids -> (B, R) log-probs of the response
+    tokens, or ((B, R) log-probs, (B, R) entropy at each response position) with `return_entropy`, under logits /
     temperature with pad masked (`forward_logits`). For reference log-probs, samples that did not come from
     `batch_generation` (vLLM), or old log-probs after the weights moved.
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
     chunk_size = chunk_size or query_responses.shape[0]
-    logprobs, entropy = [], []
-    for i in range(0, query_responses.shape[0], chunk_size):
-        rows = query_responses[i:i + chunk_size]
-        logits = forward_logits(model, rows, context_length, pad_token_id, temperature, share_prompts)
-        logprobs.append(selective_logprobs(logits, rows[:, context_length:]))
-        if return_entropy:
-            entropy.append(entropy_from_logits(logits))
-    return (torch.cat(logprobs), torch.cat(entropy)) if return_entropy else torch.cat(logprobs)
+    results = [response_logprobs(model, query_responses[i:i + chunk_size], context_length, pad_token_id, temperature,
+                                 share_prompts, return_entropy=return_entropy, chunk_tokens=chunk_tokens)
+               for i in range(0, query_responses.shape[0], chunk_size)]
+    if not return_entropy:
+        return torch.cat(results)
+    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
 
 
 def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,

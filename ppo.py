@@ -157,6 +157,10 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     verbose: bool = False
@@ -284,16 +288,19 @@ def load_value_model(args, tokenizer, reward_sources, policy_path: str):
 
 class PolicyAndValue(nn.Module):
     """Policy and value model in one module, so one `accelerator.prepare` and one optimizer cover both (as in
-    the N+ details). forward: (B, T) ids -> logits (B, R, V) of the response tokens / temperature, and values
-    (B, R): the value for predicting response token t is read at position context_length - 1 + t."""
+    the N+ details). forward: (B, T) ids -> log-probs (B, R) of the response tokens under logits / temperature, the
+    entropy (B, R) there (no gradient), and values (B, R): the value for predicting response token t is read at
+    position context_length - 1 + t. `chunk_tokens`: --logprob_chunk_tokens."""
 
     def __init__(self, policy: nn.Module, value_model: nn.Module):
         super().__init__()
         self.policy, self.value_model = policy, value_model
 
-    def forward(self, query_responses, context_length: int, pad_token_id: int, temperature: float):
-        logits = pc.forward_logits(self.policy, query_responses, context_length, pad_token_id, temperature)
-        return logits, self.values(query_responses, context_length, pad_token_id)
+    def forward(self, query_responses, context_length: int, pad_token_id: int, temperature: float,
+                chunk_tokens: Optional[int] = 0):
+        logprobs, entropy = pc.response_logprobs(self.policy, query_responses, context_length, pad_token_id,
+                                                 temperature, return_entropy=True, chunk_tokens=chunk_tokens)
+        return logprobs, entropy, self.values(query_responses, context_length, pad_token_id)
 
     def values(self, query_responses, context_length: int, pad_token_id: int, chunk_size: Optional[int] = None):
         """(B, T) -> (B, R) values alone, `chunk_size` rows per forward (all at once by default): the rollout's
@@ -325,7 +332,8 @@ def main():
     value_model, value_path = load_value_model(args, tokenizer, reward_sources, policy_path)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+                                    chunk_tokens=args.logprob_chunk_tokens)
 
     # 4. one optimizer over policy + value, linear decay per optimizer step, checkpointable state, the sampler
     model = PolicyAndValue(policy, value_model)
@@ -355,7 +363,7 @@ def main():
         #    log-probs (a failure on any process first keeps the finished steps)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"])
-        query_responses, context_length, responses = batch.query_responses, batch.context_length, batch.responses
+        query_responses, context_length = batch.query_responses, batch.context_length
         response_mask = batch.response_mask  # (B, R), True up to and including EOS
         with torch.no_grad():
             # 6. values before the update, a chunk of rows at a time
@@ -381,8 +389,8 @@ def main():
                 mini_losses = []
                 for mb in mini_batch:
                     with accelerator.accumulate(model):
-                        logits, vpred = model(query_responses[mb], context_length, pad, args.temperature)
-                        new_logprobs = pc.selective_logprobs(logits, responses[mb])
+                        new_logprobs, entropy, vpred = model(query_responses[mb], context_length, pad,
+                                                             args.temperature, args.logprob_chunk_tokens)
                         pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
                                                                 values[mb], returns[mb], response_mask[mb],
                                                                 args.cliprange, args.cliprange_value,
@@ -392,7 +400,7 @@ def main():
                     mini_losses.append(loss.detach())
                     with torch.no_grad():
                         mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
-                            pc.entropy_from_logits(logits), response_mask[mb])})
+                            entropy, response_mask[mb])})
                     for key, value in mb_stats.items():
                         stats.setdefault(key, []).append(value.item())
                 optimizer_step(torch.stack(mini_losses), state, step)  # clip, check, step, schedule

@@ -276,7 +276,7 @@ class Sampler:
         if self.vllm is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
             logprobs = pc.response_logprobs_no_grad(self.policy, query_responses, context_length, self.pad,
                                                     args.temperature, self.chunk, share_prompts=self.share,
-                                                    return_entropy=entropy)
+                                                    return_entropy=entropy, chunk_tokens=args.logprob_chunk_tokens)
             logprobs, entropies = logprobs if entropy else (logprobs, None)
         elif self.vllm is None and weights_version % LOGPROB_CHECK_EVERY == 0:
             metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
@@ -358,7 +358,7 @@ class Sampler:
         raises RolloutError on every process when it is above the tolerance."""
         rows = query_responses[:LOGPROB_CHECK_ROWS]
         recomputed = pc.response_logprobs_no_grad(self.policy, rows, context_length, self.pad, self.args.temperature,
-                                                  share_prompts=self.share)
+                                                  share_prompts=self.share, chunk_tokens=self.args.logprob_chunk_tokens)
         mask = response_mask[:LOGPROB_CHECK_ROWS]  # the sampled tokens
         diff = (recomputed - sampled_logprobs[:LOGPROB_CHECK_ROWS]).abs()[mask]
         stats = torch.stack([diff.max(), diff.mean()]) if diff.numel() else diff.new_zeros(2)
@@ -379,13 +379,10 @@ class Sampler:
         """The training forward: ((b, R) log-probs of rows `rows` of `batch`'s responses under `model`, with gradient
         unless called under no_grad; (b, R) entropy at each response position with `entropy`, else None), scored as
         the rollout scored them (logits / temperature, pad masked, with the prompt sharing decided for it)."""
-        logits = pc.forward_logits(model, batch.query_responses[rows], batch.context_length, self.pad,
-                                   self.args.temperature, share_prompts=self.share)
-        logprobs = pc.selective_logprobs(logits, batch.responses[rows])
-        if not entropy:
-            return logprobs, None
-        with torch.no_grad():
-            return logprobs, pc.entropy_from_logits(logits)
+        results = pc.response_logprobs(model, batch.query_responses[rows], batch.context_length, self.pad,
+                                       self.args.temperature, share_prompts=self.share, return_entropy=entropy,
+                                       chunk_tokens=self.args.logprob_chunk_tokens)
+        return results if entropy else (results, None)
 
     @torch.no_grad()
     def evaluate(self, held_out: du.HeldOut, logger, step: int, *, pass_at_k: int = 0) -> dict:
@@ -426,7 +423,8 @@ class Sampler:
             source_scores.append(per_source[:real])
             sums["scores"] += scores[:real].sum().item()
             if self.reference is not None:
-                logprobs = pc.response_logprobs(self.policy, query_responses, context_length, pad, args.temperature)
+                logprobs = pc.response_logprobs(self.policy, query_responses, context_length, pad, args.temperature,
+                                                chunk_tokens=args.logprob_chunk_tokens)
                 ref_logprobs = self.reference.logprobs(query_responses, context_length, pad, args.temperature)
                 sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
             sums["response_length"] += mask[:real].sum().item()

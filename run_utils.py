@@ -134,6 +134,8 @@ def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv:
         if field not in given:
             setattr(args, field, value)
     args.given_flags = frozenset(given)
+    if (getattr(args, "logprob_chunk_tokens", None) or 0) < 0:  # a flag of every script that computes log-probs
+        raise UserError(f"--logprob_chunk_tokens must be >= 0 (0 = all at once), got {args.logprob_chunk_tokens}")
     quiet_libraries(getattr(args, "verbose", True))
     return args
 

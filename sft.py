@@ -145,6 +145,10 @@ class Args:
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
     """bfloat16 weights (GPU only)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     verbose: bool = False
@@ -292,19 +296,26 @@ def prompt_completion_batch(rows, pad_token_id: int):
     return torch.cat([prompts, completions], 1), prompts.shape[1], completion_mask
 
 
-def completion_token_stats(model, rows, pad_token_id: int, device):
+def completion_token_stats(model, rows, pad_token_id: int, device, chunk_tokens: Optional[int] = 0):
     """rows -> per completion token (b, R): negative log-likelihood under `model`, whether the most likely token
     is the demonstrated one, and the mask of the tokens trained on (False on padding and, in tool conversations, on
-    tool results). Only the positions that predict completion tokens are computed: no prompt token is a target."""
+    tool results). Only the positions that predict completion tokens are computed: no prompt token is a target;
+    the output layer runs on `chunk_tokens` of them at a time (--logprob_chunk_tokens; 0: all at once)."""
     query_responses, context_length, completion_mask = prompt_completion_batch(rows, pad_token_id)
     query_responses = query_responses.to(device)
     completions = query_responses[:, context_length:]  # (b, R)
     # the full softmax, as TRL's SFTTrainer: pad is never a target, so maximum likelihood pushes its probability
     # down and the checkpoint does not emit it under samplers that do not suppress it (the RL scripts mask it)
-    logits = pc.forward_logits(model, query_responses, context_length, pad_token_id, mask_pad=False)  # (b, R, V)
-    token_nll = -pc.selective_logprobs(logits, completions)
+    token_logprobs, top1 = pc.map_response_logits(model, query_responses, context_length, pad_token_id,
+                                                  token_logprob_and_top1, completions, mask_pad=False,
+                                                  chunk_tokens=chunk_tokens)  # (b, R) each
     mask = (completions != pad_token_id) & completion_mask.to(completions.device)
-    return token_nll, (logits.argmax(-1) == completions) & mask, mask
+    return -token_logprobs, top1 & mask, mask
+
+
+def token_logprob_and_top1(logits: torch.Tensor, tokens: torch.Tensor):
+    """(n, V) logits, (n,) tokens -> ((n,) log softmax(logits)[token], (n,) whether the token is the most likely)."""
+    return pc.selective_logprobs(logits, tokens), logits.detach().argmax(-1) == tokens
 
 
 # ALGO LOGIC: the loss and its normalisation
@@ -316,11 +327,12 @@ def sft_loss(token_nll, mask, tokens_per_micro_batch: float):
     return token_nll.masked_fill(~mask, 0.0).sum() / tokens_per_micro_batch
 
 
-def accumulate_gradients(policy, accelerator, rows, batch_index, local_micro_batch_size: int, pad_token_id: int):
+def accumulate_gradients(policy, accelerator, rows, batch_index, local_micro_batch_size: int, pad_token_id: int,
+                         chunk_tokens: Optional[int] = 0):
     """Accumulate one optimizer step's gradients over the examples rows[batch_index] (every process's, in order):
     micro-batch m of process p is slice (m, p). Returns the step's loss and token_accuracy (after ru.reduce_metrics:
     token means over the whole batch) and num_tokens. The token count comes from `rows`, which every process holds:
-    no collective."""
+    no collective. `chunk_tokens`: --logprob_chunk_tokens."""
     world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
     num_tokens = sum(sum(rows[i]["completion_mask"]) for i in batch_index)  # loss tokens of the step, all processes
     tokens_per_micro_batch = num_tokens / (world * steps)
@@ -330,7 +342,7 @@ def accumulate_gradients(policy, accelerator, rows, batch_index, local_micro_bat
         index = batch_index[start:start + local_micro_batch_size]
         with accelerator.accumulate(policy):
             token_nll, correct, mask = completion_token_stats(policy, [rows[i] for i in index], pad_token_id,
-                                                              accelerator.device)
+                                                              accelerator.device, chunk_tokens)
             loss = sft_loss(token_nll, mask, tokens_per_micro_batch)
             accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
         # this process's part of the step's means; ru.reduce_metrics averages processes: token means over the batch
@@ -351,7 +363,7 @@ def evaluate(args, accelerator, policy, held_out, logger, step):
     for i in range(0, len(indices), args.per_device_eval_batch_size):
         chunk = indices[i:i + args.per_device_eval_batch_size]
         token_nll, correct, mask = completion_token_stats(policy, [held_out.rows[j] for j in chunk], pad,
-                                                          accelerator.device)
+                                                          accelerator.device, args.logprob_chunk_tokens)
         keep = max(0, n_real - i)  # only the first n_real rows of the share count
         sums["eval/loss"] += token_nll[:keep].masked_fill(~mask[:keep], 0.0).sum().item()
         sums["eval/token_accuracy"] += correct[:keep].sum().item()
@@ -445,7 +457,7 @@ def main() -> None:
             order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
         batch_index = order[position * batch_size:(position + 1) * batch_size]
         sums, num_tokens = accumulate_gradients(policy, accelerator, train_rows, batch_index, local_micro_batch_size,
-                                                tokenizer.pad_token_id)
+                                                tokenizer.pad_token_id, args.logprob_chunk_tokens)
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 

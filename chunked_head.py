@@ -1,0 +1,165 @@
+"""The output layer in chunks of tokens: per-token results of the logits (log-probs, entropy, a divergence) without
+ever holding rows x tokens x vocabulary.
+
+At long completions the logits are the largest tensor of a step (8 rows of 1,088 tokens at Pythia's 50,304-word
+vocabulary are 1.75 GB of float32), and a log-softmax, its gradient and an entropy each add as much again. Here the
+model runs as usual except that its output layer hands back its input, the last hidden states (B, R, H); the output
+layer is then applied to `chunk_tokens` positions at a time and a caller's function reduces each chunk's logits to
+per-token values. With gradient, each chunk is checkpointed (torch.utils.checkpoint, non-reentrant): only its hidden
+states are kept, and the backward recomputes one chunk's logits at a time. The numbers are those of the full logits
+to float rounding (tests/test_chunked_head.py: log-probs, entropy and gradients for GPT-NeoX, Llama, LoRA, with
+temperature, pad masking, shared prompts and gradient for some rows only).
+
+Used through policy_common.map_response_logits; nothing here knows about algorithms.
+
+Models whose forward changes the output layer's result (Gemma's soft-capping, Cohere's logit scale, Granite's logits
+scaling) are recognised from their config and keep the full-logits path (`supported`); any other change is caught by
+a check on every forward and stops the run with an error naming the flag.
+
+Under DeepSpeed ZeRO-3 every output-layer call gathers its weight, a collective: every process must make the same
+number of calls, so there the chunk count is agreed on (one all-reduce of an integer) and the chunked path is taken
+whenever chunking is on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from errors import UserError
+
+CHUNK_LOGITS_BYTES = 2**28  # the default chunk: as many positions as make 256 MiB of float32 logits
+# config fields of models whose forward transforms the output layer's result (the full-logits path serves them)
+TRANSFORMING_CONFIG_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "logits_soft_cap",
+                              "output_multiplier")
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside DDP / DeepSpeed / compile wrappers and a PEFT adapter."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The model's output layer (the LoRA-wrapped one when an adapter targets it)."""
+    head = causal_lm(model).get_output_embeddings()
+    if head is None:
+        raise UserError(f"{type(causal_lm(model)).__name__} has no output layer (get_output_embeddings() is None): "
+                        "pass --logprob_chunk_tokens 0")
+    return head
+
+
+def supported(model: nn.Module) -> bool:
+    """Does the model's forward return its output layer's result unchanged (as far as its config tells)?"""
+    config = causal_lm(model).config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return all(getattr(config, field, None) in (None, 1, 1.0) for field in TRANSFORMING_CONFIG_FIELDS)
+
+
+def resolve_chunk_tokens(model: nn.Module, chunk_tokens) -> int:
+    """--logprob_chunk_tokens for this model: None -> the positions whose float32 logits make CHUNK_LOGITS_BYTES
+    (2**26 / vocabulary size: 1,334 at Pythia's 50,304 words, 441 at Qwen's 152,064; never at the toy's 16)."""
+    if chunk_tokens is not None:
+        return chunk_tokens
+    head = output_layer(model)
+    vocab = getattr(head, "out_features", None) or causal_lm(model).config.get_text_config().vocab_size
+    return max(1, CHUNK_LOGITS_BYTES // (4 * vocab))
+
+
+def zero3_partitioned(head: nn.Module) -> bool:
+    """Is the output layer's weight a DeepSpeed ZeRO-3 shard (gathered by a collective on every call)?"""
+    return hasattr(head.weight, "ds_id")
+
+
+def chunk_count(tokens: int, chunk_tokens: int, head: nn.Module) -> int:
+    """ceil(tokens / chunk_tokens), the largest over processes under ZeRO-3 (every process then makes the same
+    output-layer calls)."""
+    n = max(1, math.ceil(tokens / chunk_tokens))
+    if zero3_partitioned(head) and torch.distributed.is_available() and torch.distributed.is_initialized():
+        count = torch.tensor([n], device=head.weight.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        n = int(count.item())
+    return n
+
+
+def wanted(model: nn.Module, tokens: int, chunk_tokens) -> bool:
+    """Take the chunked path for `tokens` response positions? When chunking is on (chunk_tokens None or > 0), the
+    model is `supported`, and the positions are more than one chunk, or always under ZeRO-3 (the same calls on every
+    process, whatever its own batch)."""
+    if chunk_tokens == 0 or not supported(model):
+        return False
+    chunk_tokens = resolve_chunk_tokens(model, chunk_tokens)
+    return tokens > chunk_tokens or zero3_partitioned(output_layer(model))
+
+
+@contextlib.contextmanager
+def hidden_instead_of_logits(model: nn.Module):
+    """Within the block, the model's forward returns its last hidden states (B, T', H) where it would return logits:
+    the output layer hands back its input. Each forward is checked to return exactly that tensor (a model that
+    transforms the output layer's result would otherwise hand out transformed hidden states)."""
+    base, head = causal_lm(model), output_layer(model)
+    returned = []
+
+    def identity(hidden, *args, **kwargs):
+        returned.append(hidden)
+        return hidden
+
+    def check(module, inputs, output):
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        if not any(logits is r for r in returned):
+            raise UserError(f"{type(base).__name__}'s forward changes its output layer's result, so log-probs cannot be "
+                            "computed in chunks from its hidden states: pass --logprob_chunk_tokens 0")
+        returned.clear()
+
+    saved = head.__dict__.get("forward")  # an instance-level forward (accelerate's offload hooks) is restored
+    head.forward = identity
+    handle = base.register_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved
+
+
+def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float = 1.0, pad_token_id: int = -1,
+                mask_pad: bool = True) -> torch.Tensor:
+    """(n, H) last hidden states -> (n, V) logits / temperature, the pad token masked as policy_common.mask_pad_
+    (with `mask_pad`): the distribution policy_common.forward_logits gives for the same positions."""
+    head = output_layer(model)
+    logits = head(hidden)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if mask_pad and 0 <= pad_token_id < logits.shape[-1]:
+        logits[..., pad_token_id] = logits.detach().amax(-1) - 1e4
+    return logits
+
+
+def map_chunks(model: nn.Module, fn, hidden: torch.Tensor, extra, *, chunk_tokens,
+               temperature: float = 1.0, pad_token_id: int = -1, mask_pad: bool = True) -> tuple:
+    """hidden (N, H) and extra tensors (N, ...) -> fn(head_logits(chunk of hidden), *chunks of extra) for chunks of
+    about `chunk_tokens` positions, concatenated: a tuple of (N, ...) tensors. fn must reduce over the vocabulary and
+    return a tuple of per-position tensors. With gradient (grad mode on and the hidden states or the output layer
+    requiring it), each chunk is checkpointed: its logits are recomputed in the backward, one chunk at a time."""
+    head = output_layer(model)
+    n_chunks = chunk_count(hidden.shape[0], resolve_chunk_tokens(model, chunk_tokens), head)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))
+
+    def chunk_fn(hidden_chunk, *extra_chunks):
+        return tuple(fn(head_logits(model, hidden_chunk, temperature, pad_token_id, mask_pad), *extra_chunks))
+
+    outs = []
+    for hidden_chunk, *extra_chunks in zip(hidden.tensor_split(n_chunks), *(e.tensor_split(n_chunks) for e in extra)):
+        if grad:
+            outs.append(checkpoint(chunk_fn, hidden_chunk, *extra_chunks, use_reentrant=False,
+                                   preserve_rng_state=False))
+        else:
+            outs.append(chunk_fn(hidden_chunk, *extra_chunks))
+    return tuple(torch.cat(parts) for parts in zip(*outs))
