@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -100,7 +101,7 @@ def wanted(model: nn.Module, tokens: int, chunk_tokens) -> bool:
 @contextlib.contextmanager
 def hidden_instead_of_logits(model: nn.Module):
     """Within the block, the model's forward returns its last hidden states (B, T', H) where it would return logits:
-    the output layer hands back its input. Each forward is checked to return exactly that tensor (a model that
+    the output layer hands back its input. Each forward is checked to return that tensor (its storage and shape) (a model that
     transforms the output layer's result would otherwise hand out transformed hidden states)."""
     base, head = causal_lm(model), output_layer(model)
     returned = []
@@ -111,7 +112,8 @@ def hidden_instead_of_logits(model: nn.Module):
 
     def check(module, inputs, output):
         logits = output.logits if hasattr(output, "logits") else output[0]
-        if not any(logits is r for r in returned):
+        # the same storage and shape (DeepSpeed ZeRO-3's module hooks hand back a new tensor object on it)
+        if not any(logits.data_ptr() == r.data_ptr() and logits.shape == r.shape for r in returned):
             raise UserError(f"{type(base).__name__}'s forward changes its output layer's result, so log-probs cannot be "
                             "computed in chunks from its hidden states: pass --logprob_chunk_tokens 0")
         returned.clear()
@@ -142,12 +144,21 @@ def head_logits(model: nn.Module, hidden: torch.Tensor, temperature: float = 1.0
     return logits
 
 
-def map_chunks(model: nn.Module, fn, hidden: torch.Tensor, extra, *, chunk_tokens,
-               temperature: float = 1.0, pad_token_id: int = -1, mask_pad: bool = True) -> tuple:
+def map_chunks(model: nn.Module, fn, hidden: torch.Tensor, extra, *, chunk_tokens, temperature: float = 1.0,
+               pad_token_id: int = -1, mask_pad: bool = True, grad_positions: Optional[int] = None) -> tuple:
     """hidden (N, H) and extra tensors (N, ...) -> fn(head_logits(chunk of hidden), *chunks of extra) for chunks of
     about `chunk_tokens` positions, concatenated: a tuple of (N, ...) tensors. fn must reduce over the vocabulary and
     return a tuple of per-position tensors. With gradient (grad mode on and the hidden states or the output layer
-    requiring it), each chunk is checkpointed: its logits are recomputed in the backward, one chunk at a time."""
+    requiring it), each chunk is checkpointed: its logits are recomputed in the backward, one chunk at a time.
+    `grad_positions=n` (0 < n < N): positions n.. carry no gradient, their chunks are computed under no_grad."""
+    if grad_positions is not None and 0 < grad_positions < hidden.shape[0]:
+        n = grad_positions
+        with torch.no_grad():
+            other = map_chunks(model, fn, hidden[n:], [e[n:] for e in extra], chunk_tokens=chunk_tokens,
+                               temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad)
+        first = map_chunks(model, fn, hidden[:n], [e[:n] for e in extra], chunk_tokens=chunk_tokens,
+                           temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad)
+        return tuple(torch.cat(pair) for pair in zip(first, other))
     head = output_layer(model)
     n_chunks = chunk_count(hidden.shape[0], resolve_chunk_tokens(model, chunk_tokens), head)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in head.parameters()))

@@ -1,7 +1,7 @@
 """The model helpers every algorithm script uses: the reference model, generation, padding-safe forwards and
 log-probs, and small tensor utilities. Nothing algorithm-specific, and nothing about runs (arguments, data,
-logging, checkpoints). Loading by name is models.py; the optional path that encodes a repeated prompt once is
-prompt_sharing.py.
+logging, checkpoints). Loading by name: models.py; a repeated prompt encoded once: prompt_sharing.py; the output
+layer in chunks of positions: chunked_head.py.
 
 Conventions used throughout (shapes in docstrings use these names):
   B  batch size            Lq  query (prompt) length, LEFT-padded with pad_token_id
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from typing import Optional, Sequence
 
 import torch
@@ -123,8 +122,8 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`)."""
-    return prompt_sharing.unwrap(model)  # written there: prompt_sharing sits below this module
+    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`); written in prompt_sharing (below)."""
+    return prompt_sharing.unwrap(model)
 
 
 @contextlib.contextmanager
@@ -185,16 +184,11 @@ def _no_model_sampling_defaults(model: nn.Module):
 def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
                      generation_config, chunk_size: int, accelerator=None, share_prompts: bool = False,
                      return_entropy: bool = False):
-    """Generate responses for a LEFT-padded batch of queries, `chunk_size` rows at a time.
-
-    queries: (B, Lq) left-padded with pad_token_id.
-    Returns (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
-      query_responses (B, Lq + max_new_tokens): query then response; after the first EOS (kept) every token
-        is pad, and short responses are right-padded to max_new_tokens.
+    """Generate responses for a batch of queries (B, Lq), LEFT-padded, `chunk_size` rows at a time. Returns (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
+      query_responses (B, Lq + max_new_tokens): query then response, pad after the first EOS (kept) and to the end.
       logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (logits /
-        temperature, pad suppressed), INVALID_LOGPROB after EOS. `response_logprobs` scores the same distribution
-        (pad masked in `forward_logits`), so these equal a fresh forward's to float rounding: when the weights
-        have not changed since sampling they are the old log-probs, and the forward can be skipped.
+        temperature, pad suppressed), INVALID_LOGPROB after EOS: a fresh `response_logprobs` to float rounding, so
+        while the weights have not changed since sampling they are the old log-probs (no forward needed).
       entropy (B, max_new_tokens): entropy of that distribution at each response position, 0 after EOS.
     Only our config applies: the model's own sampling defaults are ignored (`_no_model_sampling_defaults`).
     With `share_prompts` (rows repeat queries, e.g. RLOO's k samples), each distinct query is encoded once for
@@ -229,24 +223,25 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
 
 
 class SampledTokenStats:
-    """A logits processor for `generate` that keeps, of each step's sampling distribution, only the log-prob of the
-    token sampled from it (and its entropy): (b,) numbers per step instead of the (b, V) scores `output_scores` would
-    keep for every step. Custom processors run before generate's temperature warper, so the distribution is taken
-    here as scores / temperature: the config must sample with temperature alone (make_generation_config's; no top-k,
-    top-p or other warper, checked). The token sampled at step t is read from the inputs of step t + 1; `finish`
-    takes the last one."""
-
-    WARPERS = dict(top_k=(None, 0), top_p=(None, 1.0), min_p=(None,), typical_p=(None, 1.0), top_h=(None,),
-                   epsilon_cutoff=(None, 0.0), eta_cutoff=(None, 0.0))
+    """A logits processor for `generate` keeping, of each step's sampling distribution, only the sampled token's
+    log-prob (and the entropy): (b,) numbers per step, not the (b, V) scores of `output_scores`. It runs before
+    generate's warpers, so it applies the config's itself (temperature, top-k, top-p, min-p, typical-p; others are
+    refused). The token sampled at step t is read from the inputs of step t + 1; `finish` takes the last one."""
 
     def __init__(self, generation_config, entropy: bool = False):
-        if generation_config.do_sample:
-            extra = [k for k, off in self.WARPERS.items() if getattr(generation_config, k, None) not in off]
-            if extra:
-                raise ValueError(f"batch_generation samples with temperature alone; the config also sets {extra}")
-        temperature = generation_config.temperature if generation_config.do_sample else None
-        self.temperature = 1.0 if temperature is None else temperature
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+
+        c, self.warpers, self.temperature = generation_config, [], 1.0  # in generate's order
         self.entropy, self.logprobs, self.entropies, self.last = entropy, [], [], None
+        if not c.do_sample:
+            return
+        if c.top_h is not None or (c.epsilon_cutoff or 0.0) > 0.0 or (c.eta_cutoff or 0.0) > 0.0:
+            raise ValueError("batch_generation does not take top_h, epsilon_cutoff or eta_cutoff")
+        self.temperature = 1.0 if c.temperature is None else c.temperature
+        self.warpers += [TopKLogitsWarper(c.top_k)] if c.top_k else []
+        self.warpers += [TopPLogitsWarper(c.top_p)] if (c.top_p or 1.0) < 1.0 else []
+        self.warpers += [MinPLogitsWarper(c.min_p)] if c.min_p is not None else []
+        self.warpers += [TypicalLogitsWarper(c.typical_p)] if (c.typical_p or 1.0) < 1.0 else []
 
     def _take(self, tokens: torch.Tensor) -> None:
         self.logprobs.append(torch.gather(self.last, 1, tokens.unsqueeze(-1)).squeeze(-1))
@@ -254,15 +249,16 @@ class SampledTokenStats:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.last is not None:
             self._take(input_ids[:, -1])
-        logprob = (scores / self.temperature if self.temperature != 1.0 else scores).float().log_softmax(-1)
+        warped = scores / self.temperature if self.temperature != 1.0 else scores
+        for warper in self.warpers:
+            warped = warper(input_ids, warped)
+        logprob = warped.float().log_softmax(-1)
         if self.entropy:
             self.entropies.append(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1))
         self.last = logprob
         return scores
 
-    def finish(self, last_tokens: torch.Tensor):
-        """(b,) the tokens sampled at the last step -> ((b, r) log-probs of the r sampled tokens, (b, r) entropy or
-        None)."""
+    def finish(self, last_tokens: torch.Tensor):  # (b,) last step's tokens -> ((b, r) log-probs, (b, r) entropy)
         self._take(last_tokens)
         self.last = None
         return torch.stack(self.logprobs, 1), torch.stack(self.entropies, 1) if self.entropy else None
@@ -280,8 +276,8 @@ def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
 
 
 def _keep_last(model: nn.Module, n: int) -> dict:
-    """forward kwargs computing the output layer on the last `n` positions only, where the model's forward takes
-    `logits_to_keep` (all transformers 5 causal LMs; custom code may not): callers slice [:, -n:] either way."""
+    """forward kwargs: the output layer on the last `n` positions only, where the forward takes `logits_to_keep`
+    (custom code may not): callers slice [:, -n:] either way."""
     return {"logits_to_keep": n} if "logits_to_keep" in prompt_sharing.forward_parameters(model) else {}
 
 
@@ -292,8 +288,7 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
     query_responses[:, context_length:], the pad token masked (`mask_pad_`): the distribution sampling draws from.
     Temperature is applied here and only here. Only the response positions go through the output layer. With
     `share_prompts`, rows with identical queries encode the query once (prompt_sharing.py; the same numbers to
-    float rounding): decide it from sizes that are the same on every process (prompt_sharing.worth_sharing), never
-    from one process's data. `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary).
+    float rounding), decided from sizes the same on every process (prompt_sharing.worth_sharing). `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary).
     `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept for the backward (with
     `share_prompts`, they run on a no-grad fork of the shared queries' cache: prompt_sharing.split_logits; else,
     or where the cache cannot be forked, rows 0..n-1 in one plain call and the others in a second, no-grad one)."""
@@ -305,9 +300,8 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
 
 def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                      share_prompts: bool = False, grad_rows: Optional[int] = None) -> torch.Tensor:
-    """(B, T) ids -> (B, T - context_length, X): the model's output (its `logits` field) at the positions that
-    predict the response tokens; X = V, or the hidden size H within chunked_head.hidden_instead_of_logits.
-    `share_prompts`, `grad_rows`: as in `forward_logits`."""
+    """(B, T) ids -> (B, T - context_length, X) model output (`logits`) at the positions predicting the response:
+    X = V, or H within chunked_head.hidden_instead_of_logits. `share_prompts`, `grad_rows`: as in `forward_logits`."""
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     R = query_responses.shape[1] - context_length
     split = grad_rows is not None and 0 < grad_rows < len(query_responses)
@@ -336,15 +330,11 @@ def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_le
 def map_response_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                         fn, *extra: torch.Tensor, temperature: float = 1.0, mask_pad: bool = True,
                         share_prompts: bool = False, grad_rows: Optional[int] = None, chunk_tokens: Optional[int] = 0) -> tuple:
-    """Per-token results of the response logits without keeping (B, R, V) when it would be large.
-    fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) tensors, each reduced over the vocabulary, where logits
-    are `forward_logits`' (/ temperature, pad masked with `mask_pad`) at n response positions and `extra` are
-    (B, R, ...) tensors the caller needs alongside (the tokens, a teacher's hidden states), flattened the same way.
-    Returns the tuple with each result shaped (B, R, ...). With `chunk_tokens` > 0 (None: chunked_head's default for
-    the model's vocabulary) and more response positions (B x R) than that, the output layer runs on about
-    `chunk_tokens` positions at a time (chunked_head.py): the same numbers to float rounding, at the memory of one
-    chunk's logits; else, and for models chunked_head does not support, on all of them at once (0: always).
-    `share_prompts`, `grad_rows`: as in `forward_logits`."""
+    """fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) per-token results, for `forward_logits`' logits at
+    the B x R response positions and `extra` (B, R, ...) tensors taken alongside (the tokens, say): returns the tuple
+    shaped (B, R, ...). With chunking on (`chunk_tokens` None: the default for the vocabulary; 0: off) and more
+    positions than a chunk, the output layer runs a chunk at a time (chunked_head.py): the same numbers to rounding,
+    at the memory of one chunk's logits. `share_prompts`, `grad_rows`: as in `forward_logits`."""
     B, R = query_responses.shape[0], query_responses.shape[1] - context_length
     flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
     if not chunked_head.wanted(model, B * R, chunk_tokens):
@@ -354,16 +344,9 @@ def map_response_logits(model: nn.Module, query_responses: torch.Tensor, context
     else:
         with chunked_head.hidden_instead_of_logits(model):
             hidden = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
-        hidden = hidden.reshape(B * R, -1)
-        chunks = functools.partial(chunked_head.map_chunks, model, fn, chunk_tokens=chunk_tokens,
-                                   temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad)
-        split = (grad_rows or 0) * R if grad_rows is not None and 0 < grad_rows < B else None
-        if split is None:
-            results = chunks(hidden, flat)
-        else:  # rows grad_rows.. carry no gradient: their chunks are not checkpointed
-            with torch.no_grad():
-                other = chunks(hidden[split:], [e[split:] for e in flat])
-            results = tuple(torch.cat(pair) for pair in zip(chunks(hidden[:split], [e[:split] for e in flat]), other))
+        results = chunked_head.map_chunks(model, fn, hidden.reshape(B * R, -1), flat, chunk_tokens=chunk_tokens,
+                                          temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad,
+                                          grad_positions=None if grad_rows is None else grad_rows * R)
     return tuple(r.reshape(B, R, *r.shape[1:]) for r in results)
 
 
@@ -404,12 +387,8 @@ def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch
     return torch.cat(out)
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor):  # map_response_logits' fn: (n, V), (n,) -> ((n,),)
-    return (selective_logprobs(logits, tokens),)
-
-
-def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # -> ((n,) log-probs, (n,) entropy, no grad)
-    with torch.no_grad():
+def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # map_response_logits' fn: (n, V), (n,) ->
+    with torch.no_grad():                                                  # ((n,) log-probs, (n,) entropy, no grad)
         entropy = entropy_from_logits(logits.detach())
     return selective_logprobs(logits, tokens), entropy
 
@@ -419,11 +398,10 @@ def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_l
                       return_entropy: bool = False, mask_pad: bool = True, chunk_tokens: Optional[int] = 0):
     """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature, or
     ((B, R) log-probs, (B, R) entropy at each response position, without gradient) with `return_entropy`
-    (`share_prompts`, `grad_rows`, `mask_pad`: as in `forward_logits`; `chunk_tokens`: the output layer on that
-    many positions at a time, `map_response_logits`).
+    (`share_prompts`, `grad_rows`, `mask_pad`: as in `forward_logits`; `chunk_tokens`: `map_response_logits`'s).
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
     results = map_response_logits(model, query_responses, context_length, pad_token_id,
-                                  _logprobs_and_entropy if return_entropy else _logprobs,
+                                  _logprobs_and_entropy if return_entropy else lambda *a: (selective_logprobs(*a),),
                                   query_responses[:, context_length:], temperature=temperature, mask_pad=mask_pad,
                                   share_prompts=share_prompts, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
     return results if return_entropy else results[0]
@@ -434,10 +412,8 @@ def response_logprobs_no_grad(model: nn.Module, query_responses: torch.Tensor, c
                               pad_token_id: int, temperature: float = 1.0, chunk_size: Optional[int] = None,
                               share_prompts: bool = False, return_entropy: bool = False,
                               chunk_tokens: Optional[int] = 0):
-    """`response_logprobs` without gradient, `chunk_size` rows per forward (all by default), so that a whole rollout
-    batch is scored with one chunk's activations alive at a time: (B, T) ids -> (B, R) log-probs of the response
-    tokens, or ((B, R) log-probs, (B, R) entropy at each response position) with `return_entropy`, under logits /
-    temperature with pad masked (`forward_logits`). For reference log-probs, samples that did not come from
+    """`response_logprobs` without gradient, `chunk_size` rows per forward (all by default): a whole rollout batch
+    scored with one chunk's activations alive at a time. For reference log-probs, samples that did not come from
     `batch_generation` (vLLM), or old log-probs after the weights moved.
     Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
     chunk_size = chunk_size or query_responses.shape[0]
@@ -488,8 +464,7 @@ def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
 
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """(B, L) bool mask of real tokens -> (B,) index of the last True (0 for an all-False row)."""
-    L = mask.shape[1]
-    return (L - 1 - first_true_indices(mask.flip(1))).clamp(min=0)
+    return (mask.shape[1] - 1 - first_true_indices(mask.flip(1))).clamp(min=0)
 
 
 def truncate_after_eos(responses: torch.Tensor, eos_token_id: int, pad_token_id: int) -> torch.Tensor:
@@ -508,8 +483,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = N
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance of `values` where `mask` is True (Bessel-corrected by default). Fewer than two values have no
-    spread: the variance is 0 (so `masked_whiten` maps a single value to 0 instead of failing)."""
+    """Variance of `values` where `mask` is True (Bessel-corrected by default); 0 for fewer than two values (so
+    `masked_whiten` maps a single value to 0)."""
     n = mask.sum()
     if n < 2:
         return torch.zeros((), dtype=values.dtype, device=values.device)
@@ -537,11 +512,8 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_token_id: int, side: str) -
     width = max(len(s) for s in seqs)
     out = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
     for i, s in enumerate(seqs):
-        if len(s):
-            if side == "left":
-                out[i, width - len(s):] = torch.as_tensor(s)
-            else:
-                out[i, :len(s)] = torch.as_tensor(s)
+        cols = slice(width - len(s), width) if side == "left" else slice(0, len(s))
+        out[i, cols] = torch.as_tensor(s, dtype=torch.long)
     return out
 
 

@@ -87,13 +87,13 @@ def run_measured(cmd: list, threads: int, watch: str | None = None) -> dict:
                 error=f"exit {code}: " + (tail.strip().splitlines() or ["?"])[-1][:300] if code else None)
 
 
-def measure_ours(algo: str, args) -> dict:
-    """The real `<algo>.py`, unmodified, for warmup + steps + 1 optimizer steps."""
+def measure_ours(algo: str, args, extra: tuple = ()) -> dict:
+    """The real `<algo>.py`, unmodified, for warmup + steps + 1 optimizer steps (`extra`: more flags)."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = os.path.join(tmp, "run")
         cmd = [sys.executable, os.path.join(ROOT, f"{algo}.py"), "--output_dir", run_dir, "--seed", "1",
                "--max_steps", str(args.warmup + args.steps + 1), "--eval_steps", "0",
-               *ours_flags(args.setting, algo, setting_paths(args.setting))]
+               *ours_flags(args.setting, algo, setting_paths(args.setting)), *extra]
         run = run_measured(cmd, args.threads, watch=os.path.join(run_dir, "metrics.jsonl"))
     try:
         step = None if run["error"] else seconds_per_step(run["step_ends"], args.warmup, args.steps)

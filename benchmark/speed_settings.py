@@ -19,6 +19,18 @@ TLDR = dict(prompt_tokens=400, response_length=53, vocab=3072, layers=8, width=2
             distill_batch=16, teacher_layers=8, teacher_width=512)
 
 
+# Long completions (benchmark/memory.py, issue 33): a small GPT-NeoX with Pythia's 50,304-word vocabulary, so the
+# output layer and everything computed from its logits dominate memory; settings long512, long1024, long2048.
+LONG = dict(prompt_tokens=32, lengths=(512, 1024, 2048), vocab=50304, layers=2, width=64, teacher_layers=2,
+            teacher_width=128, rloo_k=4, rloo_batch=8, grpo_generations=4, grpo_batch=8, dpo_batch=2, sft_batch=8,
+            distill_batch=8)
+
+
+def long_length(setting: str):
+    """The completion length of a long setting ('long1024' -> 1024), None for any other setting."""
+    return int(setting[4:]) if setting.startswith("long") else None
+
+
 def tldr_model_config(layers: int = TLDR["layers"], width: int = TLDR["width"]):
     """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1); the teacher's is wider."""
     from transformers import GPTNeoXConfig
@@ -84,7 +96,63 @@ def build_tldr_teacher(policy_dir: str, out: str) -> None:
     AutoTokenizer.from_pretrained(policy_dir).save_pretrained(out)
 
 
+def build_long_shaped(root: str, length: int) -> dict:
+    """Random-weight GPT-NeoX policy, reward model and teacher of LONG's shapes (vocabulary 50,304), a word-level
+    tokenizer, LONG['prompt_tokens']-word prompts and, for `length`, preference pairs and SFT examples whose
+    completions are `length` tokens (EOS included). Timing and memory only: nothing learns. Seeded; built once."""
+    import random
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
+
+    from toy_task import save_dataset
+
+    names = ("policy", "reward", "teacher", "prompt_dataset", f"preference_dataset_{length}", f"sft_dataset_{length}")
+    out = {k: os.path.join(root, k) for k in names}
+    out["preference_dataset"], out["sft_dataset"] = out[f"preference_dataset_{length}"], out[f"sft_dataset_{length}"]
+    if os.path.exists(os.path.join(root, f"done_{length}")):
+        return out
+    words = [f"w{i}" for i in range(LONG["vocab"] - 3)]
+    if not os.path.exists(os.path.join(root, "done")):
+        torch.manual_seed(0)
+        vocab = {tok: i for i, tok in enumerate(["[PAD]", "[EOS]", "[UNK]", *words])}
+        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]",
+                                            unk_token="[UNK]")
+        config = lambda layers, width: GPTNeoXConfig(  # noqa: E731
+            vocab_size=LONG["vocab"], hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
+            intermediate_size=4 * width, max_position_embeddings=max(LONG["lengths"]) + 2 * LONG["prompt_tokens"],
+            hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=1,
+            pad_token_id=0)
+        for model, name in ((GPTNeoXForCausalLM(config(LONG["layers"], LONG["width"])), "policy"),
+                            (GPTNeoXForSequenceClassification(GPTNeoXConfig(
+                                **config(LONG["layers"], LONG["width"]).to_dict(), num_labels=1)), "reward"),
+                            (GPTNeoXForCausalLM(config(LONG["teacher_layers"], LONG["teacher_width"])), "teacher")):
+            model.save_pretrained(out[name])
+            tokenizer.save_pretrained(out[name])
+        rng = random.Random(0)
+        prompts = {split: [" ".join(rng.choice(words) for _ in range(LONG["prompt_tokens"])) for _ in range(n)]
+                   for split, n in (("train", 64), ("test", 2))}
+        save_dataset({s: [{"prompt": p} for p in ps] for s, ps in prompts.items()}, out["prompt_dataset"])
+        open(os.path.join(root, "done"), "w").close()
+    rng = random.Random(length)
+    text = lambda: " " + " ".join(rng.choice(words) for _ in range(length - 1))  # noqa: E731  (+ EOS)
+    prompts = {split: [" ".join(rng.choice(words) for _ in range(LONG["prompt_tokens"])) for _ in range(n)]
+               for split, n in (("train", 16), ("test", 2))}
+    save_dataset({s: [{"prompt": p, "chosen": text(), "rejected": text()} for p in ps] for s, ps in prompts.items()},
+                 out["preference_dataset"])
+    save_dataset({s: [{"prompt": p, "completion": text()} for p in ps] for s, ps in prompts.items()},
+                 out["sft_dataset"])
+    open(os.path.join(root, f"done_{length}"), "w").close()
+    return out
+
+
 def setting_paths(setting: str) -> dict:
+    if long_length(setting):
+        return build_long_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_memory_long_v1"),
+                                 long_length(setting))
     if setting == "toy":
         import toy_task
 
@@ -96,6 +164,8 @@ def hyper(setting: str, algo: str) -> dict:
     """The hyper-parameters both implementations get (ours as flags, TRL as config fields)."""
     if setting == "toy":
         return dict(importlib.import_module(algo).ALIAS_DEFAULTS["toy"])
+    if long_length(setting):
+        return long_hyper(long_length(setting), algo)
     common = dict(gradient_accumulation_steps=1, response_length=TLDR["response_length"], max_prompt_length=448)
     if algo == "rloo":
         return dict(common, per_device_train_batch_size=TLDR["rloo_batch"], rloo_k=TLDR["rloo_k"], learning_rate=3e-6,
@@ -115,6 +185,31 @@ def hyper(setting: str, algo: str) -> dict:
         return dict(common, per_device_train_batch_size=TLDR["distill_batch"], learning_rate=3e-6, beta=1.0,
                     temperature=1.0, local_rollout_forward_batch_size=TLDR["distill_batch"])
     raise ValueError(f"--setting tldr measures {', '.join(TRL_ALGOS)}, not {algo}")
+
+
+def long_hyper(length: int, algo: str) -> dict:
+    """The long settings' hyper-parameters (the issue's GRPO setting: 4 generations x 2 prompts, beta 0; the others
+    the same 8 rows a step, DPO 2 pairs; fp32, one optimizer step per step)."""
+    L, P = length, LONG["prompt_tokens"]
+    common = dict(gradient_accumulation_steps=1, response_length=L, max_prompt_length=P)
+    if algo == "rloo":
+        return dict(common, per_device_train_batch_size=LONG["rloo_batch"], rloo_k=LONG["rloo_k"], learning_rate=3e-6,
+                    kl_coef=0.05, temperature=1.0, local_rollout_forward_batch_size=LONG["rloo_batch"])
+    if algo == "grpo":
+        return dict(common, per_device_train_batch_size=LONG["grpo_batch"], num_generations=LONG["grpo_generations"],
+                    learning_rate=3e-6, temperature=1.0, beta=0.0, epsilon=0.2, loss_type="dapo",
+                    scale_rewards="group", importance_sampling_level="token", num_iterations=1,
+                    local_rollout_forward_batch_size=LONG["grpo_batch"])
+    if algo == "dpo":
+        return dict(common, per_device_train_batch_size=LONG["dpo_batch"], learning_rate=5e-7, beta=0.1,
+                    max_length=P + L, warmup_ratio=0.1)
+    if algo == "sft":
+        return dict(common, per_device_train_batch_size=LONG["sft_batch"], learning_rate=3e-6, max_length=P + L,
+                    weight_decay=0.0)
+    if algo == "distill":
+        return dict(common, per_device_train_batch_size=LONG["distill_batch"], learning_rate=3e-6, beta=1.0,
+                    temperature=1.0, local_rollout_forward_batch_size=LONG["distill_batch"])
+    raise ValueError(f"the long settings measure rloo grpo dpo sft distill, not {algo}")
 
 
 def grpo_value(setting: str, key: str):
@@ -137,14 +232,16 @@ def ours_flags(setting: str, algo: str, paths: dict) -> list:
     if setting == "toy":
         return ["--num_eval_prompts", "16"]
     data = paths[{"rloo": "prompt_dataset", "grpo": "prompt_dataset", "dpo": "preference_dataset",
-                  "kto": "unpaired_dataset", "distill": "prompt_dataset"}[algo]]
-    flags = ["--model", paths["policy"], "--dataset", data, "--num_eval_prompts", "2"]
+                  "kto": "unpaired_dataset", "distill": "prompt_dataset", "sft": "sft_dataset"}[algo]]
+    flags = ["--model", paths["policy"], "--dataset", data, "--num_eval_prompts", "0" if algo == "sft" else "2"]
     if algo == "distill":
         flags += ["--teacher_model", paths["teacher"]]
     if algo in ("rloo", "grpo"):
         flags += ["--reward_model", paths["reward"]]
     if algo == "dpo":
-        flags += ["--max_eval_pairs", "4"]
+        flags += ["--max_eval_pairs", "2" if long_length(setting) else "4"]
+    if algo == "sft":
+        flags += ["--max_eval_examples", "2"]
     if algo == "kto":
         flags += ["--num_eval_examples", "8", "--per_device_eval_batch_size", str(TLDR["kto_batch"])]
     for k, v in hyper(setting, algo).items():

@@ -106,6 +106,11 @@ def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
         if penalty is not None:
             unmatched.insert(0, f"missing-EOS penalty (ours: score - {penalty} without EOS; TRL has no such option)")
         return trainer, unmatched
+    if algo == "sft":  # prompt-completion data: TRL's default loss on the completion tokens only, as sft.py's
+        config = trl.SFTConfig(**common, max_length=d["max_length"], packing=False, warmup_steps=0, adam_epsilon=1e-5)
+        dataset = datasets.load_from_disk(paths["sft_dataset"], keep_in_memory=True)["train"]
+        return trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                              callbacks=callbacks), []
     if algo == "distill":
         import distill
 
@@ -122,10 +127,10 @@ def trainer_for(algo: str, setting: str, common: dict, callbacks: list):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("algo", choices=settings.TRL_ALGOS)
-    parser.add_argument("--setting", default="toy", choices=("toy", "tldr"))
+    parser.add_argument("algo", choices=(*settings.TRL_ALGOS, "sft"))
+    parser.add_argument("--setting", default="toy", help="toy, tldr, or long512 / long1024 / long2048 (memory.py)")
     parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps")
-    parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring")
+    parser.add_argument("--warmup", type=int, default=3, help="steps run before measuring (0: no step time)")
     parser.add_argument("--out", required=True, help="where the result JSON goes")
     args = parser.parse_args()
     for key, value in (("HF_HUB_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"), ("WANDB_MODE", "disabled")):
@@ -148,7 +153,9 @@ def main():
         torch.manual_seed(0)
         with contextlib.redirect_stdout(sys.stderr):
             trainer.train()
-    result = dict(step=settings.seconds_per_step(step_ends, args.warmup, args.steps), steps_measured=args.steps,
+    # --warmup 0: peak memory only (benchmark/memory.py), no step time
+    result = dict(step=settings.seconds_per_step(step_ends, args.warmup, args.steps) if args.warmup else None,
+                  steps_measured=args.steps,
                   trl_version=trl.__version__, unmatched=unmatched)
     with open(args.out, "w") as f:
         json.dump(result, f)

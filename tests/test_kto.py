@@ -196,7 +196,7 @@ def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
     assert kto.joint_forward(SimpleNamespace(**flags))
     for change in (dict(gradient_checkpointing=True), dict(share_prompts=False), dict(max_length=46)):  # no cache kept,
         assert not kto.joint_forward(SimpleNamespace(**{**flags, **change}))  # sharing off, completions > prompts / 2
-    args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0)
+    args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, logprob_chunk_tokens=0)
     calls = []  # input shapes of the policy's forwards, and whether each keeps a graph
     policy.register_forward_pre_hook(
         lambda m, a, kw: calls.append((*kw["input_ids"].shape, torch.is_grad_enabled())), with_kwargs=True)

@@ -132,6 +132,16 @@ def test_deepspeed_zero3_on_cpu(tmp_path, toy):
     sft = AutoModelForCausalLM.from_pretrained(toy["policy"])
     assert all(p.shape == q.shape for p, q in zip(reloaded.parameters(), sft.parameters()))
     assert any(not torch.equal(p, q) for p, q in zip(reloaded.parameters(), sft.parameters()))
+    # under ZeRO-3 the output layer always runs in chunks (chunked_head.wanted: every process makes the same
+    # gathers); the full-logits path gives the same numbers
+    full = tmp_path / "zero3_full"
+    proc = subprocess.run(cmd[:-1] + [str(full), "--logprob_chunk_tokens", "0"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    for chunked_row, full_row in zip(rows, read_metrics(str(full))):
+        for key in ("objective/kl", "objective/entropy", "loss/policy"):
+            if key in chunked_row:
+                assert chunked_row[key] == pytest.approx(full_row[key], rel=1e-4, abs=1e-5), key
 
 
 @pytest.mark.parametrize("script,args", [
