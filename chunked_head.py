@@ -149,7 +149,9 @@ def map_chunks(model: nn.Module, fn, hidden: torch.Tensor, extra, *, chunk_token
     """hidden (N, H) and extra tensors (N, ...) -> fn(head_logits(chunk of hidden), *chunks of extra) for chunks of
     about `chunk_tokens` positions, concatenated: a tuple of (N, ...) tensors. fn must reduce over the vocabulary and
     return a tuple of per-position tensors. With gradient (grad mode on and the hidden states or the output layer
-    requiring it), each chunk is checkpointed: its logits are recomputed in the backward, one chunk at a time.
+    requiring it), each chunk is checkpointed: its logits are recomputed in the backward, one chunk at a time. An
+    output with a graph that the loss does not use keeps its chunk's recomputed tensors until the backward ends:
+    compute such outputs (metrics) under no_grad.
     `grad_positions=n` (0 < n < N): positions n.. carry no gradient, their chunks are computed under no_grad."""
     if grad_positions is not None and 0 < grad_positions < hidden.shape[0]:
         n = grad_positions

@@ -364,7 +364,11 @@ def main():
                 with torch.no_grad():
                     teacher_logprobs = pc.selective_logprobs(teacher_logits, token_chunk)
                     student_entropy = pc.entropy_from_logits(student_logits.detach())
-                return divergence, pc.selective_logprobs(student_logits, token_chunk), teacher_logprobs, student_entropy
+                # the sampled tokens' log-probs: pg's loss; gkd's metrics only, so no graph (a graph the loss does not
+                # use would keep each chunk's recomputed logits alive until the backward ends)
+                with torch.set_grad_enabled(torch.is_grad_enabled() and args.loss == "pg"):
+                    new_logprobs = pc.selective_logprobs(student_logits, token_chunk)
+                return divergence, new_logprobs, teacher_logprobs, student_entropy
 
             with accelerator.accumulate(policy):
                 divergence, new_logprobs, teacher_logprobs, token_entropy = pc.map_response_logits(

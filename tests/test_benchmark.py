@@ -199,6 +199,45 @@ def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters
     assert settings.ours_flags("toy", "grpo", paths) == ["--num_eval_prompts", "16"]
 
 
+def test_memory_long_settings_and_report(tmp_path):
+    """benchmark/memory.py: the long settings' flags parse to exactly the values TRL's config receives, fit the
+    stand-in's positions; the report's ratios, growth per 1,000 tokens and targets, hand-worked."""
+    import argparse
+
+    import memory
+    import speed_settings as settings
+
+    import run_utils as ru
+
+    paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "teacher", "prompt_dataset", "preference_dataset",
+                                          "sft_dataset")}
+    for algo in memory.ALGOS:
+        module = __import__(algo)
+        for length in settings.LONG["lengths"]:
+            args = ru.parse_args(module.Args, module.ALIAS_DEFAULTS,
+                                 argv=settings.ours_flags(f"long{length}", algo, paths))
+            for k, v in settings.hyper(f"long{length}", algo).items():
+                assert getattr(args, k) == v, (algo, length, k)
+            assert args.response_length == length
+    assert settings.long_length("long2048") == 2048 and settings.long_length("tldr") is None
+
+    results = {"ours:grpo:512": dict(step=None, peak_rss_mib=1000.0), "trl:grpo:512": dict(step=None, peak_rss_mib=3000.0),
+               "ours:grpo:1024": dict(step=10.0, peak_rss_mib=1600.0), "trl:grpo:1024": dict(step=12.0, peak_rss_mib=4000.0),
+               "unchunked:grpo:1024": dict(step=9.5, peak_rss_mib=2600.0),
+               "ours:grpo:2048": dict(step=None, peak_rss_mib=2000.0), "trl:grpo:2048": dict(step=None, peak_rss_mib=6000.0,
+                                                                                       unmatched=["z"])}
+    args = argparse.Namespace(algos=["grpo"], lengths=[512, 1024, 2048], timed_lengths=[1024], steps=1, warmup=1,
+                              rounds=1, threads=2)
+    text = "\n".join(memory.report(results, args))
+    assert "| grpo | 1,024 | 1,600 | 2,600 | 4,000 | 0.40x | 0.62x | 10.00 | 9.50 | 12.00 | 1.05x |" in text
+    assert "| grpo | 512 | 1,000 | - | 3,000 | 0.33x | - | - | - | - | - |" in text
+    # growth: (2000 - 1000) / 1.536 = 651 MiB per 1,000 tokens, TRL's (6000 - 3000) / 1.536 = 1,953
+    assert "| grpo | 651 | n/a | 1,953 | 0.33x |" in text
+    assert "| grpo | 0.40x | 0.33x | 1.05x | yes |" in text and "- z" in text
+    results["ours:grpo:1024"]["peak_rss_mib"] = 2100.0  # 0.53x TRL's: the memory target missed
+    assert "| grpo | 0.53x | 0.33x | 1.05x | no |" in "\n".join(memory.report(results, args))
+
+
 def test_speed_grpo_settings_are_those_of_trls_grpo_config(tmp_path):
     """grpo in both settings: grpo.py's parsed flags (toy: its toy defaults; tldr: the setting's flags) and the
     trl.GRPOConfig speed_trl.py builds agree on every hyper-parameter of the algorithm, one generation of
