@@ -363,11 +363,10 @@ def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:
 
 
 def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:
-    """(B, R, V) logits, (B, R) tokens -> (B, R) log softmax(logits)[token]. Without gradient, rows go in chunks of
-    at most `chunk_bytes` of float32 work (32 MiB), never a full-batch (B, R, V) log-softmax; with gradient in one
-    call (each chunk's backward would allocate the whole logits' gradient)."""
-    grad = torch.is_grad_enabled() and logits.requires_grad
-    rows = len(logits) if grad else max(1, chunk_bytes // (4 * logits[0].numel()))
+    """(B, R, V) logits, (B, R) tokens -> (B, R) log softmax(logits)[token]. Rows are processed in chunks of at
+    most `chunk_bytes` of float32 log-softmax work (32 MiB by default), so a full-batch (B, R, V) log-softmax is
+    never materialised at real vocabulary sizes, while small batches go in one vectorised call."""
+    rows = max(1, chunk_bytes // (4 * logits[0].numel()))
     token_logits = torch.gather(logits, -1, tokens.unsqueeze(-1)).squeeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
         logsumexp = torch.cat([torch.logsumexp(logits[i:i + rows], dim=-1) for i in range(0, len(logits), rows)])

@@ -110,10 +110,10 @@ def report(results: dict, args) -> list:
                          + f" | {ratio('ours', 'unchunked', algo, L, 'step')} |")
     lines += ["", f"Growth of peak memory with completion length, {args.lengths[0]:,} to {args.lengths[-1]:,} tokens "
               "(MiB per 1,000 tokens):", "",
-              "| algorithm | ours | unchunked | TRL | ours / TRL |", "| --- | --- | --- | --- | --- |"]
+              "| algorithm | ours | TRL | ours / TRL |", "| --- | --- | --- | --- |"]
     for algo in args.algos:
-        s = {k: slope(results, k, algo, args.lengths) for k in KINDS}
-        lines.append(f"| {algo} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:,.0f}" for k in KINDS) + " | "
+        s = {k: slope(results, k, algo, args.lengths) for k in ("ours", "trl")}
+        lines.append(f"| {algo} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:,.0f}" for k in s) + " | "
                      + ("n/a" if s["ours"] is None or not s["trl"] else f"{s['ours'] / s['trl']:.2f}x") + " |")
     L = TARGET["at"]
     lines += ["", f"Targets (issue 33): at {L:,} tokens ours' peak memory <= {TARGET['memory']}x TRL's and its growth "
@@ -147,8 +147,18 @@ def main():
     parser.add_argument("--rounds", type=int, default=1, help="runs of every measurement; the median step is kept")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of every measuring process")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "memory.md"))
+    parser.add_argument("--report_from", nargs="+", metavar="JSON",
+                        help="measure nothing: the report from saved memory.json files (a later file's rows replace "
+                             "an earlier's, e.g. one algorithm measured again after a fix)")
     args = parser.parse_args()
     args.lengths = sorted(args.lengths)
+    if args.report_from:
+        results = {}
+        for path in args.report_from:
+            with open(path) as f:
+                results.update(json.load(f)["results"])
+        write(results, args)
+        return
     runs = {}
     for L in args.lengths:
         # the kinds alternate within a round, so slow spells of the machine hit all of them
@@ -156,7 +166,10 @@ def main():
             for algo in args.algos:
                 for kind in KINDS if L in args.timed_lengths else ("ours", "trl"):
                     runs.setdefault(f"{kind}:{algo}:{L}", []).append(measure(kind, algo, L, args))
-    results = {key: speed.median_run(r) for key, r in runs.items()}
+    write({key: speed.median_run(r) for key, r in runs.items()}, args)
+
+
+def write(results: dict, args) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(report(results, args)))
