@@ -44,6 +44,8 @@ RUNS = {  # name -> (script, flags): a few steps each, branches the default runs
     "ppo": ("ppo.py", [*SHORT, "--max_steps", "3"]),
     "ppo_variant": ("ppo.py", [*SHORT, "--max_steps", "2", "--whiten_rewards", "--kl_target", "1.0",
                                "--kl_horizon", "512", "--num_ppo_epochs", "2", "--skip_nonfinite"]),
+    "distill": ("distill.py", [*SHORT, "--max_steps", "4"]),
+    "distill_variant": ("distill.py", [*SHORT, "--max_steps", "3", "--loss", "pg", "--gradient_accumulation_steps", "2"]),
 }
 VLLM_RUNS = {
     "rloo_vllm": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm"]),
