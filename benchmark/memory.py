@@ -2,7 +2,7 @@
 layer in chunks (the default), ours with --logprob_chunk_tokens 0 (full logits), and TRL 1.16 at the same settings,
 at completions of 512, 1,024 and 2,048 tokens, so that a reader sees how each grows with length.
 
-    python benchmark/memory.py                  # everything (about 40 min on 2 CPU cores)
+    python benchmark/memory.py                  # everything (about 30 min on 2 CPU cores)
     python benchmark/memory.py --algos grpo --lengths 1024 --rounds 3
 
 Setting (speed_settings.LONG): a random-weight GPT-NeoX of 2 layers and width 64 with Pythia's 50,304-word vocabulary
