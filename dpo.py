@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from transformers import get_scheduler
 
 import data_utils as du
+import greedy_eval as ge
 import models
 import policy_common as pc
 import prompt_sharing as ps
-import rollout as ro
 import run_utils as ru
 import train_loop as tl
 from errors import UserError
@@ -324,7 +324,7 @@ def evaluate(args, accelerator, policy, reference, held_out, logger, step):
         for k, v in stats.items():  # only the first n_real pairs of the share count
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
     metrics = ru.global_means(accelerator, sums, n_real)
-    gold, samples = ro.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
+    gold, samples = ge.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
                                             accelerator)
     policy.train()
     logger.log_samples("eval/samples", samples, step, args.num_samples_printed)

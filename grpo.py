@@ -21,6 +21,10 @@
 # --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
 # vllm/is_truncated_frac or vllm/is_masked_frac (importance weights on the policy loss, per
 # --vllm_importance_sampling_mode) and time/vllm_sync.
+# --max_staleness N samples ahead (run_ahead.py): step t trains on completions sampled by the weights after step
+# t - 1 - N (with --use_vllm the engine samples while the trainer trains), their loss weighted by pi_old / pi_sampler
+# (AReaL's decoupled objective, --vllm_importance_sampling_*); adds async/staleness_mean|max,
+# async/trainer_wait_seconds, async/sampler_wait_seconds (vLLM), async/is_weight_* (HF); time/generate_seconds at any N.
 # --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
 # appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
 # tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
@@ -39,6 +43,7 @@ import models
 import policy_common as pc
 import reward_sources as rs
 import rollout as ro
+import run_ahead as ra
 import run_utils as ru
 import train_loop as tl
 import vllm_generation as vg
@@ -166,6 +171,12 @@ class Args:
     """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
     vllm_importance_sampling_clip_min: Optional[float] = None
     """lower bound of the importance weight (None = none)"""
+
+    # Asynchronous generation (run_ahead.py, README "Asynchronous generation")
+    max_staleness: int = 0
+    """the sampler runs this many steps ahead of the trainer: step t trains on completions sampled by the weights
+    after step t - 1 - N (with --use_vllm, while it trains); the loss then weights them by pi_old / pi_sampler as
+    --vllm_importance_sampling_* say (AReaL's decoupled objective); 0 = synchronous"""
 
     # Tools and environments: multi-turn episodes (episodes.py, README "Tools"; TRL's interface)
     tools: Optional[List[str]] = None
@@ -354,6 +365,7 @@ def validate(args: Args):
               "per-sequence objective (TRL 1.16 warns the same); GSPO's setup is --loss_type grpo", flush=True)
     vg.validate_args(args)
     ep.validate_args(args)
+    ra.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_iterations, args.per_device_train_batch_size, args.num_eval_prompts, args.kl_horizon,
@@ -410,6 +422,7 @@ def main():
                          rows=data.train, samples_per_prompt=args.num_generations, prompts_per_process=local_prompts,
                          max_prompt_length=args.max_prompt_length, weights_version=state["step"], toolset=toolset,
                          context_limit=data.context_limit)
+    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)  # 0: rollouts.rollout = sampler.rollout
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(sampler.evaluate(data.held_out, logger, 0, pass_at_k=args.num_eval_generations), step=0)
@@ -420,15 +433,16 @@ def main():
         # 5. rollout: this process's local_prompts prompts, num_generations completions each, scored; reference
         #    log-probs when beta > 0; old log-probs only for reused batches (at one iteration the training forward's
         #    own, detached: a ratio of exactly 1, as TRL)
-        #    (--dynamic_sampling: more prompts until the batch holds only groups whose rewards differ)
+        #    (--dynamic_sampling: more prompts until the batch holds only groups whose rewards differ; --max_staleness:
+        #    sampled by the weights of max_staleness steps ago, their sampler's log-probs kept for importance weights)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             if args.dynamic_sampling:
                 batch, prompts_used, sampling_metrics = dynamic_sampling_rollout(
                     sampler, accelerator, args, state["prompts_seen"], state["step"], local_prompts,
                     old_logprobs=args.num_iterations > 1)
             else:
-                batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"],
-                                        old_logprobs=args.num_iterations > 1)
+                batch = rollouts.rollout(state["prompts_seen"], weights_version=state["step"],
+                                         old_logprobs=args.num_iterations > 1)
                 prompts_used, sampling_metrics = local_prompts * accelerator.num_processes, {}
         response_mask, truncated, ref_logprobs = batch.response_mask, batch.truncated, batch.ref_logprobs  # (B, R)...
         scores = scored_rewards(batch)  # (B,): scored by no source: NaN, left out
@@ -450,8 +464,8 @@ def main():
                 with accelerator.accumulate(policy):
                     new_logprobs, token_entropy = sampler.logprobs(policy, batch, mb, entropy=iteration == 0)
                     old = new_logprobs.detach() if batch.logprobs is None else batch.logprobs[mb]
-                    # sampled by vLLM: each token's surrogate weighted by pi_old / pi_vllm, per token or per
-                    # completion, truncated or masked (--vllm_importance_sampling_mode); else None
+                    # sampled by vLLM or by earlier weights: each token's surrogate weighted by pi_old / pi_sampler,
+                    # per token or per completion, truncated or masked (--vllm_importance_sampling_mode); else None
                     is_weights, is_stats = batch.importance_weights(old, mb)
                     token_loss, mb_stats = per_token_loss(
                         new_logprobs, old, None if ref_logprobs is None else ref_logprobs[mb], advantages[mb],
@@ -496,12 +510,14 @@ def main():
         logger.log(metrics, step=step)
 
         # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
-        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches,
+                                 extra_files=rollouts.save):  # with --max_staleness, the batches sampled ahead too
+            rollouts.close()
             logger.close()
             return
 
     # 10. final save
-    sampler.close()
+    rollouts.close()
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

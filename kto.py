@@ -36,10 +36,10 @@ import torch
 from transformers import get_scheduler
 
 import data_utils as du
+import greedy_eval as ge
 import models
 import policy_common as pc
 import prompt_sharing as ps
-import rollout as ro
 import run_utils as ru
 import train_loop as tl
 from errors import UserError
@@ -400,7 +400,7 @@ def evaluate(args, accelerator, policy, reference, held_out, logger, step: int):
         _, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint_forward(args))
         total = {k: total.get(k, 0) + v for k, v in sums.items()}
     metrics = finish_metrics(total, n_batches, accelerator, prefix="eval/")
-    gold, samples = ro.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
+    gold, samples = ge.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
                                             accelerator)
     policy.train()
     logger.log_samples("eval/samples", samples, step, args.num_samples_printed)

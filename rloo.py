@@ -18,6 +18,10 @@
 # --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
 # vllm/is_truncated_frac or vllm/is_masked_frac (importance weights on the policy loss, per
 # --vllm_importance_sampling_mode) and time/vllm_sync.
+# --max_staleness N samples ahead (run_ahead.py): step t trains on completions sampled by the weights after step
+# t - 1 - N (with --use_vllm the engine samples while the trainer trains), their loss weighted by pi_old / pi_sampler
+# (AReaL's decoupled objective, --vllm_importance_sampling_*); adds async/staleness_mean|max,
+# async/trainer_wait_seconds, async/sampler_wait_seconds (vLLM), async/is_weight_* (HF); time/generate_seconds at any N.
 # --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
 # appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
 # tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
@@ -36,6 +40,7 @@ import models
 import policy_common as pc
 import reward_sources as rs
 import rollout as ro
+import run_ahead as ra
 import run_utils as ru
 import train_loop as tl
 import vllm_generation as vg
@@ -194,6 +199,12 @@ class Args:
     vllm_importance_sampling_clip_min: Optional[float] = None
     """lower bound of the importance weight (None = none)"""
 
+    # Asynchronous generation (run_ahead.py, README "Asynchronous generation")
+    max_staleness: int = 0
+    """the sampler runs this many steps ahead of the trainer: step t trains on completions sampled by the weights
+    after step t - 1 - N (with --use_vllm, while it trains); the loss then weights them by pi_old / pi_sampler as
+    --vllm_importance_sampling_* say (AReaL's decoupled objective); 0 = synchronous"""
+
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
 ALIAS_DEFAULTS = {"toy": dict(
@@ -310,6 +321,7 @@ def validate(args: Args):
         raise UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
     vg.validate_args(args)
     ep.validate_args(args)
+    ra.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
         args.local_rollout_forward_batch_size = args.per_device_train_batch_size
     if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
@@ -363,6 +375,7 @@ def main():
                          rows=data.train, samples_per_prompt=args.rloo_k, prompts_per_process=local_prompts,
                          max_prompt_length=args.max_prompt_length, weights_version=state["step"], toolset=toolset,
                          context_limit=data.context_limit)
+    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)  # 0: rollouts.rollout = sampler.rollout
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)
@@ -371,9 +384,10 @@ def main():
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
         # 5. rollout: this process's local_prompts prompts, rloo_k completions each, scored; old and reference
-        #    log-probs (a failure on any process first keeps the finished steps)
+        #    log-probs (a failure on any process first keeps the finished steps); --max_staleness: sampled by the
+        #    weights of max_staleness steps ago, their sampler's log-probs kept for the importance weights
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
-            batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"], entropy=True)
+            batch = rollouts.rollout(state["prompts_seen"], weights_version=state["step"], entropy=True)
         response_mask = batch.response_mask  # (B, R)
 
         # 6. KL-penalised rewards and leave-one-out advantages
@@ -382,8 +396,9 @@ def main():
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
                 batch.scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
                 normalize=args.normalize_advantage, accelerator=accelerator)
-            # sampled by vLLM: each action's loss weighted by pi_trainer / pi_vllm, truncated or masked; the sequence
-            # view's action is the completion (one weight each, sequence_* modes), the token view's a token; else None
+            # sampled by vLLM or by earlier weights: each action's loss weighted by pi_old / pi_sampler, truncated or
+            # masked; the sequence view's action is the completion (one weight each, sequence_* modes), the token
+            # view's a token; else None
             is_weights, is_stats = batch.importance_weights(batch.logprobs, sequence_loss=advantages.dim() == 1)
 
         # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
@@ -430,12 +445,14 @@ def main():
         logger.log(metrics, step=step)
 
         # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
-        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches,
+                                 extra_files=rollouts.save):  # with --max_staleness, the batches sampled ahead too
+            rollouts.close()
             logger.close()
             return
 
     # 10. final save
-    sampler.close()
+    rollouts.close()
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

@@ -3,10 +3,9 @@
 rloo.py, grpo.py and ppo.py get every step's data from one call, `Sampler.rollout`: this process's next prompts of
 the data stream, `samples_per_prompt` completions of each, sampled by HF `generate` (policy_common.batch_generation)
 or by a vLLM engine (vllm_generation.py, --use_vllm) and truncated after their first EOS; the old log-probs; the
-reference model's log-probs; each reward source's score and their weighted sum, minus the missing-EOS penalty. It
-returns a `Rollout` of tensors; the script computes its advantages and loss from them. The RL scripts' evaluation
-(`Sampler.evaluate`: greedy completions of held-out prompts) goes through the same sampler, and the offline scripts'
-greedy completions through `held_out_completions`.
+reference model's log-probs; each reward source's score and their weighted sum, minus the missing-EOS penalty: a
+`Rollout` of tensors, from which the script computes its advantages and loss. It is `generate` then `score`: samples
+may come from earlier weights (run_ahead.py). Evaluation: `Sampler.evaluate` (offline scripts: greedy_eval.py).
 
 The sampler owns the choices that change speed, never the numbers an algorithm computes:
 - prompt sharing (prompt_sharing.py): a prompt repeated over rows is encoded once in generation, scoring and the
@@ -25,9 +24,9 @@ would break it without an error, so it is measured: at the first rollout and eve
 so a resumed run checks the same steps), the first LOGPROB_CHECK_ROWS rows are scored again by a forward, and the
 largest |sampled - recomputed| over their tokens, on all processes, is logged as `rollout/logprob_check`. Above the
 tolerance (float32: 1e-3 on any token; bf16/fp16, whose kernels round differently in generation and in a forward:
-0.05 on average over the tokens) the run stops with a RolloutError, its finished steps checkpointed.
-With vLLM the engine's log-probs are not the trainer's (other kernels, a KV cache, bf16): the old log-probs come from
-a trainer forward, and `Rollout.importance_weights` reweights the policy loss by importance weights.
+0.05 on average over the tokens) the run stops with a RolloutError, its finished steps checkpointed. With vLLM (other
+kernels, a KV cache, bf16) or earlier weights the old log-probs come from a trainer forward, and
+`Rollout.importance_weights` reweights the policy loss by pi_old / pi_sampler.
 """
 
 from __future__ import annotations
@@ -99,6 +98,23 @@ def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Too
         context_limit = positions or args.max_prompt_length + 2 * args.response_length
     return PromptData(name, train_data, train_prompts, eval_data,
                       du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)), context_limit)
+
+
+@dataclass
+class Samples:
+    """`Sampler.generate`'s unscored completions: `Rollout`'s fields, the episodes, the sampling weights' version."""
+    query_responses: torch.Tensor  # (B, Lq + R)
+    context_length: int
+    indices: List[int]  # (B / k,) the prompts' rows in the training data
+    rows: List[dict]
+    logprobs: Optional[torch.Tensor]  # (B, R) HF generate: the sampled tokens' log-probs; None with vLLM
+    entropy: Optional[torch.Tensor]
+    sampler_logprobs: Optional[torch.Tensor]  # (B, R) vLLM's log-probs of its samples
+    action_mask: Optional[torch.Tensor]
+    truncated: torch.Tensor  # (B,)
+    episodes: Optional[list]
+    metrics: dict
+    weights_version: int
 
 
 @dataclass
@@ -209,10 +225,10 @@ class Sampler:
     policy-and-value model). reference: a policy_common.Reference, or None (no reference log-probs). prompts: the
     training prompts' token ids; rows: their dataset rows (a datasets.Dataset or list). Each process takes
     `prompts_per_process` prompts of the data stream per rollout and samples each `samples_per_prompt` times.
-    max_prompt_length: the longest prompt it may see (sizes the vLLM engine, and the prompt-sharing decision).
-    weights_version: optimizer steps behind the policy's weights now (0; a resumed run's step): vLLM syncs when the
-    version given to `rollout` moves. Reads the shared flags --response_length, --temperature,
-    --missing_eos_penalty, --local_rollout_forward_batch_size, --share_prompts, --seed and --use_vllm/--vllm_*."""
+    max_prompt_length: the longest prompt it may see (sizes the vLLM engine and the prompt-sharing decision).
+    weights_version: optimizer steps behind the policy's weights now (0; a resumed run's step). Reads the shared
+    flags --response_length, --temperature, --missing_eos_penalty, --local_rollout_forward_batch_size,
+    --share_prompts, --seed and --use_vllm/--vllm_*."""
 
     def __init__(self, args, accelerator, tokenizer, policy: nn.Module, reward_sources: rs.Rewards, reference, *,
                  prompts: Sequence[List[int]], rows, samples_per_prompt: int, prompts_per_process: int,
@@ -235,14 +251,21 @@ class Sampler:
                                  max_model_len=self.context_limit,
                                  rows_per_call=prompts_per_process * samples_per_prompt)
 
-    @torch.no_grad()
     def rollout(self, prompts_seen: int, weights_version: int, *, old_logprobs: bool = True,
                 entropy: bool = False) -> Rollout:
         """This process's next prompts (positions prompts_seen + process index x prompts_per_process onward of the
-        data stream, the same order on any number of processes), sampled, scored and with their reference
-        log-probs. weights_version: the optimizer steps taken so far (vLLM syncs when it moved). old_logprobs=False:
-        the caller takes them from its own training forward (GRPO at one iteration): Rollout.logprobs is None.
-        entropy: also the sampling distribution's entropy at each response position."""
+        data stream, the same order on any number of processes), sampled, scored, with reference log-probs.
+        weights_version: optimizer steps taken so far. old_logprobs=False: the caller takes them from its training
+        forward (GRPO at one iteration; Rollout.logprobs None). entropy: the sampling distribution's, per position."""
+        samples = self.generate(prompts_seen, weights_version, entropy=entropy)
+        return self.score(samples, weights_version, old_logprobs=old_logprobs, entropy=entropy)
+
+    @torch.no_grad()
+    def generate(self, prompts_seen: int, weights_version: int, *, entropy: bool = False,
+                 seeds: Optional[List[int]] = None) -> Samples:
+        """`rollout`'s first half: the prompts at `prompts_seen` sampled by the weights of `weights_version`: HF
+        generate with the policy as it is now (the old-log-probs check runs here), or the vLLM engine synced to that
+        version (weights staged earlier when this runs on another thread: run_ahead.py). seeds: vLLM's, one per row."""
         args, accelerator, k = self.args, self.accelerator, self.samples_per_prompt
         indices = du.data_positions(len(self.prompts), args.seed,
                                     prompts_seen + accelerator.process_index * self.prompts_per_process,
@@ -251,15 +274,16 @@ class Sampler:
         queries = queries.repeat_interleave(k, dim=0)  # (B, Lq): each prompt k times in a row
         context_length = queries.shape[1]
 
-        # 1. sample (HF generate: the sampled tokens' log-probs are the old log-probs; vLLM: a trainer forward);
+        # 1. sample (HF generate: the sampled tokens' log-probs are the old log-probs; vLLM: its own log-probs);
         #    with tools, whole episodes (episodes.py): sampled turns and tool results, an action mask between them
         rows = [self.rows[i] for i in indices for _ in range(k)]  # the dataset row of each completion
-        training, metrics = self.policy.training, {}
-        self.policy.eval()
-        episodes, action_mask, truncated = None, None, None
+        training, metrics, hf = self.policy.training, {}, self.vllm is None or self.toolset is not None
+        if hf:  # (a vLLM engine samples in its own process; the policy may be training meanwhile: run_ahead.py)
+            self.policy.eval()
         if self.toolset is None:
-            query_responses, logprobs, entropies, sampler_logprobs = self.sample(queries, weights_version, entropy)
-            truncated = ~(query_responses[:, context_length:] == self.eos).any(1)
+            query_responses, logprobs, entropies, sampler_logprobs = self.sample(queries, weights_version, entropy,
+                                                                                 seeds=seeds)
+            truncated, action_mask, episodes = ~(query_responses[:, context_length:] == self.eos).any(1), None, None
         else:
             episodes = self.play(rows, self.generation_config, weights_version, entropy=entropy)
             tensors = ep.episode_tensors(episodes, self.pad, accelerator.device)
@@ -273,50 +297,71 @@ class Sampler:
         response_mask = query_responses[:, context_length:] != self.pad  # (B, R)
         if action_mask is not None:
             response_mask &= action_mask
-        if self.vllm is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
+        if self.vllm is None and weights_version % LOGPROB_CHECK_EVERY == 0:
+            metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
+                                                                   response_mask, weights_version + 1)
+        metrics.update({"time/vllm_sync": self.vllm.last_sync_seconds} if self.vllm is not None else {})
+        if hf:
+            self.policy.train(training)
+        return Samples(query_responses, context_length, indices, rows, logprobs, entropies, sampler_logprobs,
+                       action_mask, truncated, episodes, metrics, weights_version)
+
+    @torch.no_grad()
+    def score(self, samples: Samples, weights_version: int, *, old_logprobs: bool = True,
+              entropy: bool = False) -> Rollout:
+        """`rollout`'s second half, with the policy at `weights_version` (its optimizer steps now): old log-probs,
+        scores and reference log-probs of `samples`. Samples of other weights (vLLM's; HF's of an earlier version,
+        --max_staleness) keep theirs as `sampler_logprobs`; the old (proximal) log-probs come from a forward."""
+        args, query_responses, context_length = self.args, samples.query_responses, samples.context_length
+        logprobs, entropies, sampler_logprobs = samples.logprobs, samples.entropy, samples.sampler_logprobs
+        if sampler_logprobs is None and samples.weights_version != weights_version:  # HF, stale: the behaviour policy
+            sampler_logprobs, logprobs, entropies = logprobs, None, None
+        response_mask = query_responses[:, context_length:] != self.pad  # (B, R)
+        if samples.action_mask is not None:
+            response_mask &= samples.action_mask
+        if sampler_logprobs is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
+            training = self.policy.training
+            self.policy.eval()
             logprobs = pc.response_logprobs_no_grad(self.policy, query_responses, context_length, self.pad,
                                                     args.temperature, self.chunk, share_prompts=self.share,
                                                     return_entropy=entropy, chunk_tokens=args.logprob_chunk_tokens)
             logprobs, entropies = logprobs if entropy else (logprobs, None)
-        elif self.vllm is None and weights_version % LOGPROB_CHECK_EVERY == 0:
-            metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
-                                                                   response_mask, weights_version + 1)
-        if self.vllm is not None:
-            metrics["time/vllm_sync"] = self.vllm.last_sync_seconds
-        self.policy.train(training)
+            self.policy.train(training)
         if logprobs is not None:
             logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
         if entropies is not None:
             entropies = entropies.masked_fill(~response_mask, 0.0)
 
         # 2. score: each reward source, weighted; the missing-EOS penalty ("EOS trick")
-        scores, source_scores = self.reward_sources(query_responses, context_length, rows, accelerator, self.chunk,
-                                                    share_prompts=self.share, episodes=episodes)  # (B,), (B, S)
-        scores = rs.penalise_missing_eos(scores, truncated, args.missing_eos_penalty)
+        scores, source_scores = self.reward_sources(query_responses, context_length, samples.rows, self.accelerator,
+                                                    self.chunk, share_prompts=self.share, episodes=samples.episodes)
+        scores = rs.penalise_missing_eos(scores, samples.truncated, args.missing_eos_penalty)  # (B,), (B, S)
 
         # 3. the reference's log-probs
         ref_logprobs = None
         if self.reference is not None:
             ref_logprobs = self.reference.logprobs(query_responses, context_length, self.pad, args.temperature,
                                                    self.chunk, share_prompts=self.share)
-        return Rollout(query_responses=query_responses, context_length=context_length, samples_per_prompt=k, rows=rows,
-                       scores=scores, source_scores=source_scores, logprobs=logprobs if old_logprobs else None,
+        return Rollout(query_responses=query_responses, context_length=context_length,
+                       samples_per_prompt=self.samples_per_prompt, rows=samples.rows, scores=scores,
+                       source_scores=source_scores, logprobs=logprobs if old_logprobs else None,
                        ref_logprobs=ref_logprobs, entropy=entropies, sampler_logprobs=sampler_logprobs,
-                       metrics=metrics, pad_token_id=self.pad, eos_token_id=self.eos, action_mask=action_mask,
-                       episode_truncated=None if episodes is None else truncated,
-                       importance_sampling=vg.ImportanceSampling.from_args(args))
+                       metrics=dict(samples.metrics), pad_token_id=self.pad, eos_token_id=self.eos,
+                       action_mask=samples.action_mask,
+                       episode_truncated=None if samples.episodes is None else samples.truncated,
+                       importance_sampling=vg.ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"))
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
-               first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True):
+               first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True, seeds=None):
         """One completion per row of `queries` (B, Lq), left-padded, by HF generate or vLLM -> (query_responses
         (B, Lq + R), logprobs (B, R) of the sampled tokens (HF; None with vLLM), entropy (B, R) or None, vLLM's
         log-probs (B, R) or None). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
         stops each row at its own (HF generates R for every row; the caller cuts). use_vllm=False: HF generate even
-        with an engine."""
+        with an engine. seeds: vLLM's per row (None: drawn)."""
         config = generation_config or self.generation_config
         if self.vllm is not None and use_vllm:
             query_responses, sampler_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
-                                                                   budgets)
+                                                                   budgets, seeds)
             return query_responses, None, None, sampler_logprobs
         query_responses, logprobs, *entropies = pc.batch_generation(
             self.policy, queries, self.pad, self.eos, config, self.chunk, self.accelerator,
@@ -404,9 +449,9 @@ class Sampler:
                                .tolist()) if k else None  # the reward functions without the reward model
         indices, n_real = ru.even_share(range(len(held_out.prompts)), accelerator)  # this process's prompts
         sums, samples, source_scores, tool_sums = dict(scores=0.0, response_length=0.0, eos_rate=0.0), [], [], []
-        sums.update({"kl": 0.0} if self.reference is not None else {})
-        sums.update({"gold_score": 0.0} if held_out.gold is not None else {})
-        sums.update({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})
+        sums.update({**({"kl": 0.0} if self.reference is not None else {}),
+                     **({"gold_score": 0.0} if held_out.gold is not None else {}),
+                     **({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})})
         training = self.policy.training
         self.policy.eval()
         for i in range(0, len(indices), chunk):
@@ -473,36 +518,3 @@ class Sampler:
         """Stop the vLLM engine, if there is one."""
         if self.vllm is not None:
             self.vllm.close()
-
-
-@torch.no_grad()
-def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response_length: int, batch_size: int,
-                       accelerator):
-    """This process's even share of `prompts` (token-id lists) completed greedily, `batch_size` rows per generate
-    call (every process makes the same calls): the offline scripts' held-out completions. Returns (prompt texts,
-    completion texts) of its real rows, special tokens skipped; the padding rows of the share are dropped."""
-    mine, n_real = ru.even_share(prompts, accelerator)
-    pad = tokenizer.pad_token_id
-    queries = pc.pad_sequences(mine, pad, "left").to(accelerator.device)  # (n, Lq)
-    config = pc.make_generation_config(tokenizer, response_length, greedy=True)
-    query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config, batch_size,
-                                             accelerator)
-    return (tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True),
-            tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True))
-
-
-def held_out_completions(policy, held_out: du.HeldOut, response_length: int, batch_size: int, accelerator):
-    """The offline scripts' greedy evaluation: this process's share of `held_out.prompts` completed greedily
-    (`greedy_completions`). Returns (metrics, samples): eval/gold_score, the mean over every process's prompts, when
-    the task has a gold scorer (else {}); and sample-table rows {prompt, completion[, gold]}."""
-    if not held_out.prompts:
-        return {}, []
-    prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, response_length,
-                                              batch_size, accelerator)
-    samples = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
-    if held_out.gold is None:
-        return {}, samples
-    for row in samples:
-        row["gold"] = held_out.gold(row["prompt"], row["completion"])
-    return ru.global_means(accelerator, {"eval/gold_score": sum(row["gold"] for row in samples)}, len(samples)), samples
-

@@ -57,9 +57,9 @@ import torch
 from transformers import get_scheduler
 
 import data_utils as du
+import greedy_eval as ge
 import models
 import policy_common as pc
-import rollout as ro
 import run_utils as ru
 import train_loop as tl
 from errors import UserError
@@ -369,7 +369,7 @@ def evaluate(args, accelerator, policy, held_out, logger, step):
         sums["eval/token_accuracy"] += correct[:keep].sum().item()
         tokens += mask[:keep].sum().item()
     metrics = ru.global_means(accelerator, sums, tokens)
-    gold, samples = ro.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
+    gold, samples = ge.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
                                             accelerator)
     policy.train()
     logger.log_samples("eval/samples", samples, step, args.num_samples_printed)

@@ -77,10 +77,11 @@ def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: 
             tokenizer.save_pretrained(tmp)
 
 
-def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None) -> None:
+def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None, extra_files=None) -> None:
     """Atomically write a resumable checkpoint: accelerate state (model weights as safetensors, optimizer, RNG
     states of every process) plus `extra_state` (step, data position, ...) and the LR scheduler's state as
-    JSON in trainer_state.json (JSON, not pickle: resuming never unpickles objects)."""
+    JSON in trainer_state.json (JSON, not pickle: resuming never unpickles objects). extra_files(folder): called on
+    every process to write its own files into the checkpoint (e.g. run_ahead.py's pending batches)."""
     if scheduler is not None:
         extra_state = {**extra_state, "_scheduler": _jsonable(scheduler.state_dict())}
     accelerator.wait_for_everyone()
@@ -90,6 +91,8 @@ def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None) -
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(tmp, safe_serialization=True)
+    if extra_files is not None:
+        extra_files(tmp)
     accelerator.wait_for_everyone()  # every rank's RNG file is in tmp before the rename
     if accelerator.is_main_process:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -231,14 +234,16 @@ def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target:
 
 
 def checkpoint_or_stop(accelerator, args, output_dir: str, state: dict, scheduler, stop: StopSignal,
-                       total_steps: int) -> bool:
+                       total_steps: int, extra_files=None) -> bool:
     """After step `state["step"]`: write checkpoint-<step> every --save_steps steps, and when a stop signal reached
     any process before the last step (one all-reduce: every process calls this once per step). Returns True when the
-    run should stop now (the checkpoint is written; the caller closes its logger and returns)."""
+    run should stop now (the checkpoint is written; the caller closes its logger and returns). extra_files: as
+    `save_checkpoint`'s."""
     step = state["step"]
     stopping = stop.agreed(accelerator) and step < total_steps  # at the last step: finish normally
     if (args.save_steps and step % args.save_steps == 0) or stopping:
-        save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler)
+        save_checkpoint(accelerator, os.path.join(output_dir, f"checkpoint-{step}"), dict(state), scheduler,
+                        extra_files)
     if stopping:
         accelerator.print(f"{stop.received or 'a stop signal'} received: checkpoint-{step} written, stopping "
                           "(--resume_from it)")

@@ -59,24 +59,29 @@ ClipMax = Annotated[Optional[float], tyro.conf.arg(aliases=("--vllm_importance_s
 class ImportanceSampling:
     """How the policy loss of vLLM's samples is reweighted (TRL 1.16's vllm_importance_sampling_*): `mode` is
     token_* (a ratio per token) or sequence_* (one per completion, from its summed log-ratio), *_truncate (clamped
-    into [clip_min, clip_max]) or *_mask (0 outside them); None: no bound on that side."""
+    into [clip_min, clip_max]) or *_mask (0 outside them); None: no bound on that side. `sampler` names the metrics
+    (vllm/..., or async/... for HF samples of earlier weights: --max_staleness)."""
     mode: str = "sequence_mask"
     clip_max: Optional[float] = 3.0
     clip_min: Optional[float] = None
+    sampler: str = "vllm"
 
     @classmethod
-    def from_args(cls, args) -> "ImportanceSampling":
+    def from_args(cls, args, sampler: str = "vllm") -> "ImportanceSampling":
         """The scripts' --vllm_importance_sampling_* flags; ppo.py, which has only --vllm_is_cap, truncates per
         token at it."""
         if not hasattr(args, "vllm_importance_sampling_mode"):
-            return cls("token_truncate", getattr(args, "vllm_is_cap", 2.0), None)
+            return cls("token_truncate", getattr(args, "vllm_is_cap", 2.0), None, sampler)
         return cls(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
-                   args.vllm_importance_sampling_clip_min)
+                   args.vllm_importance_sampling_clip_min, sampler)
 
 
 def validate_args(args) -> None:
-    """The --vllm_* flags shared by rloo.py, grpo.py, ppo.py and distill.py: a clear error before anything loads."""
+    """The --vllm_* flags shared by rloo.py, grpo.py, ppo.py and distill.py: a clear error before anything loads (the
+    importance-sampling flags also weight samples of earlier weights: --max_staleness)."""
     if not args.use_vllm:
+        if getattr(args, "max_staleness", 0):
+            validate_importance_sampling(args)
         return
     require_vllm()
     validate_importance_sampling(args)
@@ -209,28 +214,48 @@ class VLLMGenerator:
                 else:
                     os.environ[key] = value
         self.weights_version, self.last_sync_seconds = weights_version, 0.0
+        self.staged, self.stage_seconds = {}, {}  # weights_version -> folder of its weights, seconds staging them
         if sleep_mode:
             self.llm.sleep(level=1)
 
-    def save_weights(self, policy: nn.Module) -> None:
-        """Write the policy's current (merged) weights and config into the engine's folder (ZeRO-3 shards gathered
-        for the copy)."""
+    def save_weights(self, policy: nn.Module, folder: Optional[str] = None) -> None:
+        """Write the policy's current (merged) weights and config into `folder` (None: the engine's own; ZeRO-3
+        shards gathered for the copy)."""
         with pc.unwrap_for_generation(policy, self.accelerator) as model:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             state = {k: v.detach().to("cpu").contiguous() for k, v in merged_state_dict(model).items()}
-            base.save_pretrained(self.folder, state_dict=state, safe_serialization=True)
+            base.save_pretrained(folder or self.folder, state_dict=state, safe_serialization=True)
 
-    def sync(self, policy: nn.Module) -> float:
-        """Load the policy's current weights into the engine; returns the seconds it took."""
+    def stage(self, policy: nn.Module, weights_version: int) -> None:
+        """Keep a copy of the policy's weights now, as `weights_version`, for a later `generate` at that version
+        (which may run on another thread while the policy trains on: --max_staleness). Every process calls it
+        together (ZeRO-3 gathers)."""
+        if weights_version in self.staged:
+            return
         start = time.perf_counter()
-        self.save_weights(policy)
+        folder = os.path.join(self.folder, f"weights-{weights_version}")
+        self.save_weights(policy, folder)
+        self.staged[weights_version] = folder
+        self.stage_seconds[weights_version] = time.perf_counter() - start
+
+    def sync(self, policy: Optional[nn.Module], weights_version: int) -> float:
+        """Load the weights of `weights_version` into the engine (staged ones, else the policy's now); returns the
+        seconds it took (with the staging)."""
+        start = time.perf_counter()
+        folder = self.staged.pop(weights_version, None)
+        if folder is None:
+            self.save_weights(policy)
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.folder, "is_checkpoint_format": True})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder or self.folder,
+                                                          "is_checkpoint_format": True})
         self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         if self.sleep_mode:
             self.llm.sleep(level=1)
-        self.last_sync_seconds = time.perf_counter() - start
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        self.weights_version = weights_version
+        self.last_sync_seconds = time.perf_counter() - start + self.stage_seconds.pop(weights_version, 0.0)
         return self.last_sync_seconds
 
     def sampling_params(self, generation_config, seed: Optional[int] = None):
@@ -248,24 +273,22 @@ class VLLMGenerator:
             logprobs=0, detokenize=False)
 
     @torch.no_grad()
-    def generate(self, policy: nn.Module, weights_version: int, queries: torch.Tensor, generation_config,
-                 max_new_tokens: Optional[List[int]] = None):
-        """Sample a completion for every row of `queries` (B, Lq), left-padded. The engine first loads the policy's
-        weights if `weights_version` (e.g. the optimizer steps taken) moved since its last sync. max_new_tokens: a
-        budget per row (multi-turn episodes: what is left of each), at most the config's; None: the config's.
+    def generate(self, policy: Optional[nn.Module], weights_version: int, queries: torch.Tensor, generation_config,
+                 max_new_tokens: Optional[List[int]] = None, seeds: Optional[List[int]] = None):
+        """Sample a completion for every row of `queries` (B, Lq), left-padded. The engine first loads the weights of
+        `weights_version` (e.g. the optimizer steps taken) if that moved since its last sync: those `stage`d for it,
+        else the policy's now. max_new_tokens: a budget per row (multi-turn episodes: what is left of each), at most
+        the config's; None: the config's. seeds: one sampling seed per row (`draw_seeds`; None: drawn here).
         Returns (query_responses, sampler_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
         truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
         INVALID_LOGPROB after EOS."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if weights_version != self.weights_version:
-            self.sync(policy)
-            self.weights_version = weights_version
+            self.sync(policy, weights_version)
         if self.sleep_mode:
             self.llm.wake_up()
         prompts = [{"prompt_token_ids": row[row != pad].tolist()} for row in queries.cpu()]
-        # one seed per completion, drawn from this process's torch generator: a seeded run repeats exactly (with one
-        # generator for all requests, vLLM's samples depend on how its scheduler happened to batch them)
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        seeds = draw_seeds(len(prompts)) if seeds is None else seeds
         params = [self.sampling_params(generation_config, seed) for seed in seeds]
         for param, budget in zip(params, max_new_tokens or []):
             param.max_tokens = budget
@@ -297,6 +320,12 @@ class VLLMGenerator:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def draw_seeds(rows: int) -> List[int]:
+    """One vLLM sampling seed per completion, drawn from this thread's torch generator: a seeded run repeats exactly
+    (with one generator for all requests, vLLM's samples depend on how its scheduler happened to batch them)."""
+    return torch.randint(0, 2**31 - 1, (rows,)).tolist()
+
+
 def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
               weights_version: int) -> Optional[VLLMGenerator]:
     """The engine the scripts' --use_vllm / --vllm_* flags ask for, or None without --use_vllm. Build it after the
@@ -315,17 +344,19 @@ def importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     """Importance sampling of vLLM's samples (TRL 1.16's GRPOTrainer._generate_and_score_completions, its
     vllm_importance_sampling_mode; Yao et al. 2025): completions were sampled by the engine (pi_vllm), the loss is
     about the trainer's policy (pi_trainer), so each sampled action's loss term is weighted by the ratio
-    r = pi_trainer / pi_vllm, detached. trainer/sampler_logprobs, response_mask: (B, R).
+    r = pi_trainer / pi_vllm, detached. trainer/sampler_logprobs, response_mask: (B, R). The same weights serve
+    samples of earlier weights (--max_staleness; AReaL's decoupled objective, Fu et al. 2025): pi_vllm is then the
+    behaviour policy that sampled, pi_trainer the proximal policy (the weights at the start of the step).
       token_*     r_t = exp(log pi_trainer(y_t) - log pi_vllm(y_t)), one per token
       sequence_*  r = exp(sum over the completion's actions of that log-ratio), one per completion
       *_truncate  w = clamp(r, clip_min, clip_max)
       *_mask      w = r inside [clip_min, clip_max], else 0
     (a clip_* of None: no bound on that side). Returns (weights, stats): weights (B, R), 0 on padding (sequence_*:
     the completion's weight on each of its tokens), or with `sequence_loss` (the loss has one term per completion,
-    RLOO's sequence view; sequence_* only) (B,). stats: vllm/logprob_diff (mean |log pi_trainer - log pi_vllm| per
-    token), vllm/is_weight_mean|min|max (of r, before truncation or masking, over the actions: tokens or
-    completions) and the fraction of actions outside the bounds, vllm/is_truncated_frac (*_truncate) or
-    vllm/is_masked_frac (*_mask)."""
+    RLOO's sequence view; sequence_* only) (B,). stats, under `sampling.sampler`'s name (vllm/, or async/ for HF
+    samples of earlier weights): logprob_diff (mean |log pi_trainer - log pi_vllm| per token), is_weight_mean|min|max
+    (of r, before truncation or masking, over the actions: tokens or completions) and the fraction of actions outside
+    the bounds, is_truncated_frac (*_truncate) or is_masked_frac (*_mask)."""
     per_sequence = sampling.mode.startswith("sequence_")
     if sequence_loss and not per_sequence:
         raise UserError(f"--vllm_importance_sampling_mode {sampling.mode} weights tokens; this loss has one term per "
@@ -344,11 +375,12 @@ def importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     else:
         weights = ratio.masked_fill(outside, 0.0)
     actions = response_mask.bool() if not per_sequence else response_mask.bool().any(1, keepdim=True)
-    stats = {"vllm/logprob_diff": pc.masked_mean((trainer_logprobs - sampler_logprobs).abs().detach(),
-                                                 response_mask.bool()),
-             "vllm/is_weight_mean": ratio[actions].mean(), "vllm/is_weight_min": ratio[actions].min(),
-             "vllm/is_weight_max": ratio[actions].max(),
-             "vllm/is_truncated_frac" if sampling.mode.endswith("_truncate") else "vllm/is_masked_frac":
+    name = sampling.sampler
+    stats = {f"{name}/logprob_diff": pc.masked_mean((trainer_logprobs - sampler_logprobs).abs().detach(),
+                                                    response_mask.bool()),
+             f"{name}/is_weight_mean": ratio[actions].mean(), f"{name}/is_weight_min": ratio[actions].min(),
+             f"{name}/is_weight_max": ratio[actions].max(),
+             f"{name}/is_truncated_frac" if sampling.mode.endswith("_truncate") else f"{name}/is_masked_frac":
                  outside[actions].float().mean()}
     if sequence_loss:
         return weights.squeeze(1), stats  # (B,)

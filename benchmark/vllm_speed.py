@@ -124,7 +124,7 @@ def sync_only(layers: int, width: int, rounds: int) -> dict:
         with torch.no_grad():
             for p in policy.parameters():
                 p.add_(torch.randn_like(p) * 1e-4)
-        times.append(generator.sync(policy))
+        times.append(generator.sync(policy, generator.weights_version + 1))
     generator.close()
     params = sum(p.numel() for p in policy.parameters())
     return dict(setting=f"sync {layers}x{width}", parameters=params, megabytes=4 * params / 2**20,

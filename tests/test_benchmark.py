@@ -383,3 +383,20 @@ def test_floor_times_each_pass_a_step_makes(toy):
     assert list(kto) == ["reference log-probs", "forward + backward", "AdamW step"]
     assert all(t > 0 for t in [*rloo.values(), *kto.values()])
     assert floor.flags("toy", "rloo")["local_rollout_forward_batch_size"] == 256  # the toy alias's value
+
+
+def test_toy_async_step_time_and_report_sections(tmp_path, monkeypatch):
+    import toy_async
+
+    # step s ends 1 + 2 s seconds after the first began: 2 s per step after any warm-up
+    rows = [{"step": 0}] + [{"step": s, "episode": 64 * s, "time/episodes_per_second": 64 * s / (1.0 + 2.0 * s)}
+                            for s in range(1, 9)]
+    assert toy_async.seconds_per_step(rows, warmup=2) == pytest.approx(2.0)
+    # each section is replaced on its own, the other kept, in the order learn, speed
+    monkeypatch.setattr(toy_async, "RESULTS", str(tmp_path / "toy_async.md"))
+    toy_async.write("speed", ["## speed (1)", "", "speed table"])
+    toy_async.write("learn", ["## learn (1)", "", "learn table"])
+    toy_async.write("speed", ["## speed (2)", "", "new speed table"])
+    text = open(tmp_path / "toy_async.md").read()
+    assert text.index("## learn (1)") < text.index("## speed (2)")
+    assert "learn table" in text and "new speed table" in text and "## speed (1)" not in text

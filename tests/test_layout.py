@@ -10,7 +10,8 @@ import pytest
 from conftest import ROOT
 
 SCRIPTS = ["sft", "reward", "rloo", "ppo", "grpo", "dpo", "kto", "distill"]
-LAYERS = [SCRIPTS, ["rollout"], ["reward_sources", "vllm_generation", "train_loop", "episodes"], ["run_utils"],
+LAYERS = [SCRIPTS, ["run_ahead", "greedy_eval"], ["rollout"],
+          ["reward_sources", "vllm_generation", "train_loop", "episodes"], ["run_utils"],
           ["metrics_log", "data_utils"], ["policy_common"], ["models", "prompt_sharing", "chunked_head", "toy_tools"], ["toy_task"], ["errors"]]
 LAYER = {module: depth for depth, modules in enumerate(LAYERS) for module in modules}
 

@@ -147,6 +147,8 @@ def test_deepspeed_zero3_on_cpu(tmp_path, toy):
 @pytest.mark.parametrize("script,args", [
     ("rloo.py", ["--total_episodes", "100000", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8"]),
     ("grpo.py", ["--total_episodes", "100000", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8"]),
+    ("grpo.py", ["--total_episodes", "100000", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8",
+                 "--max_staleness", "2"]),
     ("dpo.py", ["--num_train_epochs", "50", "--per_device_train_batch_size", "8", "--num_eval_prompts", "8",
                 "--eval_steps", "0"]),
 ])
@@ -170,6 +172,8 @@ def test_sigterm_writes_a_checkpoint_then_resume_finishes(script, args, tmp_path
     assert len(checkpoints) == 1, os.listdir(out)
     step = int(checkpoints[0].split("-")[1])
     assert step == max(r["step"] for r in read_metrics(str(out)))
+    if "--max_staleness" in args:  # the batches sampled ahead are in the checkpoint with it
+        assert os.path.exists(out / checkpoints[0] / "pending-0.safetensors")
     run_script(script, *args, "--output_dir", str(out), "--resume_from", str(out / checkpoints[0]),
                "--max_steps", str(step + 2), threads=1)
     assert max(r["step"] for r in read_metrics(str(out))) == step + 2

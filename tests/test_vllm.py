@@ -345,7 +345,7 @@ def test_sync_moves_the_trained_weights_into_the_engine(engine):
                 p.normal_(0, 0.3)
     synced, fresh = greedy_both(generator, lora, tokenizer, queries, version + 2)
     assert torch.equal(synced, fresh)
-    generator.sync(policy)  # leave the module's engine as it started
+    generator.sync(policy, version + 3)  # leave the module's engine as it started
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -407,3 +407,32 @@ def test_distill_pg_with_vllm(toy, tmp_path):
         assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
     assert rows[-1]["eval/gold_score"] > rows[0]["eval/gold_score"] + 0.1
 
+
+
+def test_grpo_runs_ahead_with_vllm_and_resumes_exactly(toy, tmp_path):
+    """--max_staleness 1 with the engine driven by a worker thread (run_ahead.py): batch t sampled by the weights of
+    step t - 2; the engine's log-probs are then the behaviour policy's (they differ from the trainer's by the policy's
+    move, not by rounding); a run resumed from checkpoint-2 (its pending batch in the checkpoint) equals the
+    uninterrupted one, however the threads were timed."""
+    flags = ["--use_vllm", "--max_staleness", "1", "--max_steps", "4", "--eval_steps", "0", "--num_eval_prompts", "16"]
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    run_script("grpo.py", *flags, "--save_steps", "2", "--output_dir", full)
+    run_script("grpo.py", *flags, "--resume_from", os.path.join(full, "checkpoint-2"), "--output_dir", resumed)
+    rows = {r["step"]: r for r in read_metrics(full)}
+    assert [rows[s]["async/staleness_max"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert rows[1]["vllm/logprob_diff"] < 1e-3 and rows[2]["time/vllm_sync"] == 0.0  # batch 2: still version 0
+    for step in (2, 3, 4):
+        assert rows[step]["vllm/logprob_diff"] > 1e-3  # sampled by the weights one step back
+        assert rows[step]["time/generate_seconds"] > 0 and rows[step]["async/sampler_wait_seconds"] >= 0
+    assert rows[3]["time/vllm_sync"] > 0
+    timing = ("time/", "async/trainer_wait", "async/sampler_wait")
+    for row in read_metrics(resumed):
+        if row["step"] > 2:
+            for key, value in row.items():
+                if not key.startswith(timing) and isinstance(value, float):
+                    assert value == pytest.approx(rows[row["step"]][key], rel=1e-5, abs=1e-6), (row["step"], key)
+    import safetensors.torch
+    a = safetensors.torch.load_file(os.path.join(full, "model", "model.safetensors"))
+    b = safetensors.torch.load_file(os.path.join(resumed, "model", "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)

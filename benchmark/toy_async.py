@@ -1,0 +1,175 @@
+"""Does a sampler running ahead of the trainer (--max_staleness, run_ahead.py) learn as the synchronous loop does,
+and how much step time does the overlap save?
+
+    python benchmark/toy_async.py learn     # rloo, grpo x N = 0 1 2 x HF / vLLM x seeds 1 2 3 (~40 min on 2 cores)
+    python benchmark/toy_async.py speed     # seconds per step, N = 0 vs 1 with --use_vllm: toy and TL;DR shapes
+
+learn: each run is `python <algo>.py --seed S --max_staleness N [--use_vllm]` with the toy alias's defaults (128 steps
+of 64 completions, greedy held-out gold at the end), alone. The table: final gold (mean +- std over seeds), its
+difference from N = 0 with the same backend and seed (paired: mean, and the largest |difference| over seeds), and the
+importance weights' range at N > 0 (results/toy_async.md, the `learn` section).
+
+speed: grpo.py with --use_vllm (the engine in its own process, the sampler thread driving it), N = 0 and N = 1, on the
+toy task and on the TL;DR-shaped stand-ins (speed_settings.py), seconds per step over the steps after a warm-up, read
+from each run's metrics (episode / time/episodes_per_second: the time since the first step began). Phases from the
+N = 0 run: generation g (time/generate_seconds) and the rest of the step. With the two overlapped perfectly a step
+takes max(g, rest): the best speed-up is (g + rest) / max(g, rest) = 1 / max(share, 1 - share), share = g / step.
+On these 2 cores the engine and the trainer take turns on the same cores, so little can overlap; on GPUs the
+prediction holds to the extent the engine and the trainer do not contend for the same device (results/toy_async.md,
+the `speed` section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+RESULTS = os.path.join(HERE, "results", "toy_async.md")
+
+
+def read_rows(out: str) -> list:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(script: str, flags: list, out: str, threads: int = 2) -> list:
+    from toy import run_child
+
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    timing = run_child([sys.executable, os.path.join(ROOT, script), *flags, "--output_dir", out], out + ".log",
+                       threads=threads)
+    if timing["returncode"] != 0:
+        raise SystemExit(f"{script} {' '.join(flags)} failed: see {out}.log")
+    return read_rows(out)
+
+
+def learn(args) -> list:
+    from toy import fmt, machine
+
+    finals, weights = {}, {}
+    for algo in args.algos:
+        for backend in args.backends:
+            for n in args.staleness:
+                for seed in args.seeds:
+                    flags = ["--seed", str(seed), "--max_staleness", str(n)]
+                    flags += ["--use_vllm"] if backend == "vllm" else []
+                    rows = run(f"{algo}.py", flags, os.path.join(args.runs, "learn", algo, backend, f"n{n}",
+                                                                 f"seed{seed}"))
+                    finals[algo, backend, n, seed] = rows[-1]["eval/gold_score"]
+                    prefix = "vllm" if backend == "vllm" else "async"
+                    train = [r for r in rows if r["step"] > 1 and f"{prefix}/is_weight_min" in r]
+                    if n and train:
+                        weights.setdefault((algo, backend, n), []).extend(
+                            (r[f"{prefix}/is_weight_min"], r[f"{prefix}/is_weight_max"]) for r in train)
+                    print(f"{algo} {backend} N={n} seed {seed}: gold {finals[algo, backend, n, seed]:.3f}",
+                          flush=True)
+    lines = [f"## learn ({datetime.date.today()})", "",
+             f"`python benchmark/toy_async.py learn`; {machine()}. The toy alias's defaults (128 steps of 64 "
+             f"completions), seeds {' '.join(map(str, args.seeds))}; held-out greedy gold after the last step; "
+             "difference: paired with N = 0 of the same backend and seed (mean over seeds; largest |difference|). "
+             "Importance weights pi_old / pi_sampler over the stale steps' actions (default "
+             "--vllm_importance_sampling_mode sequence_mask, clip_max 3).", "",
+             "| script | backend | N | final gold | gold - N=0 (mean) | largest \\|gold - N=0\\| | weights min .. max |",
+             "|---|---|---|---|---|---|---|"]
+    for algo in args.algos:
+        for backend in args.backends:
+            for n in args.staleness:
+                golds = [finals[algo, backend, n, s] for s in args.seeds]
+                diffs = [finals[algo, backend, n, s] - finals[algo, backend, 0, s] for s in args.seeds] \
+                    if 0 in args.staleness else []
+                span = weights.get((algo, backend, n))
+                lines.append(
+                    f"| {algo} | {backend} | {n} | {fmt(golds)} | "
+                    f"{f'{statistics.mean(diffs):+.3f}' if n and diffs else ''} | "
+                    f"{f'{max(abs(d) for d in diffs):.3f}' if n and diffs else ''} | "
+                    f"{f'{min(a for a, _ in span):.2f} .. {max(b for _, b in span):.2f}' if span else ''} |")
+    return lines
+
+
+def seconds_per_step(rows: list, warmup: int) -> float:
+    """Mean seconds per step after `warmup` steps, from episode / time/episodes_per_second (time since step 1 began)."""
+    elapsed = {r["step"]: r["episode"] / r["time/episodes_per_second"] for r in rows if r["step"] > 0}
+    last = max(elapsed)
+    return (elapsed[last] - elapsed[warmup]) / (last - warmup)
+
+
+def speed(args) -> list:
+    from speed_settings import SETTING_TEXT, ours_flags, setting_paths
+    from toy import machine
+
+    lines = [f"## speed ({datetime.date.today()})", "",
+             f"`python benchmark/toy_async.py speed`; {machine()}. grpo.py --use_vllm, N = 0 (synchronous) and N = 1 "
+             "(the sampler thread drives the engine while the trainer trains); seconds per step after a warm-up, "
+             "one run each; phases from the N = 0 run. Best speed-up = step / max(generation, rest).", "",
+             "| setting | steps (warm-up) | s/step N=0 | s/step N=1 | N=0 / N=1 | generation s (share) | rest s | "
+             "best speed-up |", "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for setting, steps, warmup in (("toy", args.toy_steps, 4), ("tldr", args.tldr_steps, 2)):
+        paths = setting_paths(setting)
+        flags = ours_flags(setting, "grpo", paths) + ["--use_vllm", "--eval_steps", "0",
+                                                      "--max_steps", str(steps)]
+        per_step, generation = {}, None
+        for n in (0, 1):
+            rows = run("grpo.py", [*flags, "--max_staleness", str(n)],
+                       os.path.join(args.runs, "speed", setting, f"n{n}"))
+            per_step[n] = seconds_per_step(rows, warmup)
+            if n == 0:
+                generation = statistics.mean(r["time/generate_seconds"] for r in rows if r["step"] > warmup)
+        share = generation / per_step[0]
+        rest = per_step[0] - generation
+        lines.append(f"| {setting} | {steps} ({warmup}) | {per_step[0]:.3f} | {per_step[1]:.3f} | "
+                     f"{per_step[0] / per_step[1]:.2f}x | {generation:.3f} ({share:.0%}) | {rest:.3f} | "
+                     f"{per_step[0] / max(generation, rest):.2f}x |")
+        notes.append(f"- {setting}: {SETTING_TEXT[setting]}")
+        print(lines[-1], flush=True)
+    return lines + [""] + notes
+
+
+def write(section: str, lines: list) -> None:
+    """Replace `section` (## learn / ## speed) of results/toy_async.md, keeping the other."""
+    text = open(RESULTS).read() if os.path.exists(RESULTS) else "# --max_staleness on the toy task\n"
+    parts, current = {}, None
+    head = []
+    for line in text.splitlines():
+        if line.startswith("## "):
+            current = line.split()[1]
+            parts[current] = []
+        (parts[current] if current else head).append(line)
+    parts[section] = lines
+    order = [name for name in ("learn", "speed") if name in parts]
+    out = "\n".join(head).rstrip() + "\n\n" + "\n\n".join("\n".join(parts[name]).rstrip() for name in order) + "\n"
+    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
+    with open(RESULTS, "w") as f:
+        f.write(out)
+    print(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["learn", "speed"])
+    parser.add_argument("--algos", nargs="+", default=["rloo", "grpo"])
+    parser.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    parser.add_argument("--staleness", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--toy_steps", type=int, default=24)
+    parser.add_argument("--tldr_steps", type=int, default=8)
+    parser.add_argument("--runs", default=os.path.join(tempfile.gettempdir(), "bench_toy_async"))
+    args = parser.parse_args()
+    write(args.what, learn(args) if args.what == "learn" else speed(args))
+
+
+if __name__ == "__main__":
+    main()
