@@ -1,7 +1,8 @@
 """Does a sampler running ahead of the trainer (--max_staleness, run_ahead.py) learn as the synchronous loop does,
 and how much step time does the overlap save?
 
-    python benchmark/toy_async.py learn     # rloo, grpo x N = 0 1 2 x HF / vLLM x seeds 1 2 3 (~40 min on 2 cores)
+    python benchmark/toy_async.py learn     # rloo, grpo x N = 0 1 2 x HF / vLLM x seeds 1 2 3 (~65 min on 2 cores:
+                                            # an HF run ~15 s, a vLLM run ~3 min; --pairs grpo:vllm for fewer)
     python benchmark/toy_async.py speed     # seconds per step, N = 0 vs 1 with --use_vllm: toy and TL;DR shapes
 
 learn: each run is `python <algo>.py --seed S --max_staleness N [--use_vllm]` with the toy alias's defaults (128 steps
@@ -44,9 +45,13 @@ def read_rows(out: str) -> list:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(script: str, flags: list, out: str, threads: int = 2) -> list:
+def run(script: str, flags: list, out: str, threads: int = 2, reuse: bool = False) -> list:
+    """`python <script> <flags> --output_dir out`, alone; its metrics rows. reuse: keep a finished run already in
+    `out` (one with a saved model) instead of running it again."""
     from toy import run_child
 
+    if reuse and os.path.exists(os.path.join(out, "model", "config.json")):
+        return read_rows(out)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     timing = run_child([sys.executable, os.path.join(ROOT, script), *flags, "--output_dir", out], out + ".log",
@@ -60,22 +65,22 @@ def learn(args) -> list:
     from toy import fmt, machine
 
     finals, weights = {}, {}
-    for algo in args.algos:
-        for backend in args.backends:
-            for n in args.staleness:
-                for seed in args.seeds:
-                    flags = ["--seed", str(seed), "--max_staleness", str(n)]
-                    flags += ["--use_vllm"] if backend == "vllm" else []
-                    rows = run(f"{algo}.py", flags, os.path.join(args.runs, "learn", algo, backend, f"n{n}",
-                                                                 f"seed{seed}"))
-                    finals[algo, backend, n, seed] = rows[-1]["eval/gold_score"]
-                    prefix = "vllm" if backend == "vllm" else "async"
-                    train = [r for r in rows if r["step"] > 1 and f"{prefix}/is_weight_min" in r]
-                    if n and train:
-                        weights.setdefault((algo, backend, n), []).extend(
-                            (r[f"{prefix}/is_weight_min"], r[f"{prefix}/is_weight_max"]) for r in train)
-                    print(f"{algo} {backend} N={n} seed {seed}: gold {finals[algo, backend, n, seed]:.3f}",
-                          flush=True)
+    pairs = [pair.split(":") for pair in args.pairs]
+    for algo, backend in pairs:
+        for n in args.staleness:
+            for seed in args.seeds:
+                flags = ["--seed", str(seed), "--max_staleness", str(n)]
+                flags += ["--use_vllm"] if backend == "vllm" else []
+                rows = run(f"{algo}.py", flags, os.path.join(args.runs, "learn", algo, backend, f"n{n}",
+                                                             f"seed{seed}"), reuse=args.reuse)
+                finals[algo, backend, n, seed] = rows[-1]["eval/gold_score"]
+                prefix = "vllm" if backend == "vllm" else "async"
+                train = [r for r in rows if r["step"] > 1 and f"{prefix}/is_weight_min" in r]
+                if n and train:
+                    weights.setdefault((algo, backend, n), []).extend(
+                        (r[f"{prefix}/is_weight_min"], r[f"{prefix}/is_weight_max"]) for r in train)
+                print(f"{algo} {backend} N={n} seed {seed}: gold {finals[algo, backend, n, seed]:.3f}",
+                      flush=True)
     lines = [f"## learn ({datetime.date.today()})", "",
              f"`python benchmark/toy_async.py learn`; {machine()}. The toy alias's defaults (128 steps of 64 "
              f"completions), seeds {' '.join(map(str, args.seeds))}; held-out greedy gold after the last step; "
@@ -84,18 +89,17 @@ def learn(args) -> list:
              "--vllm_importance_sampling_mode sequence_mask, clip_max 3).", "",
              "| script | backend | N | final gold | gold - N=0 (mean) | largest \\|gold - N=0\\| | weights min .. max |",
              "|---|---|---|---|---|---|---|"]
-    for algo in args.algos:
-        for backend in args.backends:
-            for n in args.staleness:
-                golds = [finals[algo, backend, n, s] for s in args.seeds]
-                diffs = [finals[algo, backend, n, s] - finals[algo, backend, 0, s] for s in args.seeds] \
-                    if 0 in args.staleness else []
-                span = weights.get((algo, backend, n))
-                lines.append(
-                    f"| {algo} | {backend} | {n} | {fmt(golds)} | "
-                    f"{f'{statistics.mean(diffs):+.3f}' if n and diffs else ''} | "
-                    f"{f'{max(abs(d) for d in diffs):.3f}' if n and diffs else ''} | "
-                    f"{f'{min(a for a, _ in span):.2f} .. {max(b for _, b in span):.2f}' if span else ''} |")
+    for algo, backend in pairs:
+        for n in args.staleness:
+            golds = [finals[algo, backend, n, s] for s in args.seeds]
+            diffs = [finals[algo, backend, n, s] - finals[algo, backend, 0, s] for s in args.seeds] \
+                if 0 in args.staleness else []
+            span = weights.get((algo, backend, n))
+            lines.append(
+                f"| {algo} | {backend} | {n} | {fmt(golds)} | "
+                f"{f'{statistics.mean(diffs):+.3f}' if n and diffs else ''} | "
+                f"{f'{max(abs(d) for d in diffs):.3f}' if n and diffs else ''} | "
+                f"{f'{min(a for a, _ in span):.2f} .. {max(b for _, b in span):.2f}' if span else ''} |")
     return lines
 
 
@@ -113,7 +117,8 @@ def speed(args) -> list:
     lines = [f"## speed ({datetime.date.today()})", "",
              f"`python benchmark/toy_async.py speed`; {machine()}. grpo.py --use_vllm, N = 0 (synchronous) and N = 1 "
              "(the sampler thread drives the engine while the trainer trains); seconds per step after a warm-up, "
-             "one run each; phases from the N = 0 run. Best speed-up = step / max(generation, rest).", "",
+             f"one run each; {args.threads} thread(s) for the trainer and {args.threads} for the engine "
+             "(OMP_NUM_THREADS); phases from the N = 0 run. Best speed-up = step / max(generation, rest).", "",
              "| setting | steps (warm-up) | s/step N=0 | s/step N=1 | N=0 / N=1 | generation s (share) | rest s | "
              "best speed-up |", "|---|---|---|---|---|---|---|---|"]
     notes = []
@@ -124,7 +129,7 @@ def speed(args) -> list:
         per_step, generation = {}, None
         for n in (0, 1):
             rows = run("grpo.py", [*flags, "--max_staleness", str(n)],
-                       os.path.join(args.runs, "speed", setting, f"n{n}"))
+                       os.path.join(args.runs, "speed", setting, f"n{n}"), threads=args.threads)
             per_step[n] = seconds_per_step(rows, warmup)
             if n == 0:
                 generation = statistics.mean(r["time/generate_seconds"] for r in rows if r["step"] > warmup)
@@ -160,12 +165,15 @@ def write(section: str, lines: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["learn", "speed"])
-    parser.add_argument("--algos", nargs="+", default=["rloo", "grpo"])
-    parser.add_argument("--backends", nargs="+", default=["hf", "vllm"], choices=["hf", "vllm"])
+    parser.add_argument("--pairs", nargs="+", default=["rloo:hf", "grpo:hf", "rloo:vllm", "grpo:vllm"],
+                        help="script:backend (hf or vllm) pairs to run")
+    parser.add_argument("--reuse", action="store_true", help="keep finished runs found in --runs")
     parser.add_argument("--staleness", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--toy_steps", type=int, default=24)
     parser.add_argument("--tldr_steps", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="speed: torch/OpenMP threads of the trainer and of "
+                        "the engine (1 each: on 2 cores each has its own, as an engine and a trainer on separate GPUs)")
     parser.add_argument("--runs", default=os.path.join(tempfile.gettempdir(), "bench_toy_async"))
     args = parser.parse_args()
     write(args.what, learn(args) if args.what == "learn" else speed(args))
