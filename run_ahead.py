@@ -92,11 +92,10 @@ class RunAhead:
         """The batch of the step after `weights_version` optimizer steps, its prompts at `prompts_seen` (as
         `Sampler.rollout`), sampled by the weights of version max(0, weights_version - max_staleness) and scored with
         the weights now; first the batches up to max_staleness steps ahead are submitted, sampled by the weights now."""
-        start = time.perf_counter()
         if not self.max_staleness:  # Sampler.rollout, timed
-            samples = self.sampler.generate(prompts_seen, weights_version, entropy=entropy)
-            samples.metrics["time/generate_seconds"] = time.perf_counter() - start
+            samples = self.generate(prompts_seen, weights_version, entropy)
             return self.sampler.score(samples, weights_version, old_logprobs=old_logprobs, entropy=entropy)
+        start = time.perf_counter()
         # 1. keep this batch and the next max_staleness ones sampled or being sampled
         position = self.pending[-1][0] + self.prompts_per_step if self.pending else prompts_seen
         while position <= prompts_seen + self.max_staleness * self.prompts_per_step:
@@ -119,10 +118,7 @@ class RunAhead:
         worker thread (vLLM: weights staged and seeds drawn here first), or here and now (HF generate)."""
         sampler = self.sampler
         if self.worker is None:
-            start = time.perf_counter()
-            samples = sampler.generate(position, weights_version, entropy=entropy)
-            samples.metrics["time/generate_seconds"] = time.perf_counter() - start
-            self.pending.append((position, weights_version, samples))
+            self.pending.append((position, weights_version, self.generate(position, weights_version, entropy)))
             return
         if weights_version != self.staged_version:  # every process stages together (ZeRO-3 gathers)
             sampler.vllm.stage(sampler.policy, weights_version)
@@ -131,13 +127,16 @@ class RunAhead:
         job = self.worker.submit(self.generate, position, weights_version, entropy, seeds)
         self.pending.append((position, weights_version, job))
 
-    def generate(self, position: int, weights_version: int, entropy: bool, seeds) -> ro.Samples:
-        """The worker thread's job: one batch from the vLLM engine, and how long the worker waited for it."""
+    def generate(self, position: int, weights_version: int, entropy: bool, seeds=None) -> ro.Samples:
+        """`Sampler.generate`, timed (time/generate_seconds); as the worker thread's job (vLLM, seeds drawn by
+        `submit`), also how long the worker waited for it (async/sampler_wait_seconds)."""
         start = time.perf_counter()
         samples = self.sampler.generate(position, weights_version, entropy=entropy, seeds=seeds)
-        self.idle_since, waited = time.perf_counter(), start - self.idle_since
-        samples.metrics.update({"async/sampler_wait_seconds": waited,
-                                "time/generate_seconds": self.idle_since - start})
+        end = time.perf_counter()
+        samples.metrics["time/generate_seconds"] = end - start
+        if self.worker is not None:
+            samples.metrics["async/sampler_wait_seconds"] = start - self.idle_since
+            self.idle_since = end
         return samples
 
     def save(self, folder: str) -> None:
@@ -172,10 +171,10 @@ class RunAhead:
         k = sampler.samples_per_prompt
         for i, saved in enumerate(batches):
             values = {name: tensors.get(f"{i}.{name}") for name in SAVED}
-            samples = ro.Samples(values["query_responses"], saved["context_length"], saved["indices"],
-                                 [sampler.rows[j] for j in saved["indices"] for _ in range(k)], values["logprobs"],
-                                 values["entropy"], values["sampler_logprobs"], None, values["truncated"], None,
-                                 saved["metrics"], saved["version"])
+            rows = [sampler.rows[j] for j in saved["indices"] for _ in range(k)]
+            samples = ro.Samples(**values, context_length=saved["context_length"], indices=saved["indices"],
+                                 rows=rows, action_mask=None, episodes=None, metrics=saved["metrics"],
+                                 weights_version=saved["version"])
             self.pending.append((saved["position"], saved["version"], samples))
 
     def close(self) -> None:

@@ -100,6 +100,25 @@ def training_rows(out):
     return [row for row in read_metrics(out) if row["step"] > 0]
 
 
+def assert_resumed_equals_uninterrupted(full: str, resumed: str, checkpoint_step: int) -> None:
+    """The resumed run's rows after `checkpoint_step` equal the uninterrupted run's (timing aside), and so do their
+    final weights (also used by tests/test_vllm.py)."""
+    import safetensors.torch
+
+    timing = ("time/", "async/trainer_wait", "async/sampler_wait")
+    uninterrupted = {row["step"]: row for row in read_metrics(full)}
+    for row in read_metrics(resumed):
+        if row["step"] > checkpoint_step:
+            for key, value in row.items():
+                if not key.startswith(timing) and isinstance(value, float):
+                    assert value == pytest.approx(uninterrupted[row["step"]][key], rel=1e-5, abs=1e-6), \
+                        (row["step"], key)
+    a = safetensors.torch.load_file(os.path.join(full, "model", "model.safetensors"))
+    b = safetensors.torch.load_file(os.path.join(resumed, "model", "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def rloo_stale_runs(toy, tmp_path_factory):
     """rloo.py at --max_staleness 2 (HF generate) for 6 steps, checkpointing every 3, and the same run resumed from
@@ -128,19 +147,8 @@ def test_each_step_trains_on_the_versions_that_sampled_it(rloo_stale_runs):
 @pytest.mark.slow
 def test_resumed_run_equals_the_uninterrupted_one(rloo_stale_runs):
     full, resumed = rloo_stale_runs
-    skip = ("time/", "async/trainer_wait", "async/sampler_wait")
-    later = {row["step"]: row for row in training_rows(full) if row["step"] > 3}
-    again = {row["step"]: row for row in training_rows(resumed) if row["step"] > 3}
-    assert sorted(again) == [4, 5, 6]
-    for step, row in again.items():
-        for key, value in row.items():
-            if not key.startswith(skip) and isinstance(value, float):
-                assert value == pytest.approx(later[step][key], rel=1e-5, abs=1e-6), (step, key)
-    import safetensors.torch
-    a = safetensors.torch.load_file(os.path.join(full, "model", "model.safetensors"))
-    b = safetensors.torch.load_file(os.path.join(resumed, "model", "model.safetensors"))
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert [row["step"] for row in training_rows(resumed) if row["step"] > 3] == [4, 5, 6]
+    assert_resumed_equals_uninterrupted(full, resumed, 3)
 
 
 @pytest.mark.slow

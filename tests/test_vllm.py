@@ -414,6 +414,8 @@ def test_grpo_runs_ahead_with_vllm_and_resumes_exactly(toy, tmp_path):
     step t - 2; the engine's log-probs are then the behaviour policy's (they differ from the trainer's by the policy's
     move, not by rounding); a run resumed from checkpoint-2 (its pending batch in the checkpoint) equals the
     uninterrupted one, however the threads were timed."""
+    from test_run_ahead import assert_resumed_equals_uninterrupted
+
     flags = ["--use_vllm", "--max_staleness", "1", "--max_steps", "4", "--eval_steps", "0", "--num_eval_prompts", "16"]
     full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
     run_script("grpo.py", *flags, "--save_steps", "2", "--output_dir", full)
@@ -425,14 +427,5 @@ def test_grpo_runs_ahead_with_vllm_and_resumes_exactly(toy, tmp_path):
         assert rows[step]["vllm/logprob_diff"] > 1e-3  # sampled by the weights one step back
         assert rows[step]["time/generate_seconds"] > 0 and rows[step]["async/sampler_wait_seconds"] >= 0
     assert rows[3]["time/vllm_sync"] > 0
-    timing = ("time/", "async/trainer_wait", "async/sampler_wait")
-    for row in read_metrics(resumed):
-        if row["step"] > 2:
-            for key, value in row.items():
-                if not key.startswith(timing) and isinstance(value, float):
-                    assert value == pytest.approx(rows[row["step"]][key], rel=1e-5, abs=1e-6), (row["step"], key)
-    import safetensors.torch
-    a = safetensors.torch.load_file(os.path.join(full, "model", "model.safetensors"))
-    b = safetensors.torch.load_file(os.path.join(resumed, "model", "model.safetensors"))
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    assert [r["step"] for r in read_metrics(resumed) if r["step"] > 2] == [3, 4]
+    assert_resumed_equals_uninterrupted(full, resumed, 2)
