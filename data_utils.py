@@ -19,6 +19,8 @@ from errors import UserError
 # Dataset aliases: the public TL;DR datasets behind the published RLOO/PPO/DPO runs (Huang et al. 2024; TRL's
 # documentation), and the toy task (built offline by toy_task.py the first time it is named).
 TOY_ALIAS = "toy"
+TOY_HARD_ALIAS = "toy_hard"  # the harder toy world (toy_task.SETTINGS): longer prompts, repeats, an exploitable RM
+TOY_WORLDS = (TOY_ALIAS, TOY_HARD_ALIAS)  # the aliases toy_task.build builds, each a world of its own
 TOY_TOOLS_ALIAS = "toy_tools"  # the toy tool world (toy_tools.py): multi-turn episodes with a lookup tool
 DATASET_ALIASES = {  # alias -> (prompts, preference pairs, unpaired examples)
     "tldr": ("trl-lib/tldr", "trl-lib/tldr-preference", "trl-lib/tldr-preference"),  # kto.py unpairs the pairs
@@ -38,11 +40,11 @@ class HeldOut:
     gold: Optional[Callable[[str, str], float]] = None
 
 
-def toy_world() -> dict:
-    """The toy task's paths (built offline on first use: toy_task.build)."""
+def toy_world(setting: str = TOY_ALIAS) -> dict:
+    """The paths of the toy world `setting` (`toy`, `toy_hard`; built offline on first use: toy_task.build)."""
     import toy_task
 
-    return toy_task.build()
+    return toy_task.build(setting=setting)
 
 
 def toy_tools_world() -> dict:
@@ -52,11 +54,12 @@ def toy_tools_world() -> dict:
     return toy_tools.build()
 
 
-def toy_teacher() -> str:
-    """The toy world's teacher (built offline on first use: toy_task.build_teacher), the folder distill.py loads."""
+def toy_teacher(setting: str = TOY_ALIAS) -> str:
+    """The teacher of the toy world `setting` (built offline on first use: toy_task.build_teacher), the folder
+    distill.py loads."""
     import toy_task
 
-    return toy_task.build_teacher()["teacher"]
+    return toy_task.build_teacher(setting=setting)["teacher"]
 
 
 def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
@@ -95,7 +98,7 @@ def _load_split(name: str, split: str):
         else:
             if not models.hub_reachable() and not _in_datasets_cache(name):
                 raise UserError(f"could not load dataset {name!r}: not a local path, and the hub is unreachable "
-                                f"(offline); known aliases: {', '.join([TOY_ALIAS, *DATASET_ALIASES])}")
+                                f"(offline); known aliases: {', '.join([*TOY_WORLDS, *DATASET_ALIASES])}")
             ds = datasets.load_dataset(name)
     except (FileNotFoundError, ConnectionError, OSError) as e:
         raise UserError(f"could not load dataset {name!r}: {models.first_line(e)}") from None
@@ -129,8 +132,8 @@ def _load_saved(name: str, split: str):
 
 def load_prompt_dataset(name: str, split: str):
     """`split` of a prompt dataset (column `prompt`): alias (`toy`, `tldr`), local folder/files or hub id."""
-    if name == TOY_ALIAS:
-        return _load_split(toy_world()["prompt_dataset"], split)
+    if name in TOY_WORLDS:
+        return _load_split(toy_world(name)["prompt_dataset"], split)
     if name == TOY_TOOLS_ALIAS:
         return _load_split(toy_tools_world()["prompt_dataset"], split)
     return _load_split(DATASET_ALIASES[name][0] if name in DATASET_ALIASES else name, split)
@@ -138,15 +141,15 @@ def load_prompt_dataset(name: str, split: str):
 
 def load_preference_dataset(name: str, split: str):
     """`split` of a preference dataset (`prompt`, `chosen`, `rejected`): alias, local folder/files or hub id."""
-    if name == TOY_ALIAS:
-        return _load_split(toy_world()["preference_dataset"], split)
+    if name in TOY_WORLDS:
+        return _load_split(toy_world(name)["preference_dataset"], split)
     return _load_split(DATASET_ALIASES[name][1] if name in DATASET_ALIASES else name, split)
 
 
 def load_unpaired_dataset(name: str, split: str):
     """`split` of unpaired feedback (`prompt`, `completion`, `label`, or pairs to unpair): alias, folder, hub id."""
-    if name == TOY_ALIAS:
-        return _load_split(toy_world()["unpaired_dataset"], split)
+    if name in TOY_WORLDS:
+        return _load_split(toy_world(name)["unpaired_dataset"], split)
     return _load_split(DATASET_ALIASES[name][2] if name in DATASET_ALIASES else name, split)
 
 

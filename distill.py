@@ -179,6 +179,8 @@ class Args:
 ALIAS_DEFAULTS = {"toy": dict(
     total_episodes=2048, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
     response_length=8, max_prompt_length=8, eval_steps=8, num_eval_prompts=256, local_rollout_forward_batch_size=256)}
+# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
+ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, response_length=10)
 
 
 # ALGO LOGIC: the distillation losses, pure functions of tensors (tested in tests/test_distill.py)

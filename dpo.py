@@ -42,6 +42,8 @@ ALIAS_DEFAULTS = {
                 per_device_eval_batch_size=64, num_train_epochs=1.0, warmup_ratio=0.1, eval_steps=40,
                 max_prompt_length=8, max_length=18, response_length=8, num_eval_prompts=256, max_eval_pairs=0),
 }
+# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
+ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, max_length=22, response_length=10)
 
 
 @dataclass

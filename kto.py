@@ -51,6 +51,10 @@ ALIAS_DEFAULTS = {
                 max_prompt_length=16, max_length=32, response_length=8, eval_steps=64,
                 per_device_eval_batch_size=64, num_eval_examples=512, num_eval_prompts=256),
 }
+# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers; its labels
+# are imbalanced (about 7% desirable), so the class weights are derived from the counts (`loss_weights`, the paper's)
+ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10, desirable_weight=None,
+                                  undesirable_weight=None)
 
 
 @dataclass

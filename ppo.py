@@ -175,6 +175,8 @@ ALIAS_DEFAULTS = {
                 total_episodes=64 * 40, response_length=8, temperature=1.0, kl_coef=0.3, missing_eos_penalty=1.0,
                 max_prompt_length=16, local_rollout_forward_batch_size=256, eval_steps=10, num_eval_prompts=256),
 }
+# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
+ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10)
 
 
 def validate(args: Args, num_processes: int):

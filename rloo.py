@@ -217,6 +217,8 @@ ALIAS_DEFAULTS = {"toy": dict(
         rloo_k=4, kl_coef=0.0, response_length=24, max_prompt_length=16, eval_steps=16, num_eval_prompts=256,
         missing_eos_penalty=1.0, local_rollout_forward_batch_size=256, reward_funcs=["gold"],
         tools=["toy_tools:lookup"], max_tool_calling_iterations=2)}
+# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
+ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, response_length=10)
 
 
 # ALGO LOGIC: the RLOO pieces, pure functions of tensors (tested in tests/test_rloo.py)

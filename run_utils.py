@@ -35,25 +35,26 @@ MODEL_ALIASES = {  # alias -> (SFT policy, reward model, dataset alias)
 
 
 def resolve_model(name: str) -> str:
-    """`--model` / `--ref_model` -> a hub id or local folder: `toy` builds (or reuses) the toy task's SFT policy,
-    `pythia-1b|2.8b|6.9b` name the TL;DR SFT checkpoints; anything else is returned unchanged."""
-    if name == du.TOY_ALIAS:
-        return du.toy_world()["policy"]
+    """`--model` / `--ref_model` -> a hub id or local folder: `toy` / `toy_hard` build (or reuse) that toy world's
+    SFT policy, `pythia-1b|2.8b|6.9b` name the TL;DR SFT checkpoints; anything else is returned unchanged."""
+    if name in du.TOY_WORLDS:
+        return du.toy_world(name)["policy"]
     if name == du.TOY_TOOLS_ALIAS:
         return du.toy_tools_world()["policy"]
     return MODEL_ALIASES[name][0] if name in MODEL_ALIASES else name
 
 
 def resolve_reward_model(name: str) -> str:
-    """`--reward_model` -> a hub id or local folder (`toy`: the toy reward model; `pythia-*`: TL;DR's)."""
-    if name == du.TOY_ALIAS:
-        return du.toy_world()["reward"]
+    """`--reward_model` -> a hub id or local folder (`toy`, `toy_hard`: that world's reward model; `pythia-*`:
+    TL;DR's)."""
+    if name in du.TOY_WORLDS:
+        return du.toy_world(name)["reward"]
     return MODEL_ALIASES[name][1] if name in MODEL_ALIASES else name
 
 
 def default_reward_model(model: str) -> str:
     """The reward model paired with a `--model` alias (toy -> toy RM, pythia-1b -> its TL;DR RM)."""
-    if model == du.TOY_ALIAS or model in MODEL_ALIASES:
+    if model in du.TOY_WORLDS or model in MODEL_ALIASES:
         return model
     if model == du.TOY_TOOLS_ALIAS:
         raise UserError("--model toy_tools has no reward model: its reward is the verifiable gold score "
@@ -62,20 +63,21 @@ def default_reward_model(model: str) -> str:
 
 
 def default_teacher(model: str) -> str:
-    """The teacher paired with a `--model` alias (toy -> the toy world's teacher)."""
-    if model == du.TOY_ALIAS:
+    """The teacher paired with a `--model` alias (toy, toy_hard -> that toy world's teacher)."""
+    if model in du.TOY_WORLDS:
         return model
     raise UserError(f"--teacher_model is required when --model is {model!r} (no paired teacher is known)")
 
 
 def resolve_teacher(name: str) -> str:
-    """`--teacher_model` -> a hub id or local folder (`toy`: the toy world's teacher, built on first use)."""
-    return du.toy_teacher() if name == du.TOY_ALIAS else name
+    """`--teacher_model` -> a hub id or local folder (`toy`, `toy_hard`: that toy world's teacher, built on first
+    use)."""
+    return du.toy_teacher(name) if name in du.TOY_WORLDS else name
 
 
 def default_dataset(model: str) -> str:
     """The dataset paired with a `--model` alias (toy -> toy, pythia-* -> tldr)."""
-    if model in (du.TOY_ALIAS, du.TOY_TOOLS_ALIAS):
+    if model in (*du.TOY_WORLDS, du.TOY_TOOLS_ALIAS):
         return model
     if model in MODEL_ALIASES:
         return MODEL_ALIASES[model][2]

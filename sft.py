@@ -76,6 +76,8 @@ ALIAS_DEFAULTS = {
                       eval_steps=16, max_prompt_length=16, max_length=64, response_length=24, num_eval_prompts=0,
                       max_eval_examples=0),
 }
+# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
+ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, max_length=22, response_length=10)
 
 
 @dataclass
@@ -188,19 +190,19 @@ def validate(args: Args) -> None:
 
 
 # Data: demonstrations -> (prompt, completion) -> token ids
-def toy_demonstrations(split: str, kind: str, seed: int):
-    """The toy task's SFT data, built in memory: the prompts of its prompt dataset's `split`, each with the sorted
-    answer (`kind` "sorted") or one of the toy world's noisy demonstrations ("imperfect", a fixed draw per seed and
-    split). Returns a datasets.Dataset with columns prompt, completion."""
+def toy_demonstrations(split: str, kind: str, seed: int, world: str = "toy"):
+    """A toy world's SFT data (`world`: toy, toy_hard), built in memory: the prompts of its prompt dataset's `split`,
+    each with the sorted answer (`kind` "sorted") or one of that world's noisy demonstrations ("imperfect", a fixed
+    draw per seed and split). Returns a datasets.Dataset with columns prompt, completion."""
     import datasets
     import toy_task
 
-    prompts = du.load_prompt_dataset(du.TOY_ALIAS, split)["prompt"]
+    prompts = du.load_prompt_dataset(world, split)["prompt"]
     if kind == "sorted":
         completions = [toy_task.target_completion(p) for p in prompts]
     else:
         rng = random.Random(f"toy-demonstrations:{split}:{seed}")
-        completions = [toy_task.imperfect_demonstration(p, rng) for p in prompts]
+        completions = [toy_task.imperfect_demonstration(p, rng, toy_task.SETTINGS[world]) for p in prompts]
     return datasets.Dataset.from_dict({"prompt": prompts, "completion": completions})
 
 
@@ -208,8 +210,8 @@ def load_demonstrations(args: Args, split: str):
     """`split` of the SFT data: the toy demonstrations for `toy`, the tool world's conversations for `toy_tools`,
     else the dataset (alias `tldr` = trl-lib/tldr, whose columns are prompt and completion; a hub id, folder or files)
     with its columns checked."""
-    if args.dataset == du.TOY_ALIAS:
-        return toy_demonstrations(split, args.toy_demonstrations, args.seed)
+    if args.dataset in du.TOY_WORLDS:
+        return toy_demonstrations(split, args.toy_demonstrations, args.seed, args.dataset)
     name = du.toy_tools_world()["sft_dataset"] if args.dataset == du.TOY_TOOLS_ALIAS else args.dataset
     data = du.load_prompt_dataset(name, split)
     if "messages" not in data.column_names:

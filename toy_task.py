@@ -20,6 +20,11 @@ What gets built (deterministically from a seed, cached under $TOY_TASK_CACHE or 
   held-out evaluation set.
 - report.json: sizes, the reward model's held-out pairwise accuracy, the SFT policy's gold scores.
 
+`toy_hard` (SETTINGS; `build(setting="toy_hard")`, `--model toy_hard`): the same builder on a harder task, where
+methods end apart and below the ceiling: 5-8 letters drawn with repeats, demonstrators who also drop repeated letters
+(`imperfect_demonstration`), and a reward model trained only on the pairs of prompts with at most 6 letters, which a
+policy can exploit on the longer ones (report.json gives its accuracy on both). Its own cache folder (`toy_hard-v1-*`).
+
 The teacher (`build_teacher`, for distillation; its own cache folder `teacher-*` beside the world's, built after it):
 - teacher/: a larger GPT-NeoX (TEACHER_SIZE, the same vocabulary, positions and special tokens) with the world's
   tokenizer files, trained as the SFT policy but on clean demonstrations (the sorted answer) of prompts outside
@@ -37,6 +42,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +57,30 @@ MAX_NEW_TOKENS = MAX_LETTERS + 2  # room for an answer, its EOS and one mistake
 DESIRABLE_THRESHOLD = 0.75
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One toy world: its prompts, its demonstrators, and the data its reward model is trained on."""
+    name: str  # the --model / --dataset alias
+    version: int  # its builder version (the folder name's; bump when its build changes)
+    min_letters: int
+    max_letters: int
+    repeats: bool  # letters drawn with replacement (a prompt may repeat a letter) or distinct
+    rm_max_letters: int  # the reward model is trained on pairs of prompts with at most this many letters
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_letters + 2  # room for an answer, its EOS and one mistake
+
+
+# `toy`: the standard world. `toy_hard`: longer prompts with repeated letters, demonstrators with a systematic bug
+# (they write each letter once: `imperfect_demonstration`), and a reward model trained on short prompts only, which
+# the policy can exploit on the longer ones. Built by the same builder; each is its own cache folder.
+SETTINGS = {"toy": Setting("toy", BUILDER_VERSION, MIN_LETTERS, MAX_LETTERS, repeats=False,
+                           rm_max_letters=MAX_LETTERS),
+            "toy_hard": Setting("toy_hard", 1, 5, 8, repeats=True, rm_max_letters=6)}
+TOY = SETTINGS["toy"]
+
+
 def cache_root() -> str:
     return os.environ.get("TOY_TASK_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "policy_rlhf", "toy"))
 
@@ -58,8 +88,9 @@ def cache_root() -> str:
 # ---------------------------------------------------------------------------------------------------------
 # The task and its gold scorer
 # ---------------------------------------------------------------------------------------------------------
-def make_prompt(rng: random.Random) -> str:
-    letters = rng.sample(LETTERS, rng.randint(MIN_LETTERS, MAX_LETTERS))
+def make_prompt(rng: random.Random, setting: Setting = TOY) -> str:
+    n = rng.randint(setting.min_letters, setting.max_letters)
+    letters = [rng.choice(LETTERS) for _ in range(n)] if setting.repeats else rng.sample(LETTERS, n)
     return " ".join(letters) + " ="
 
 
@@ -82,17 +113,21 @@ def gold_score(prompt: str, completion: str) -> float:
     return matches / max(len(target), len(response))
 
 
-def imperfect_demonstration(prompt: str, rng: random.Random) -> str:
+def imperfect_demonstration(prompt: str, rng: random.Random, setting: Setting = TOY) -> str:
     """What the (lazy, noisy) demonstrators wrote: 55% of the time the letters copied in prompt order, 30% the
     sorted answer, 15% the sorted answer with one mistake (two neighbours swapped, a letter replaced or
     dropped). The most likely demonstration is the lazy copy, so a policy imitating them decodes greedily to
-    a mediocre answer while its samples contain the good one: room for preference learning and RL."""
+    a mediocre answer while its samples contain the good one: room for preference learning and RL.
+    `toy_hard`'s demonstrators have a systematic bug on top: 70% of their sorted answers write each letter once
+    (a repeated letter is dropped), so the SFT policy learns to drop repeats and few of its samples keep them."""
     letters = prompt_letters(prompt)
     u = rng.random()
     if u < 0.55:
         return " " + " ".join(letters)
     answer = sorted(letters)
-    if u >= 0.85:
+    if setting.repeats and rng.random() < 0.7:
+        answer = sorted(set(letters))
+    if u >= 0.85 and len(answer) > 1:
         kind = rng.choice(["swap", "replace", "drop"])
         i = rng.randrange(len(answer) - 1)
         if kind == "swap":
@@ -174,18 +209,18 @@ def _train_causal_lm(model, tokenizer, batches, steps: int, lr: float = 2e-3):
     return model
 
 
-def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int):
+def _train_sft(tokenizer, rng: random.Random, steps: int, batch_size: int, setting: Setting):
     from transformers import GPTNeoXForCausalLM
 
     def imperfect_batches():
         while True:
-            prompts = [make_prompt(rng) for _ in range(batch_size)]
-            yield prompts, [imperfect_demonstration(p, rng) for p in prompts]
+            prompts = [make_prompt(rng, setting) for _ in range(batch_size)]
+            yield prompts, [imperfect_demonstration(p, rng, setting) for p in prompts]
 
     return _train_causal_lm(GPTNeoXForCausalLM(_model_config(tokenizer)), tokenizer, imperfect_batches(), steps)
 
 
-def _train_teacher(tokenizer, rng: random.Random, avoid: set):
+def _train_teacher(tokenizer, rng: random.Random, avoid: set, setting: Setting):
     """The teacher: TEACHER_SIZE, trained as the SFT policy on clean demonstrations (the sorted answer) of prompts
     not in `avoid`."""
     from transformers import GPTNeoXForCausalLM
@@ -194,7 +229,7 @@ def _train_teacher(tokenizer, rng: random.Random, avoid: set):
         while True:
             prompts = []
             while len(prompts) < TEACHER_BATCH_SIZE:
-                p = make_prompt(rng)
+                p = make_prompt(rng, setting)
                 if p not in avoid:
                     prompts.append(p)
             yield prompts, [target_completion(p) for p in prompts]
@@ -204,13 +239,13 @@ def _train_teacher(tokenizer, rng: random.Random, avoid: set):
 
 
 @torch.no_grad()
-def _sample(model, tokenizer, prompts, greedy: bool, chunk_size: int = 512):
+def _sample(model, tokenizer, prompts, greedy: bool, setting: Setting, chunk_size: int = 512):
     """Completions of `prompts` (pure temperature-1 sampling, or greedy), `chunk_size` prompts per `generate`."""
     from transformers import GenerationConfig
 
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    config = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, pad_token_id=pad, eos_token_id=eos,
+    config = GenerationConfig(max_new_tokens=setting.max_new_tokens, pad_token_id=pad, eos_token_id=eos,
                               bos_token_id=tokenizer.bos_token_id, suppress_tokens=[pad], **sampling)
     queries = _pad(_encode(tokenizer, prompts), pad, "left")
     completions = []
@@ -260,9 +295,9 @@ def _pair_accuracy(model, tokenizer, pairs) -> float:
     return (rewards[:, 0] > rewards[:, 1]).float().mean().item()
 
 
-def _make_pairs(model, tokenizer, prompts):
+def _make_pairs(model, tokenizer, prompts, setting: Setting):
     """Two SFT samples per prompt, gold-labelled; ties (equal gold) are dropped."""
-    completions = _sample(model, tokenizer, [p for p in prompts for _ in range(2)], greedy=False)
+    completions = _sample(model, tokenizer, [p for p in prompts for _ in range(2)], greedy=False, setting=setting)
     pairs, samples = [], []
     for i, prompt in enumerate(prompts):
         a, b = completions[2 * i], completions[2 * i + 1]
@@ -287,7 +322,7 @@ def save_dataset(splits: dict, path: str) -> None:
     dd.save_to_disk(path)
 
 
-def _build_into(root: str, seed: int, verbose: bool) -> dict:
+def _build_into(root: str, seed: int, verbose: bool, setting: Setting) -> dict:
     rng = random.Random(seed)
     torch.manual_seed(seed)
     t0 = time.time()
@@ -297,7 +332,7 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     tokenizer.save_pretrained(os.path.join(root, "tokenizer"))
 
     # 1. SFT policy on imperfect demonstrations
-    sft = _train_sft(tokenizer, rng, steps=600, batch_size=64)
+    sft = _train_sft(tokenizer, rng, steps=600, batch_size=64, setting=setting)
     sft.save_pretrained(os.path.join(root, "sft"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(root, "sft"))
     log(f"sft trained ({time.time() - t0:.0f}s)")
@@ -305,21 +340,23 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     # 2. prompts: train and a fixed held-out set (no overlap)
     seen, train_prompts, test_prompts = set(), [], []
     while len(test_prompts) < 256:
-        p = make_prompt(rng)
+        p = make_prompt(rng, setting)
         if p not in seen:
             seen.add(p)
             test_prompts.append(p)
     while len(train_prompts) < 4096:
-        p = make_prompt(rng)
+        p = make_prompt(rng, setting)
         if p not in seen:
             seen.add(p)
             train_prompts.append(p)
 
     # 3. gold-labelled preference pairs of the SFT policy's own samples, and a reward model on them
-    pref_train, samples_train = _make_pairs(sft, tokenizer, train_prompts)
-    pref_test, samples_test = _make_pairs(sft, tokenizer, test_prompts)
+    pref_train, samples_train = _make_pairs(sft, tokenizer, train_prompts, setting)
+    pref_test, samples_test = _make_pairs(sft, tokenizer, test_prompts, setting)
     log(f"pairs sampled ({time.time() - t0:.0f}s)")
-    reward = _train_reward(os.path.join(root, "sft"), tokenizer, pref_train, steps=500, batch_size=32, rng=rng)
+    # the reward model's own pairs: those of prompts with at most rm_max_letters letters (toy: all of them)
+    rm_pairs = [p for p in pref_train if len(prompt_letters(p["prompt"])) <= setting.rm_max_letters]
+    reward = _train_reward(os.path.join(root, "sft"), tokenizer, rm_pairs, steps=500, batch_size=32, rng=rng)
     reward.config.reward_model_input = "tokens"  # trained reading token ids with EOS appended (see reward_sources.py)
     reward.save_pretrained(os.path.join(root, "reward"), safe_serialization=True)
     tokenizer.save_pretrained(os.path.join(root, "reward"))
@@ -335,16 +372,22 @@ def _build_into(root: str, seed: int, verbose: bool) -> dict:
     save_dataset(unpaired, os.path.join(root, "unpaired"))
 
     sample_gold = sum(g for _, _, g in samples_test) / len(samples_test)
-    greedy = _sample(sft, tokenizer, test_prompts, greedy=True)
+    greedy = _sample(sft, tokenizer, test_prompts, greedy=True, setting=setting)
     greedy_gold = sum(gold_score(p, c) for p, c in zip(test_prompts, greedy)) / len(test_prompts)
     report = {
-        "builder_version": BUILDER_VERSION, "seed": seed,
+        "builder_version": setting.version, "seed": seed,
         "reward_model_heldout_pair_accuracy": round(rm_accuracy, 4),
         "sft_gold_sampled_T1": round(sample_gold, 4), "sft_gold_greedy": round(greedy_gold, 4),
         "n_prompt_train": len(train_prompts), "n_prompt_test": len(test_prompts),
         "n_preference_train": len(pref_train), "n_preference_test": len(pref_test),
         "unpaired_desirable_fraction_train": round(sum(r["label"] for r in unpaired["train"]) / len(unpaired["train"]), 4),
     }
+    if setting.name != "toy":
+        short = [p for p in pref_test if len(prompt_letters(p["prompt"])) <= setting.rm_max_letters]
+        long = [p for p in pref_test if len(prompt_letters(p["prompt"])) > setting.rm_max_letters]
+        report.update(setting=setting.name, n_preference_train_reward_model=len(rm_pairs),
+                      reward_model_heldout_pair_accuracy_short=round(_pair_accuracy(reward, tokenizer, short), 4),
+                      reward_model_heldout_pair_accuracy_long=round(_pair_accuracy(reward, tokenizer, long), 4))
     with open(os.path.join(root, "report.json"), "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)
     log(f"built in {time.time() - t0:.0f}s: {report}")
@@ -359,12 +402,14 @@ def paths(root: str) -> dict:
     }
 
 
-def folder_name(seed: int) -> str:
-    """The cache folder of a build: builder version, seed and the torch / transformers releases that made it (their
-    files and numerics are those releases'; a build by others is not reused)."""
+def folder_name(seed: int, setting: str = "toy") -> str:
+    """The cache folder of a build: setting (none for `toy`), builder version, seed and the torch / transformers
+    releases that made it (their files and numerics are those releases'; a build by others is not reused)."""
     import transformers
 
-    return f"v{BUILDER_VERSION}-seed{seed}-torch{torch.__version__}-transformers{transformers.__version__}"
+    s = SETTINGS[setting]
+    prefix = "" if setting == "toy" else f"{setting}-"
+    return f"{prefix}v{s.version}-seed{seed}-torch{torch.__version__}-transformers{transformers.__version__}"
 
 
 def cached_build(root: str, build_into) -> None:
@@ -394,15 +439,18 @@ def cached_build(root: str, build_into) -> None:
             os.rename(tmp, root)
 
 
-def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
-    """Build the toy world once per (seed, builder version, library releases: `folder_name`) and return its paths
-    (`cached_build`: a finished build is a folder with report.json, never a half-written one)."""
-    root = os.path.join(cache_dir or cache_root(), folder_name(seed))
-    cached_build(root, lambda tmp: _build_into(tmp, seed, verbose))
+def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True, setting: str = "toy") -> dict:
+    """Build the toy world `setting` (a SETTINGS name) once per (seed, builder version, library releases:
+    `folder_name`) and return its paths (`cached_build`: a finished build is a folder with report.json, never a
+    half-written one)."""
+    if setting not in SETTINGS:
+        raise ValueError(f"unknown toy setting {setting!r} (known: {', '.join(SETTINGS)})")
+    root = os.path.join(cache_dir or cache_root(), folder_name(seed, setting))
+    cached_build(root, lambda tmp: _build_into(tmp, seed, verbose, SETTINGS[setting]))
     return paths(root)
 
 
-def _build_teacher_into(root: str, seed: int, world: dict, verbose: bool) -> dict:
+def _build_teacher_into(root: str, seed: int, world: dict, verbose: bool, setting: Setting) -> dict:
     from datasets import load_from_disk
     from transformers import AutoTokenizer, GPTNeoXForCausalLM
 
@@ -419,22 +467,24 @@ def _build_teacher_into(root: str, seed: int, world: dict, verbose: bool) -> dic
     tokenizer = AutoTokenizer.from_pretrained(teacher_dir)
 
     test_prompts = load_from_disk(world["prompt_dataset"])["test"]["prompt"]
-    teacher = _train_teacher(tokenizer, rng, avoid=set(test_prompts))
+    teacher = _train_teacher(tokenizer, rng, avoid=set(test_prompts), setting=setting)
     teacher.save_pretrained(teacher_dir, safe_serialization=True)
     log(f"teacher trained ({time.time() - t0:.0f}s)")
 
-    greedy = _sample(teacher, tokenizer, test_prompts, greedy=True)
+    greedy = _sample(teacher, tokenizer, test_prompts, greedy=True, setting=setting)
     teacher_gold = sum(gold_score(p, c) for p, c in zip(test_prompts, greedy)) / len(test_prompts)
     with open(os.path.join(world["root"], "report.json")) as f:
         student_gold = json.load(f)["sft_gold_greedy"]
     student = GPTNeoXForCausalLM.from_pretrained(world["policy"], dtype=torch.float32)
     report = {
-        "teacher_version": TEACHER_VERSION, "builder_version": BUILDER_VERSION, "seed": seed,
+        "teacher_version": TEACHER_VERSION, "builder_version": setting.version, "seed": seed,
         "teacher_gold_greedy": round(teacher_gold, 4), "student_sft_gold_greedy": student_gold,
         "teacher_parameters": teacher.num_parameters(), "student_parameters": student.num_parameters(),
         "teacher_size": TEACHER_SIZE, "teacher_steps": TEACHER_STEPS, "n_prompt_test": len(test_prompts),
         "build_seconds": round(time.time() - t0, 1),
     }
+    if setting.name != "toy":
+        report["setting"] = setting.name
     with open(os.path.join(root, "report.json"), "w") as f:
         json.dump(report, f, indent=2, sort_keys=True)
     log(f"built in {time.time() - t0:.0f}s: {report}")
@@ -445,29 +495,31 @@ def teacher_paths(root: str) -> dict:
     return {"root": root, "teacher": os.path.join(root, "teacher"), "report": os.path.join(root, "report.json")}
 
 
-def teacher_folder_name(seed: int) -> str:
-    """The teacher's cache folder, beside the world's: `teacher-`, teacher version, the world's builder version (the
-    teacher reads its tokenizer and test prompts), seed, torch and transformers releases."""
+def teacher_folder_name(seed: int, setting: str = "toy") -> str:
+    """The teacher's cache folder, beside the world's: `teacher-`, teacher version, the world's setting and builder
+    version (the teacher reads its tokenizer and test prompts), seed, torch and transformers releases."""
     import transformers
 
-    return (f"teacher-v{TEACHER_VERSION}-toy{BUILDER_VERSION}-seed{seed}-torch{torch.__version__}"
+    world = "toy" if setting == "toy" else f"{setting}-"
+    return (f"teacher-v{TEACHER_VERSION}-{world}{SETTINGS[setting].version}-seed{seed}-torch{torch.__version__}"
             f"-transformers{transformers.__version__}")
 
 
-def build_teacher(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
-    """Build the toy world's teacher once per (seed, versions, library releases: `teacher_folder_name`), after the
-    world itself (`build`, same seed and cache), and return its paths. Cached as `build` caches (`cached_build`)."""
+def build_teacher(seed: int = 0, cache_dir: str | None = None, verbose: bool = True, setting: str = "toy") -> dict:
+    """Build the teacher of the toy world `setting` once per (seed, versions, library releases:
+    `teacher_folder_name`), after the world itself (`build`, same seed and cache), and return its paths. Cached as
+    `build` caches (`cached_build`)."""
     cache_dir = cache_dir or cache_root()
-    root = os.path.join(cache_dir, teacher_folder_name(seed))
+    root = os.path.join(cache_dir, teacher_folder_name(seed, setting))
     if not os.path.exists(os.path.join(root, "report.json")):
-        world = build(seed, cache_dir, verbose)
-        cached_build(root, lambda tmp: _build_teacher_into(tmp, seed, world, verbose))
+        world = build(seed, cache_dir, verbose, setting)
+        cached_build(root, lambda tmp: _build_teacher_into(tmp, seed, world, verbose, SETTINGS[setting]))
     return teacher_paths(root)
 
 
 def gold_scorer(dataset: str):
-    """The gold scorer for a dataset name or path if it is the toy task's, else None."""
-    if dataset == "toy" or os.path.abspath(dataset).startswith(os.path.abspath(cache_root())):
+    """The gold scorer for a dataset name or path if it is a toy world's (any setting), else None."""
+    if dataset in SETTINGS or os.path.abspath(dataset).startswith(os.path.abspath(cache_root())):
         return gold_score
     return None
 

@@ -3,11 +3,13 @@ coefficient and with the adaptive KL controller (--kl_target, Ziegler et al. 201
 
     python benchmark/overoptimisation.py                      # rloo, 10x budget, fixed vs adaptive, seeds 1 2 3
     python benchmark/overoptimisation.py --scale 0.05 --seeds 1   # a smoke run
+    python benchmark/overoptimisation.py --setting toy_hard --scale 4   # the hard toy world, 4x: its reward model
+                                                                         # is exploited, gold falls as its score rises
 
 Each run is the script itself (`python rloo.py --total_episodes <10x> --eval_steps N ...`), alone; the curves are its
 own held-out evaluations (eval/gold_score: the ground truth; eval/scores: the reward model being optimised; eval/kl:
 sequence KL to the reference). Writes RESULTS/overoptimisation.md and overoptimisation.png (gold, reward-model score
-and KL against steps, mean +- std over seeds). A proxy reward model is over-optimised when its score keeps rising
+and KL against steps, mean +- std over seeds; `--setting toy_hard`: overoptimisation_toy_hard.md / .png). A proxy reward model is over-optimised when its score keeps rising
 while gold falls; a KL held near a target keeps the policy where the reward model is still right.
 """
 
@@ -39,12 +41,14 @@ def read_eval_rows(run_dir: str) -> list:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--script", default="rloo", choices=["rloo", "grpo"])
+    parser.add_argument("--setting", default="toy", choices=["toy", "toy_hard"], help="which toy world (--model)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--scale", type=float, default=10.0, help="budget as a multiple of the toy default (8192)")
     parser.add_argument("--kl_target", type=float, default=1.5, help="sequence KL the adaptive runs hold (nats)")
     parser.add_argument("--kl_horizon", type=int, default=1000, help="episodes; ~16 steps of 64 on the toy task")
     parser.add_argument("--evaluations", type=int, default=20, help="held-out evaluations per run")
     parser.add_argument("--runs_dir", default=os.path.join(HERE, "runs", "overoptimisation"))
+    parser.add_argument("--no_adaptive", action="store_true", help="only the fixed-KL runs")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -52,14 +56,17 @@ def main(argv=None):
     steps = episodes // 64
     eval_steps = max(1, steps // args.evaluations)
     settings = {"fixed": [], "adaptive": ["--kl_target", str(args.kl_target), "--kl_horizon", str(args.kl_horizon)]}
+    if args.no_adaptive:
+        del settings["adaptive"]
+    suffix = "" if args.setting == "toy" else f"_{args.setting}"
     curves, usage = {}, {}
     for name, flags in settings.items():
         for seed in args.seeds:
-            run_dir = os.path.join(args.runs_dir, args.script, name, f"seed{seed}")
+            run_dir = os.path.join(args.runs_dir, args.setting, args.script, name, f"seed{seed}")
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
             cmd = [sys.executable, os.path.join(ROOT, f"{args.script}.py"), "--output_dir", run_dir, "--seed", str(seed),
-                   "--total_episodes", str(episodes), "--eval_steps", str(eval_steps), *flags]
+                   "--model", args.setting, "--total_episodes", str(episodes), "--eval_steps", str(eval_steps), *flags]
             print(f"[overopt] {' '.join(cmd[1:])}", flush=True)
             result = run_child(cmd, run_dir + ".log", args.threads)
             if result["returncode"] != 0:
@@ -76,10 +83,10 @@ def main(argv=None):
         values = [pick([r[key] for r in rows]) for rows in curves[name]]
         return f"{np.mean(values):.3f} +- {np.std(values):.3f}"
 
-    lines = ["# Over-optimisation: fixed vs adaptive KL", "",
+    lines = [f"# Over-optimisation on {args.setting}: " + " vs ".join(settings) + " KL", "",
              f"Written by `python benchmark/overoptimisation.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
              f"machine: {machine()}.", "",
-             f"`{args.script}.py` on the toy task with its toy defaults, {episodes} episodes ({steps} steps of 64, "
+             f"`{args.script}.py --model {args.setting}` with its defaults there, {episodes} episodes ({steps} steps of 64, "
              f"{args.scale:g}x the default budget), seeds {args.seeds}; held-out evaluation every {eval_steps} steps "
              "(the script's own: 256 prompts, greedy). Adaptive: "
              f"`--kl_target {args.kl_target} --kl_horizon {args.kl_horizon}` from the same starting coefficient.", "",
@@ -89,9 +96,9 @@ def main(argv=None):
         lines.append(f"| {name} | {stat(name, 'eval/gold_score', max)} | {stat(name, 'eval/gold_score', lambda v: v[-1])}"
                      f" | {stat(name, 'eval/scores', lambda v: v[-1])} | {stat(name, 'eval/kl', lambda v: v[-1])} | "
                      f"{np.mean(usage[name]):.0f} |")
-    lines += ["", "![gold, reward-model score and KL against steps](overoptimisation.png)", ""]
+    lines += ["", f"![gold, reward-model score and KL against steps](overoptimisation{suffix}.png)", ""]
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "overoptimisation.md"), "w") as f:
+    with open(os.path.join(args.out, f"overoptimisation{suffix}.md"), "w") as f:
         f.write("\n".join(lines))
 
     import matplotlib
@@ -102,6 +109,8 @@ def main(argv=None):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (key, label) in zip(axes, KEYS.items()):
         for name, color in (("fixed", "tab:red"), ("adaptive", "tab:blue")):
+            if name not in curves:
+                continue
             x = np.array([r["step"] for r in curves[name][0]])
             y = np.array([[r[key] for r in rows] for rows in curves[name]])
             ax.plot(x, y.mean(0), color=color, label=f"{name} (n={len(y)})")
@@ -109,9 +118,9 @@ def main(argv=None):
         ax.set_xlabel("step (64 episodes)")
         ax.set_title(label)
         ax.legend()
-    fig.suptitle(f"{args.script}.py on the toy task, {args.scale:g}x budget: fixed vs adaptive KL")
+    fig.suptitle(f"{args.script}.py --model {args.setting}, {args.scale:g}x budget: " + " vs ".join(settings) + " KL")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "overoptimisation.png"), dpi=100)
+    fig.savefig(os.path.join(args.out, f"overoptimisation{suffix}.png"), dpi=100)
     print("\n".join(lines))
 
 

@@ -28,7 +28,7 @@ from collections import defaultdict
 import numpy as np
 
 OFFLINE_UNIT = {"dpo": "pairs", "kto": "examples"}
-COLORS = {"rloo": "tab:blue", "ppo": "tab:orange", "grpo": "tab:cyan", "dpo": "tab:green", "kto": "tab:red",
+COLORS = {"sft": "gold", "distill": "lime", "rloo": "tab:blue", "ppo": "tab:orange", "grpo": "tab:cyan", "dpo": "tab:green", "kto": "tab:red",
           "rloo-gold": "tab:purple", "ppo-gold": "tab:brown", "grpo-gold": "tab:olive", "grpo-grpo": "tab:gray",
           "grpo-bnpo": "tab:pink", "grpo-dr_grpo": "black"}
 
@@ -190,14 +190,15 @@ def plot_frontier(by_algo: dict, path: str, title: str = "toy task") -> None:
 
 
 def make_plots(runs_dir: str, out_dir: str, prefix: str = "toy") -> list:
-    runs = [load_run(p) for p in find_runs(runs_dir)]
+    runs = [run for run in map(load_run, find_runs(runs_dir)) if run_points(run)["x"]]  # reward.py's: no curve
     if not runs:
         raise SystemExit(f"no run folders (with metrics.jsonl) under {runs_dir!r}")
     os.makedirs(out_dir, exist_ok=True)
     by_algo = group(runs)
     paths = [os.path.join(out_dir, f"{prefix}_curves.png"), os.path.join(out_dir, f"{prefix}_frontier.png")]
-    plot_curves(by_algo, paths[0])
-    plot_frontier(by_algo, paths[1])
+    title = "toy task" if prefix == "toy" else prefix  # toy_hard, toy_tools: the setting's name
+    plot_curves(by_algo, paths[0], title)
+    plot_frontier(by_algo, paths[1], title)
     return paths
 
 

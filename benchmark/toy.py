@@ -1,17 +1,30 @@
-"""Toy-task benchmark: every algorithm x several seeds at a fixed budget, one uniform evaluation, one table.
+"""Toy-task benchmark: every script and the main variants x several seeds at a fixed budget, on both toy worlds and
+the tool world, one uniform evaluation, one table, and the expected values the CI learning check compares against.
 
-    python benchmark/toy.py                       # every algorithm and variant x seeds 1 2 3, ~15 min
-    python benchmark/toy.py --algos rloo dpo --seeds 1 --max_steps 2 --num_eval_prompts 32   # a smoke run
+    python benchmark/toy.py                       # every setting, script and variant x seeds 1 2 3, ~30 min
+    python benchmark/toy.py --settings toy --algos rloo dpo --seeds 1 --max_steps 2 --num_eval_prompts 32  # a smoke run
 
-For each (algorithm, seed) it runs `python <algo>.py --output_dir RUNS/<algo>/seed<S> --seed S --save_steps N
-[budget flags]` as a child process, alone (one at a time), and records the child's wall time and peak
-resident memory (its own VmHWM, so only that child is counted). Each script uses its toy-tuned defaults;
-the budget is those defaults (one pass over the toy data for DPO/KTO, the toy total_episodes for RL) unless
---max_steps caps it. Then every saved checkpoint and the final model are evaluated the same way
-(benchmark/uniform_eval.py: greedy held-out gold score and reward-model score, sampled KL to the SFT
-policy), written to RUNS/<algo>/seed<S>/bench_eval.json, summarised in RESULTS/toy.md (mean +- std over seeds)
-and plotted (benchmark/plot.py). Finished runs are reused unless --force; checkpoints are deleted after
-evaluation unless --keep_checkpoints.
+Settings (toy_task.SETTINGS): `toy`, the standard world, and `toy_hard` (`--model toy_hard`): longer prompts with
+repeated letters, demonstrators who drop repeats, and a reward model trained on short prompts only, where methods
+end apart and well below the ceiling and the reward model can be over-optimised; and `toy_tools`, the tool world
+(toy_tools.py: multi-turn episodes with a lookup tool), where rloo.py and grpo.py are scored by their own held-out
+evaluation of greedy episodes (uniform_eval.py evaluates single completions).
+
+For each (setting, algorithm, seed) it runs `python <script>.py [--model toy_hard] --output_dir RUNS/<setting>/<algo>/
+seed<S> --seed S [--save_steps N] [variant flags]` as a child process, alone (one at a time), and records the child's
+wall time and peak resident memory (its own VmHWM, so only that child is counted). Each script uses its toy-tuned
+defaults (`ALIAS_DEFAULTS[setting]`); the budget is those defaults (one pass over the data for SFT, DPO and KTO, the
+total_episodes of the RL and distillation scripts) unless --max_steps caps it. Then every saved checkpoint and the
+final model are evaluated the same way (benchmark/uniform_eval.py: greedy held-out gold score and reward-model score,
+sampled KL to the SFT policy), written to RUNS/<setting>/<algo>/seed<S>/bench_eval.json, summarised in RESULTS/toy.md
+(mean +- std over seeds) and plotted (benchmark/plot.py: RESULTS/<setting>_curves.png, <setting>_frontier.png).
+reward.py (no policy) is scored by its own held-out pairwise accuracy.
+
+Expected values (RESULTS/toy_expected.json, written by a full run: every setting, the default algorithms, 3 or more
+seeds, no --max_steps): per setting and script, the mean of the script's own final metric over seeds (eval/gold_score,
+reward.py's eval/accuracy) and a band of +- max(3 x the seed std, 0.03). tests/test_learning.py runs each script once
+(seed 1, default budget, standard toy) and fails when its metric leaves the band (`check_learning`).
+Finished runs are reused unless --force; checkpoints are deleted after evaluation unless --keep_checkpoints.
 """
 
 from __future__ import annotations
@@ -41,13 +54,64 @@ import numpy as np  # noqa: E402
 VARIANTS = {"rloo-gold": ("rloo", ["--reward_funcs", "gold"]), "ppo-gold": ("ppo", ["--reward_funcs", "gold"]),
             "grpo-gold": ("grpo", ["--reward_funcs", "gold"]), "grpo-grpo": ("grpo", ["--loss_type", "grpo"]),
             "grpo-bnpo": ("grpo", ["--loss_type", "bnpo"]), "grpo-dr_grpo": ("grpo", ["--loss_type", "dr_grpo"])}
-ALGOS = ("rloo", "ppo", "grpo", "dpo", "kto", *VARIANTS)
+ALGOS = ("sft", "reward", "rloo", "ppo", "grpo", "dpo", "kto", "distill", *VARIANTS)
+SETTINGS = ("toy", "toy_hard", "toy_tools")
+# toy_tools (toy_tools.py, multi-turn episodes with a lookup tool): the scripts with a tool-world default, scored by
+# their own held-out evaluation (greedy episodes in which the policy calls the tool), not by uniform_eval.py
+SETTING_ALGOS = {"toy_tools": ("rloo", "grpo")}
 # Checkpoint cadence (optimizer steps) of the uniform-evaluation curve: about 8 points over each default budget
-# (rloo 128 steps of 64 episodes, ppo 60 updates of 64 episodes, dpo 82 steps of 32 pairs, kto 256 steps of 32
-# examples on toy seed 0).
-SAVE_STEPS = {"rloo": 16, "ppo": 8, "grpo": 16, "dpo": 10, "kto": 32}
+# (rloo 128 steps of 64 episodes, ppo 40 updates of 64 episodes, dpo 82 steps of 32 pairs, kto 256 steps of 32
+# examples, sft 64 steps of 64 demonstrations, distill 32 steps of 64 episodes on toy seed 0). reward.py: none.
+SAVE_STEPS = {"sft": 8, "rloo": 16, "ppo": 8, "grpo": 16, "dpo": 10, "kto": 32, "distill": 4}
 # What one step consumes, for the table (read back from args.json after the run).
-UNIT = {"rloo": "episodes", "ppo": "episodes", "grpo": "episodes", "dpo": "pairs", "kto": "examples"}
+UNIT = {"sft": "demonstrations", "reward": "pairs", "rloo": "episodes", "ppo": "episodes", "grpo": "episodes",
+        "dpo": "pairs", "kto": "examples", "distill": "episodes"}
+EXPECTED = os.path.join(HERE, "results", "toy_expected.json")
+# The band: mean +- max(3 x seed std, 0.03). The floor covers CPUs of other kinds, which round differently: the same
+# seeded run ended up to 0.013 gold apart on two machines (ppo seed 2: 0.980 in 2026-12-01's table, 0.993 in 2026-12-04's)
+TOLERANCE_STDS, TOLERANCE_FLOOR = 3.0, 0.03
+
+
+def metric_of(algo: str) -> str:
+    """The script's own final metric the expected values hold: reward.py's held-out pairwise accuracy, else the
+    held-out greedy gold score."""
+    return "eval/accuracy" if algo == "reward" else "eval/gold_score"
+
+
+def final_metric(run_dir: str, algo: str):
+    """The last logged value of `metric_of(algo)` in a run folder's metrics.jsonl (None if never logged)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        values = [row[metric_of(algo)] for row in map(json.loads, f) if metric_of(algo) in row]
+    return values[-1] if values else None
+
+
+def expected_values(results: dict, argv: list) -> dict:
+    """{setting: {algo: record}} of a full benchmark -> the expected-values file's contents: per script, its metric's
+    mean over seeds, the seed std, and the band the learning check accepts."""
+    out = {"written_by": f"python benchmark/{' '.join(['toy.py', *argv])}", "date": datetime.date.today().isoformat(),
+           "band": f"mean +- max({TOLERANCE_STDS:g} x seed std, {TOLERANCE_FLOOR:g})"}
+    for setting, by_algo in results.items():
+        out[setting] = {}
+        for algo, runs in by_algo.items():
+            values = [r["script_metric"] for r in runs]
+            mean, std = float(np.mean(values)), float(np.std(values))
+            tol = max(TOLERANCE_STDS * std, TOLERANCE_FLOOR)
+            out[setting][algo] = dict(metric=metric_of(algo), mean=round(mean, 4), std=round(std, 4),
+                                      low=round(mean - tol, 4), high=round(mean + tol, 4),
+                                      per_seed={str(r["seed"]): round(r["script_metric"], 4) for r in runs})
+    return out
+
+
+def check_learning(algo: str, value: float, setting: str = "toy", path: str = EXPECTED) -> str:
+    """'' when `value` (the script's final `metric_of(algo)`, one seed at its default budget) lies in the expected
+    band, else a message saying where it fell; a script the file does not hold is an error."""
+    with open(path) as f:
+        expected = json.load(f)[setting][algo]
+    if expected["low"] <= value <= expected["high"]:
+        return ""
+    return (f"{algo} on {setting}: final {expected['metric']} {value:.4f} is outside the expected band "
+            f"[{expected['low']:.4f}, {expected['high']:.4f}] (mean {expected['mean']:.4f} +- seed std "
+            f"{expected['std']:.4f} over seeds {', '.join(expected['per_seed'])}; {path})")
 
 
 def child_env(threads: int) -> dict:
@@ -141,59 +205,158 @@ def machine() -> str:
             f"{platform.system()} {platform.release()}")
 
 
-def write_table(results: dict, sft: dict, out_path: str, budget_note: str, threads: int, argv: list,
+SETTING_TEXT = {
+    "toy": "the standard toy world (`--model toy`, the scripts' default): 3-6 distinct letters to sort",
+    "toy_hard": ("`--model toy_hard`: 5-8 letters drawn with repeats; demonstrators who drop repeated letters in 70% "
+                 "of their sorted answers; a reward model trained on the pairs of prompts with at most 6 letters "
+                 "only (toy_task.SETTINGS)"),
+    "toy_tools": ("`--model toy_tools`: multi-turn episodes with a lookup tool and the verifiable gold reward "
+                  "(toy_tools.py); gold, KL and EOS rate are the script's own held-out evaluation (greedy episodes, the "
+                  "tool called by the policy; KL of those greedy completions), no reward model")}
+
+
+def script_points(run_dir: str) -> list:
+    """Evaluation points of a run from its own eval rows (the settings uniform_eval.py cannot evaluate)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [r for r in map(json.loads, f) if "eval/gold_score" in r]
+    return [dict(step=r["step"], gold_score=r["eval/gold_score"], rm_score=None, kl=r.get("eval/kl"),
+                 eos_rate=r.get("eval/eos_rate")) for r in rows]
+
+
+def num(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def setting_lines(setting: str, results: dict, sft: dict, budget_note: str) -> list:
+    """The table section of one setting: the summary over seeds, then every run."""
+    policies = {a: runs for a, runs in results.items() if a != "reward"}
+    lines = [
+        f"## {setting}: {SETTING_TEXT[setting]}",
+        "",
+        f"Before = the SFT policy (the same model for every seed, so its std is 0): gold {sft['gold_score']:.3f}, "
+        f"RM score {num(sft['rm_score'])}. Budget: {budget_note}",
+        "",
+        "| algorithm | seeds | budget | gold before | gold after | RM score before | RM score after | KL to SFT after | "
+        "wall time (s) | peak memory (MiB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for algo, runs in policies.items():
+        finals = [r["final"] for r in runs]
+        budget = sorted({r["budget"] for r in runs})
+        lines.append(
+            f"| {algo} | {len(runs)} | {'; '.join(budget)} | {sft['gold_score']:.3f} | "
+            f"{fmt([f['gold_score'] for f in finals])} | {num(sft['rm_score'])} | {fmt([f['rm_score'] for f in finals])} | "
+            f"{fmt([f['kl'] for f in finals])} | {fmt([r['wall_time_s'] for r in runs], 0)} | "
+            f"{fmt([r['peak_rss_mib'] for r in runs], 0)} |")
+    if "reward" in results:
+        runs = results["reward"]
+        lines += ["", f"reward.py (the reward model retrained from the SFT policy on the preference data): held-out "
+                      f"pairwise accuracy {fmt([r['script_metric'] for r in runs])} over {len(runs)} seeds; "
+                      f"{sorted({r['budget'] for r in runs})[0]}; wall time {fmt([r['wall_time_s'] for r in runs], 0)} "
+                      f"s, peak memory {fmt([r['peak_rss_mib'] for r in runs], 0)} MiB."]
+    lines += ["", "Per run (the script's own last `eval/gold_score` shown for comparison with the uniform one):", "",
+              "| algorithm | seed | steps | gold | RM score | KL | EOS rate | script's eval/gold_score | wall (s) | "
+              "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for algo, runs in policies.items():
+        for r in runs:
+            f = r["final"]
+            own = r.get("script_gold")
+            lines.append(f"| {algo} | {r['seed']} | {r['steps']} | {f['gold_score']:.3f} | {num(f['rm_score'])} | "
+                         f"{num(f['kl'])} | {num(f['eos_rate'], 2)} | {num(own)} | "
+                         f"{r['wall_time_s']:.0f} | {r['peak_rss_mib']:.0f} |")
+    lines += ["", f"![{setting}: gold and reward-model score against samples seen]({setting}_curves.png)", "",
+              f"![{setting}: gold score against KL]({setting}_frontier.png)", ""]
+    return lines
+
+
+def write_table(results: dict, sfts: dict, out_path: str, budget_notes: dict, threads: int, argv: list,
                 load: str = "") -> None:
+    """results: {setting: {algo: [record per seed]}}; sfts: {setting: the SFT policy's uniform evaluation}."""
+    num_prompts = next(iter(sfts.values()))["num_prompts"]
     lines = [
         "# Toy-task benchmark",
         "",
         f"Written by `python benchmark/{' '.join(['toy.py', *argv])}` on {datetime.date.today().isoformat()}.",
         f"Machine: {machine()}; each run alone, {threads} threads{load}.",
         "",
-        f"Held-out evaluation, the same for every algorithm (`benchmark/uniform_eval.py`): {sft['num_prompts']} "
-        "held-out toy prompts, "
-        "greedy completions scored by the gold scorer and by the toy reward model; KL = sequence KL(pi || SFT), "
-        "estimated from 4 completions per prompt sampled at temperature 1 (k1 estimator, fixed seed). "
-        f"Before = the SFT policy (the same model for every seed, so its std is 0): gold {sft['gold_score']:.3f}, "
-        f"RM score {sft['rm_score']:.3f}. Wall time and peak memory (peak resident set size of the training "
-        "process, its VmHWM) cover the whole script: loading, training, its own evaluations and saving.",
+        f"Held-out evaluation, the same for every algorithm (`benchmark/uniform_eval.py`): {num_prompts} held-out "
+        "prompts of the setting, greedy completions scored by the gold scorer and by the setting's reward model; "
+        "KL = sequence KL(pi || SFT), estimated from 4 completions per prompt sampled at temperature 1 (k1 estimator, "
+        "fixed seed). Wall time and peak memory (peak resident set size of the training process, its VmHWM) cover "
+        "the whole script: loading, training, its own evaluations and saving. Expected values for the CI learning "
+        "check: `toy_expected.json`.",
         "",
-        f"Budget: {budget_note}",
-        "",
-        "| algorithm | seeds | budget | gold before | gold after | RM score before | RM score after | KL to SFT after | "
-        "wall time (s) | peak memory (MiB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for algo, runs in results.items():
-        finals = [r["final"] for r in runs]
-        budget = sorted({r["budget"] for r in runs})
-        lines.append(
-            f"| {algo} | {len(runs)} | {'; '.join(budget)} | {sft['gold_score']:.3f} | "
-            f"{fmt([f['gold_score'] for f in finals])} | {sft['rm_score']:.3f} | {fmt([f['rm_score'] for f in finals])} | "
-            f"{fmt([f['kl'] for f in finals])} | {fmt([r['wall_time_s'] for r in runs], 0)} | "
-            f"{fmt([r['peak_rss_mib'] for r in runs], 0)} |")
-    lines += ["", "Per run (the script's own last `eval/gold_score` shown for comparison with the uniform one):", "",
-              "| algorithm | seed | steps | gold | RM score | KL | EOS rate | script's eval/gold_score | wall (s) | "
-              "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for algo, runs in results.items():
-        for r in runs:
-            f = r["final"]
-            own = r.get("script_gold")
-            lines.append(f"| {algo} | {r['seed']} | {r['steps']} | {f['gold_score']:.3f} | {f['rm_score']:.3f} | "
-                         f"{f['kl']:.3f} | {f['eos_rate']:.2f} | {'n/a' if own is None else f'{own:.3f}'} | "
-                         f"{r['wall_time_s']:.0f} | {r['peak_rss_mib']:.0f} |")
-    lines += ["", "Figures (`python benchmark/plot.py <runs dir>`):", "",
-              "![gold and reward-model score against samples seen](toy_curves.png)", "",
-              "![gold score against KL](toy_frontier.png)", ""]
+    for setting, by_algo in results.items():
+        lines += setting_lines(setting, by_algo, sfts[setting], budget_notes[setting])
     with open(out_path, "w") as f:
         f.write("\n".join(lines))
 
 
+def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sft: dict) -> dict:
+    """Train (setting, algo, seed) as a child process, alone, evaluate its checkpoints; returns its record (also
+    written to its run folder's bench_eval.json)."""
+    run_dir = os.path.join(args.runs_dir, setting, algo, f"seed{seed}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+    script, variant_flags = VARIANTS.get(algo, (algo, []))
+    cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--output_dir", run_dir, "--seed", str(seed)]
+    if setting != "toy":
+        cmd += ["--model", setting]
+    if script in SAVE_STEPS and evaluator is not None:
+        cmd += ["--save_steps", str(args.save_steps or SAVE_STEPS[script])]
+    if algo in VARIANTS:
+        cmd += ["--exp_name", algo, *variant_flags]
+    if args.max_steps:
+        cmd += ["--max_steps", str(args.max_steps)]
+    if args.script_eval_prompts and script != "reward":
+        cmd += ["--num_eval_prompts", str(args.script_eval_prompts)]
+    cmd += extra.get(algo, [])
+    print(f"[toy] {setting} {algo} seed {seed}: {' '.join(cmd[1:])}", flush=True)
+    log = os.path.join(args.runs_dir, setting, algo, f"seed{seed}.log")
+    usage = run_child(cmd, log, args.threads)
+    if usage["returncode"] != 0:
+        raise SystemExit(f"{setting} {algo} seed {seed} failed (exit {usage['returncode']}); see {log}")
+    with open(os.path.join(run_dir, "args.json")) as f:
+        run_args = json.load(f)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    if script == "reward":
+        steps, points = final_step(run_dir), []
+    elif evaluator is None:
+        points = script_points(run_dir)
+        steps = points[-1]["step"]
+    else:
+        points = evaluate_run(evaluator, run_dir, sft, args.keep_checkpoints)
+        steps = points[-1]["step"]
+    per_step = run_args["per_device_train_batch_size"] * run_args.get("gradient_accumulation_steps", 1)
+    if script in ("rloo", "ppo", "grpo", "distill"):
+        episodes = max((r.get("episode", 0) for r in rows), default=0)
+        budget = f"{steps} steps, {int(episodes)} {UNIT[script]}"
+    else:
+        budget = f"{steps} steps x {per_step} {UNIT[script]}"
+    gold_rows = [r["eval/gold_score"] for r in rows if "eval/gold_score" in r]
+    record = dict(setting=setting, algo=algo, seed=seed, command=" ".join(cmd[1:]), steps=steps, budget=budget,
+                  num_eval_prompts=args.num_eval_prompts, points=points, final=points[-1] if points else None,
+                  sft=sft, script_gold=gold_rows[-1] if gold_rows else None,
+                  script_metric=final_metric(run_dir, script), **usage)
+    with open(os.path.join(run_dir, "bench_eval.json"), "w") as f:
+        json.dump(record, f, indent=2)
+    after = f"gold {points[0]['gold_score']:.3f} -> {points[-1]['gold_score']:.3f}" if points else \
+        f"accuracy {record['script_metric']:.3f}"
+    print(f"[toy] {setting} {algo} seed {seed}: {usage['wall_time_s']:.0f}s, peak {usage['peak_rss_mib']:.0f} MiB, "
+          f"{after}", flush=True)
+    return record
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--runs_dir", default=os.path.join(HERE, "runs", "toy"), help="where the runs go")
-    parser.add_argument("--out", default=os.path.join(HERE, "results"), help="where toy.md and the PNGs go")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"),
+                        help="where toy.md, toy_expected.json and the PNGs go")
     parser.add_argument("--max_steps", type=int, default=None, help="cap every run at this many optimizer steps")
     parser.add_argument("--save_steps", type=int, default=None,
                         help="checkpoint (= uniform-eval point) cadence; default per algorithm, about 8 per run")
@@ -217,73 +380,52 @@ def main(argv=None):
     import plot
 
     os.makedirs(args.out, exist_ok=True)
-    evaluator = ToyEvaluator(num_prompts=args.num_eval_prompts)
-    sft = evaluator.evaluate_sft()
-    results, t0, load0 = {}, time.time(), os.getloadavg()[0]
-    for algo in args.algos:
-        results[algo] = []
-        for seed in args.seeds:
-            run_dir = os.path.join(args.runs_dir, algo, f"seed{seed}")
-            record_path = os.path.join(run_dir, "bench_eval.json")
-            if os.path.exists(record_path) and not args.force:
-                with open(record_path) as f:
-                    record = json.load(f)
-                if record.get("num_eval_prompts") == args.num_eval_prompts:
-                    print(f"[toy] {algo} seed {seed}: reusing {run_dir}", flush=True)
-                    results[algo].append(record)
-                    continue
-            shutil.rmtree(run_dir, ignore_errors=True)
-            os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-            script, variant_flags = VARIANTS.get(algo, (algo, []))
-            cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--output_dir", run_dir, "--seed", str(seed),
-                   "--save_steps", str(args.save_steps or SAVE_STEPS[script])]
-            if algo in VARIANTS:
-                cmd += ["--exp_name", algo, *variant_flags]
-            if args.max_steps:
-                cmd += ["--max_steps", str(args.max_steps)]
-            if args.script_eval_prompts:
-                cmd += ["--num_eval_prompts", str(args.script_eval_prompts)]
-            cmd += extra.get(algo, [])
-            print(f"[toy] {algo} seed {seed}: {' '.join(cmd[1:])}", flush=True)
-            usage = run_child(cmd, os.path.join(args.runs_dir, algo, f"seed{seed}.log"), args.threads)
-            if usage["returncode"] != 0:
-                raise SystemExit(f"{algo} seed {seed} failed (exit {usage['returncode']}); see "
-                                 f"{os.path.join(args.runs_dir, algo, f'seed{seed}.log')}")
-            with open(os.path.join(run_dir, "args.json")) as f:
-                run_args = json.load(f)
-            points = evaluate_run(evaluator, run_dir, sft, args.keep_checkpoints)
-            steps = points[-1]["step"]
-            per_step = run_args["per_device_train_batch_size"] * run_args.get("gradient_accumulation_steps", 1)
-            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-                rows = [json.loads(line) for line in f if line.strip()]
-            if script in ("rloo", "ppo", "grpo"):
-                episodes = max((r.get("episode", 0) for r in rows), default=0)
-                budget = f"{steps} steps, {int(episodes)} {UNIT[script]}"
-            else:
-                budget = f"{steps} steps x {per_step} {UNIT[script]}"
-            gold_rows = [r["eval/gold_score"] for r in rows if "eval/gold_score" in r]
-            record = dict(algo=algo, seed=seed, command=" ".join(cmd[1:]), steps=steps, budget=budget,
-                          num_eval_prompts=args.num_eval_prompts, points=points, final=points[-1], sft=sft,
-                          script_gold=gold_rows[-1] if gold_rows else None, **usage)
-            with open(record_path, "w") as f:
-                json.dump(record, f, indent=2)
-            print(f"[toy] {algo} seed {seed}: {usage['wall_time_s']:.0f}s, peak {usage['peak_rss_mib']:.0f} MiB, gold "
-                  f"{sft['gold_score']:.3f} -> {points[-1]['gold_score']:.3f}, KL {points[-1]['kl']:.3f}", flush=True)
-            results[algo].append(record)
-    budget_note = ("each script's toy-tuned defaults (`ALIAS_DEFAULTS['toy']` in the script: the RL scripts' "
-                   "`total_episodes`, one epoch of the toy preference / unpaired data for DPO / KTO)"
-                   + (f", capped at --max_steps {args.max_steps}" if args.max_steps else "")
-                   + "; checkpoints for the curves every " +
-                   ", ".join(f"{a} {args.save_steps or SAVE_STEPS[VARIANTS.get(a, (a,))[0]]}" for a in args.algos)
-                   + " steps." + "".join(f" {name}: {script}.py {' '.join(flags)}." for name, (script, flags)
-                                         in VARIANTS.items() if name in args.algos)
-                   + (f" Extra flags: {extra}." if extra else ""))
+    results, sfts, budget_notes, figures = {}, {}, {}, []
+    t0, load0 = time.time(), os.getloadavg()[0]
+    for setting in args.settings:
+        algos = [a for a in args.algos if a in SETTING_ALGOS.get(setting, ALGOS)]
+        evaluator = None if setting in SETTING_ALGOS else ToyEvaluator(num_prompts=args.num_eval_prompts,
+                                                                       setting=setting)
+        sft = evaluator.evaluate_sft() if evaluator else None
+        results[setting] = {}
+        for algo in algos:
+            results[setting][algo] = []
+            for seed in args.seeds:
+                record_path = os.path.join(args.runs_dir, setting, algo, f"seed{seed}", "bench_eval.json")
+                if os.path.exists(record_path) and not args.force:
+                    with open(record_path) as f:
+                        record = json.load(f)
+                    if record.get("num_eval_prompts") == args.num_eval_prompts:
+                        print(f"[toy] {setting} {algo} seed {seed}: reusing {os.path.dirname(record_path)}", flush=True)
+                        results[setting][algo].append(record)
+                        continue
+                results[setting][algo].append(run_one(setting, algo, seed, args, extra, evaluator, sft))
+        # the uniform evaluation of the SFT policy, or (toy_tools) the runs' own evaluation before training
+        sfts[setting] = sft or dict(results[setting][algos[0]][0]["points"][0], num_prompts=args.num_eval_prompts)
+        budget_notes[setting] = (
+            f"each script's defaults for `{setting}` (`ALIAS_DEFAULTS['{setting}']` in the script: the RL and "
+            "distillation scripts' `total_episodes`, one epoch of the data for SFT, DPO and KTO)"
+            + (f", capped at --max_steps {args.max_steps}" if args.max_steps else "")
+            + ("; curves from the scripts' own evaluations." if evaluator is None else
+               "; checkpoints for the curves every " +
+               ", ".join(f"{a} {args.save_steps or SAVE_STEPS[VARIANTS.get(a, (a,))[0]]}" for a in algos
+                         if VARIANTS.get(a, (a,))[0] in SAVE_STEPS) + " steps.")
+            + "".join(f" {name}: {script}.py {' '.join(flags)}." for name, (script, flags)
+                                  in VARIANTS.items() if name in algos)
+            + (f" Extra flags: {extra}." if extra else ""))
+        figures += plot.make_plots(os.path.join(args.runs_dir, setting), args.out, setting)
     table = os.path.join(args.out, "toy.md")
     load = (f"; 1-min load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end (other work on the "
             f"machine slows runs); whole benchmark {time.time() - t0:.0f} s")
-    write_table(results, sft, table, budget_note, args.threads, argv, load)
-    figures = plot.make_plots(args.runs_dir, args.out, "toy")
-    print(f"[toy] done in {time.time() - t0:.0f}s: {table}, {', '.join(figures)}", flush=True)
+    write_table(results, sfts, table, budget_notes, args.threads, argv, load)
+    full = (set(args.settings) == set(SETTINGS) and set(args.algos) >= set(ALGOS) and len(args.seeds) >= 3
+            and not args.max_steps and not extra and args.num_eval_prompts == 256 and not args.script_eval_prompts)
+    if full:  # only a full run (every setting and script, >= 3 seeds, default budgets) writes the expectations
+        with open(os.path.join(args.out, "toy_expected.json"), "w") as f:
+            json.dump(expected_values(results, argv), f, indent=2)
+            f.write("\n")
+    print(f"[toy] done in {time.time() - t0:.0f}s: {table}, {', '.join(figures)}"
+          + (", toy_expected.json" if full else " (not a full run: toy_expected.json left as it is)"), flush=True)
     return table, figures
 
 

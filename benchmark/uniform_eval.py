@@ -31,15 +31,16 @@ import policy_common as pc  # noqa: E402
 import prompt_sharing as ps  # noqa: E402
 import toy_task  # noqa: E402
 
-RESPONSE_LENGTH = toy_task.MAX_NEW_TOKENS  # 8, the toy scripts' --response_length
 
 
 class ToyEvaluator:
     """Holds the toy tokenizer, the SFT reference, the reward model and the held-out prompts; call
     `evaluate(policy)` on any causal LM with the toy vocabulary."""
 
-    def __init__(self, toy_seed: int = 0, num_prompts: int = 256, samples_per_prompt: int = 4, seed: int = 1234):
-        paths = toy_task.build(seed=toy_seed, verbose=False)
+    def __init__(self, toy_seed: int = 0, num_prompts: int = 256, samples_per_prompt: int = 4, seed: int = 1234,
+                 setting: str = "toy"):
+        paths = toy_task.build(seed=toy_seed, verbose=False, setting=setting)
+        self.response_length = toy_task.SETTINGS[setting].max_new_tokens  # the scripts' --response_length there
         self.tokenizer = models.load_tokenizer(paths["policy"])
         self.sft_path = paths["policy"]
         self.reference = models.load_causal_lm(paths["policy"], self.tokenizer).eval()
@@ -50,7 +51,7 @@ class ToyEvaluator:
         self.samples_per_prompt, self.seed = samples_per_prompt, seed
         # the KL samples repeat each prompt samples_per_prompt times: encode it once when that saves enough
         self.share_prompts = ps.worth_sharing(len(self.prompts) * samples_per_prompt, samples_per_prompt,
-                                              self.queries.shape[1], RESPONSE_LENGTH)
+                                              self.queries.shape[1], self.response_length)
 
     def load_policy(self, path: str):
         """A saved model folder (`DIR/model`), or an accelerate checkpoint folder holding model.safetensors
@@ -77,7 +78,7 @@ class ToyEvaluator:
     def evaluate(self, policy) -> dict:
         tok, pad, eos = self.tokenizer, self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         context_length = self.queries.shape[1]
-        greedy = pc.make_generation_config(tok, RESPONSE_LENGTH, greedy=True)
+        greedy = pc.make_generation_config(tok, self.response_length, greedy=True)
         query_responses, _ = pc.batch_generation(policy, self.queries, pad, eos, greedy, chunk_size=512)
         responses = query_responses[:, context_length:]
         completions = [tok.decode(r, skip_special_tokens=True) for r in responses]
@@ -86,7 +87,7 @@ class ToyEvaluator:
 
         # sampled sequence KL to the SFT policy (fixed seed: the same draw for every policy evaluated)
         torch.manual_seed(self.seed)
-        sampling = pc.make_generation_config(tok, RESPONSE_LENGTH, temperature=1.0)
+        sampling = pc.make_generation_config(tok, self.response_length, temperature=1.0)
         queries = self.queries.repeat_interleave(self.samples_per_prompt, 0)
         sampled, _ = pc.batch_generation(policy, queries, pad, eos, sampling, chunk_size=1024,
                                          share_prompts=self.share_prompts)
@@ -114,8 +115,10 @@ def main():
     parser.add_argument("paths", nargs="*", help="model or checkpoint folders (none: evaluate the SFT policy)")
     parser.add_argument("--num_prompts", type=int, default=256)
     parser.add_argument("--samples_per_prompt", type=int, default=4)
+    parser.add_argument("--setting", default="toy", choices=list(toy_task.SETTINGS), help="which toy world")
     args = parser.parse_args()
-    evaluator = ToyEvaluator(num_prompts=args.num_prompts, samples_per_prompt=args.samples_per_prompt)
+    evaluator = ToyEvaluator(num_prompts=args.num_prompts, samples_per_prompt=args.samples_per_prompt,
+                             setting=args.setting)
     results = {p: evaluator.evaluate_path(p) for p in args.paths} or {"sft": evaluator.evaluate_sft()}
     print(json.dumps(results, indent=2))
 

@@ -28,6 +28,15 @@ def toy():
 
 
 @pytest.fixture(scope="session")
+def toy_hard():
+    """Paths of the built harder toy world (`--model toy_hard`, toy_task.SETTINGS; builds it on first use, about 40 s
+    on 2 cores), cached beside the toy world under $TOY_TASK_CACHE like it."""
+    import toy_task
+
+    return toy_task.build(verbose=False, setting="toy_hard")
+
+
+@pytest.fixture(scope="session")
 def toy_teacher(toy):
     """Paths of the toy world's teacher (toy_task.build_teacher; builds it on first use, under a minute on 2 cores),
     cached beside the toy world under $TOY_TASK_CACHE like it."""

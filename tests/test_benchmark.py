@@ -29,11 +29,13 @@ def assert_png(path):
 
 @pytest.fixture(scope="module")
 def tiny_benchmark(toy, tmp_path_factory):
-    """benchmark/toy.py on two algorithms x one seed, 2 steps each, checkpoints every step, small evaluations: DPO and
-    the rloo-gold variant (rloo.py --reward_funcs gold, no reward model)."""
+    """benchmark/toy.py on three algorithms x one seed, 2 steps each, checkpoints every step, small evaluations: DPO,
+    RLOO and the rloo-gold variant (rloo.py --reward_funcs gold, no reward model) on the toy world, and RLOO on the
+    tool world (its own evaluation, not the uniform one)."""
     tmp = tmp_path_factory.mktemp("bench")
     runs, out = str(tmp / "runs"), str(tmp / "results")
-    run_script("benchmark/toy.py", "--algos", "rloo-gold", "dpo", "--seeds", "1", "--max_steps", "2", "--save_steps", "1",
+    run_script("benchmark/toy.py", "--settings", "toy", "toy_tools", "--algos", "rloo-gold", "dpo", "rloo", "--seeds", "1",
+               "--max_steps", "2", "--save_steps", "1",
                "--num_eval_prompts", "16", "--script_eval_prompts", "8", "--runs_dir", runs, "--out", out, timeout=300)
     return runs, out
 
@@ -46,17 +48,23 @@ def test_toy_benchmark_writes_table_and_figures(tiny_benchmark):
     assert len(rows) == 4, table  # summary row + per-run row for each algorithm
     assert "gold before" in table and "KL to SFT after" in table and "peak memory" in table
     assert "2 steps" in table  # the budget is reported
-    for name in ("toy_curves.png", "toy_frontier.png"):
+    for name in ("toy_curves.png", "toy_frontier.png", "toy_tools_curves.png"):
         assert_png(os.path.join(out, name))
     assert "rloo-gold: rloo.py --reward_funcs gold" in table
+    assert "## toy: " in table and "## toy_tools: " in table and "## toy_hard" not in table
+    assert not os.path.exists(os.path.join(out, "toy_expected.json"))  # only a full run writes the expectations
+    with open(os.path.join(runs, "toy_tools", "rloo", "seed1", "bench_eval.json")) as f:
+        tools = json.load(f)
+    assert "--model toy_tools" in tools["command"] and [p["step"] for p in tools["points"]] == [0, 2]
+    assert tools["final"]["rm_score"] is None and 0.0 <= tools["final"]["gold_score"] <= 1.0
     for algo in ("rloo-gold", "dpo"):
-        with open(os.path.join(runs, algo, "seed1", "bench_eval.json")) as f:
+        with open(os.path.join(runs, "toy", algo, "seed1", "bench_eval.json")) as f:
             record = json.load(f)
         assert [p["step"] for p in record["points"]] == [0, 1, 2]  # SFT, checkpoint-1, final model
         final = record["final"]
         assert 0.0 <= final["gold_score"] <= 1.0 and final["kl"] == final["kl"]  # not NaN
         assert record["wall_time_s"] > 0 and record["peak_rss_mib"] > 50
-        assert not glob.glob(os.path.join(runs, algo, "seed1", "checkpoint-*"))  # deleted after evaluation
+        assert not glob.glob(os.path.join(runs, "toy", algo, "seed1", "checkpoint-*"))  # deleted after evaluation
 
 
 def test_plot_standalone_on_runs_folder(tiny_benchmark, tmp_path):

@@ -63,7 +63,7 @@ def test_half_written_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
     (half / "sft").mkdir(parents=True)
     calls = []
 
-    def fake_build(root, seed, verbose):  # stands in for the one-minute training; the caching logic is real
+    def fake_build(root, seed, verbose, setting):  # stands in for the one-minute training; the caching logic is real
         calls.append(seed)
         open(os.path.join(root, "report.json"), "w").write("{}")
 
@@ -74,7 +74,7 @@ def test_half_written_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
     toy_task.build(seed=7, cache_dir=str(tmp_path), verbose=False)
     assert calls == [7]  # reused
 
-    def dying_build(root, seed, verbose):
+    def dying_build(root, seed, verbose, setting):
         open(os.path.join(root, "partial"), "w").write("x")
         raise KeyboardInterrupt
 
@@ -99,3 +99,100 @@ def test_gold_scorer_lookup(toy):
     assert toy_task.gold_scorer("toy") is toy_task.gold_score
     assert toy_task.gold_scorer(toy["prompt_dataset"]) is toy_task.gold_score
     assert toy_task.gold_scorer("trl-lib/tldr") is None
+    assert toy_task.gold_scorer("toy_hard") is toy_task.gold_score
+
+
+def test_gold_score_with_repeated_letters_hand_worked():
+    assert toy_task.target_completion("c a c b =") == " a b c c"
+    assert toy_task.gold_score("c a c b =", " a b c c") == 1.0
+    assert toy_task.gold_score("c a c b =", " a b c") == pytest.approx(3 / 4)  # the repeat dropped at the end
+    assert toy_task.gold_score("a c a b =", " a b c") == pytest.approx(1 / 4)  # dropped early: the rest shifts
+    assert toy_task.gold_score("a c a b =", " a a b c") == 1.0
+
+
+def test_toy_prompts_and_demonstrations_are_unchanged_by_the_settings():
+    """The standard world draws exactly what it drew before settings existed (its builds stay byte-identical):
+    the same random calls in the same order as this independent copy of the original two functions."""
+    import random
+
+    def original_prompt(rng):
+        return " ".join(rng.sample(toy_task.LETTERS, rng.randint(3, 6))) + " ="
+
+    def original_demonstration(prompt, rng):
+        letters = toy_task.prompt_letters(prompt)
+        u = rng.random()
+        if u < 0.55:
+            return " " + " ".join(letters)
+        answer = sorted(letters)
+        if u >= 0.85:
+            kind = rng.choice(["swap", "replace", "drop"])
+            i = rng.randrange(len(answer) - 1)
+            if kind == "swap":
+                answer[i], answer[i + 1] = answer[i + 1], answer[i]
+            elif kind == "replace":
+                answer[i] = rng.choice([c for c in toy_task.LETTERS if c not in answer])
+            else:
+                del answer[i]
+        return " " + " ".join(answer)
+
+    ours, theirs = random.Random(5), random.Random(5)
+    for _ in range(500):
+        p = toy_task.make_prompt(ours)
+        assert p == original_prompt(theirs)
+        assert toy_task.imperfect_demonstration(p, ours) == original_demonstration(p, theirs)
+
+
+def test_toy_hard_prompts_repeat_letters_and_demonstrators_drop_repeats():
+    import random
+
+    hard = toy_task.SETTINGS["toy_hard"]
+    rng = random.Random(0)
+    prompts = [toy_task.make_prompt(rng, hard) for _ in range(3000)]
+    lengths = [len(toy_task.prompt_letters(p)) for p in prompts]
+    assert min(lengths) == 5 and max(lengths) == 8
+    with_repeats = [p for p in prompts if len(set(toy_task.prompt_letters(p))) < len(toy_task.prompt_letters(p))]
+    # P(a repeat among n draws from 12 letters): 0.62 at n=5 .. 0.95 at n=8, about 0.82 on average
+    assert 0.75 < len(with_repeats) / len(prompts) < 0.9
+    copies = dropped = kept = 0
+    for p in with_repeats:
+        demo = toy_task.imperfect_demonstration(p, rng, hard).split()
+        letters = toy_task.prompt_letters(p)
+        if demo == letters:
+            copies += 1
+        elif demo == sorted(set(letters)):
+            dropped += 1
+        elif demo == sorted(letters):
+            kept += 1
+    n = len(with_repeats)
+    assert 0.5 < copies / n < 0.6  # 55% lazy copies
+    # of the 45% sorted answers, 70% drop the repeats; 15% of all carry a mistake on top (neither bucket)
+    assert 0.18 < dropped / n < 0.24 and 0.06 < kept / n < 0.12
+    assert toy_task.SETTINGS["toy_hard"].max_new_tokens == 10
+
+
+def test_toy_hard_world_and_scripts_on_it(toy_hard, tmp_path):
+    """The harder world: a folder of its own, a reward model trained on the short prompts' pairs only (and worse on
+    the long ones, where the policy can exploit it), an SFT policy far below the ceiling; scripts run on it through
+    `--model toy_hard` alone (its tuned lengths; KTO's class weights derived from its imbalanced labels)."""
+    from conftest import read_metrics, run_script
+
+    assert os.path.basename(toy_hard["root"]) == toy_task.folder_name(0, "toy_hard") != toy_task.folder_name(0)
+    with open(os.path.join(toy_hard["root"], "report.json")) as f:
+        report = json.load(f)
+    # seed 0: 1,553 of 3,097 pairs, accuracy 0.80 short / 0.68 long, SFT greedy gold 0.35, 7% desirable
+    assert report["setting"] == "toy_hard"
+    assert report["n_preference_train_reward_model"] < 0.7 * report["n_preference_train"]
+    assert report["reward_model_heldout_pair_accuracy_short"] > report["reward_model_heldout_pair_accuracy_long"]
+    assert 0.2 < report["sft_gold_greedy"] < 0.5 and report["unpaired_desirable_fraction_train"] < 0.2
+    for script, flags in (("rloo.py", ["--num_eval_prompts", "16"]),
+                          ("kto.py", ["--num_eval_prompts", "16", "--num_eval_examples", "64"])):
+        out = str(tmp_path / script)
+        proc = run_script(script, "--model", "toy_hard", "--max_steps", "2", "--eval_steps", "0", *flags,
+                          "--output_dir", out)
+        rows = read_metrics(out)
+        assert [r["step"] for r in rows if "eval/gold_score" in r] == [0, 2]
+        with open(os.path.join(out, "args.json")) as f:
+            args = json.load(f)
+        assert args["response_length"] == toy_task.SETTINGS["toy_hard"].max_new_tokens
+        if script == "kto.py":  # n_undesirable / n_desirable, not the toy world's fixed 3.0
+            assert args["desirable_weight"] > 5 and "loss weights: desirable" in proc.stdout + proc.stderr
