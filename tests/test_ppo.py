@@ -276,13 +276,7 @@ def test_bad_input_fails_early_without_output(toy, tmp_path, flags, message):
     assert not os.path.exists(out)
 
 
-def test_learns_on_toy_task(toy, tmp_path):
-    """Toy defaults, a shortened run: the held-out greedy gold score rises clearly above the SFT policy's."""
-    out = str(tmp_path / "learn")
-    run_script("ppo.py", "--output_dir", out, "--total_episodes", str(64 * 12), "--eval_steps", "12")
-    rows = read_metrics(out)
-    before, after = rows[0]["eval/gold_score"], rows[-1]["eval/gold_score"]
-    assert after > before + 0.15, (before, after)
+# Learning at the toy defaults: tests/test_learning.py (the whole default budget, against the benchmark's band).
 
 
 # ---------------------------------------------------------------------------------------------------------
