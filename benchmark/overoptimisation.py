@@ -9,8 +9,9 @@ coefficient and with the adaptive KL controller (--kl_target, Ziegler et al. 201
 Each run is the script itself (`python rloo.py --total_episodes <10x> --eval_steps N ...`), alone; the curves are its
 own held-out evaluations (eval/gold_score: the ground truth; eval/scores: the reward model being optimised; eval/kl:
 sequence KL to the reference). Writes RESULTS/overoptimisation.md and overoptimisation.png (gold, reward-model score
-and KL against steps, mean +- std over seeds; `--setting toy_hard`: overoptimisation_toy_hard.md / .png). A proxy reward model is over-optimised when its score keeps rising
-while gold falls; a KL held near a target keeps the policy where the reward model is still right.
+and KL against steps, mean +- std over seeds; `--setting toy_hard`: overoptimisation_toy_hard.md / .png). A proxy
+reward model is over-optimised when its score keeps rising while gold falls; a KL held near a target keeps the policy
+where the reward model is still right.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ def main(argv=None):
     parser.add_argument("--kl_horizon", type=int, default=1000, help="episodes; ~16 steps of 64 on the toy task")
     parser.add_argument("--evaluations", type=int, default=20, help="held-out evaluations per run")
     parser.add_argument("--runs_dir", default=os.path.join(HERE, "runs", "overoptimisation"))
-    parser.add_argument("--no_adaptive", action="store_true", help="only the fixed-KL runs")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
@@ -56,8 +56,6 @@ def main(argv=None):
     steps = episodes // 64
     eval_steps = max(1, steps // args.evaluations)
     settings = {"fixed": [], "adaptive": ["--kl_target", str(args.kl_target), "--kl_horizon", str(args.kl_horizon)]}
-    if args.no_adaptive:
-        del settings["adaptive"]
     suffix = "" if args.setting == "toy" else f"_{args.setting}"
     curves, usage = {}, {}
     for name, flags in settings.items():
@@ -83,11 +81,11 @@ def main(argv=None):
         values = [pick([r[key] for r in rows]) for rows in curves[name]]
         return f"{np.mean(values):.3f} +- {np.std(values):.3f}"
 
-    lines = [f"# Over-optimisation on {args.setting}: " + " vs ".join(settings) + " KL", "",
+    lines = [f"# Over-optimisation on {args.setting}: fixed vs adaptive KL", "",
              f"Written by `python benchmark/overoptimisation.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
              f"machine: {machine()}.", "",
-             f"`{args.script}.py --model {args.setting}` with its defaults there, {episodes} episodes ({steps} steps of 64, "
-             f"{args.scale:g}x the default budget), seeds {args.seeds}; held-out evaluation every {eval_steps} steps "
+             f"`{args.script}.py --model {args.setting}` with its defaults there, {episodes} episodes ({steps} steps "
+             f"of 64, {args.scale:g}x the default budget), seeds {args.seeds}; held-out evaluation every {eval_steps} steps "
              "(the script's own: 256 prompts, greedy). Adaptive: "
              f"`--kl_target {args.kl_target} --kl_horizon {args.kl_horizon}` from the same starting coefficient.", "",
              "| KL coefficient | gold peak | gold at the end | RM score at the end | KL at the end | wall (s) |",
@@ -109,8 +107,6 @@ def main(argv=None):
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, (key, label) in zip(axes, KEYS.items()):
         for name, color in (("fixed", "tab:red"), ("adaptive", "tab:blue")):
-            if name not in curves:
-                continue
             x = np.array([r["step"] for r in curves[name][0]])
             y = np.array([[r[key] for r in rows] for rows in curves[name]])
             ax.plot(x, y.mean(0), color=color, label=f"{name} (n={len(y)})")
@@ -118,7 +114,7 @@ def main(argv=None):
         ax.set_xlabel("step (64 episodes)")
         ax.set_title(label)
         ax.legend()
-    fig.suptitle(f"{args.script}.py --model {args.setting}, {args.scale:g}x budget: " + " vs ".join(settings) + " KL")
+    fig.suptitle(f"{args.script}.py --model {args.setting}, {args.scale:g}x budget: fixed vs adaptive KL")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, f"overoptimisation{suffix}.png"), dpi=100)
     print("\n".join(lines))

@@ -28,9 +28,9 @@ from collections import defaultdict
 import numpy as np
 
 OFFLINE_UNIT = {"dpo": "pairs", "kto": "examples"}
-COLORS = {"sft": "gold", "distill": "lime", "rloo": "tab:blue", "ppo": "tab:orange", "grpo": "tab:cyan", "dpo": "tab:green", "kto": "tab:red",
-          "rloo-gold": "tab:purple", "ppo-gold": "tab:brown", "grpo-gold": "tab:olive", "grpo-grpo": "tab:gray",
-          "grpo-bnpo": "tab:pink", "grpo-dr_grpo": "black"}
+COLORS = {"sft": "gold", "distill": "lime", "rloo": "tab:blue", "ppo": "tab:orange", "grpo": "tab:cyan",
+          "dpo": "tab:green", "kto": "tab:red", "rloo-gold": "tab:purple", "ppo-gold": "tab:brown",
+          "grpo-gold": "tab:olive", "grpo-grpo": "tab:gray", "grpo-bnpo": "tab:pink", "grpo-dr_grpo": "black"}
 
 
 def find_runs(root: str) -> list:

@@ -68,7 +68,8 @@ UNIT = {"sft": "demonstrations", "reward": "pairs", "rloo": "episodes", "ppo": "
         "dpo": "pairs", "kto": "examples", "distill": "episodes"}
 EXPECTED = os.path.join(HERE, "results", "toy_expected.json")
 # The band: mean +- max(3 x seed std, 0.03). The floor covers CPUs of other kinds, which round differently: the same
-# seeded run ended up to 0.013 gold apart on two machines (ppo seed 2: 0.980 in 2026-12-01's table, 0.993 in 2026-12-04's)
+# seeded run ended up to 0.013 gold apart on two machines (ppo seed 2: 0.980 in 2026-12-01's table, 0.993 in
+# 2026-12-04's)
 TOLERANCE_STDS, TOLERANCE_FLOOR = 3.0, 0.03
 
 
@@ -211,8 +212,8 @@ SETTING_TEXT = {
                  "of their sorted answers; a reward model trained on the pairs of prompts with at most 6 letters "
                  "only (toy_task.SETTINGS)"),
     "toy_tools": ("`--model toy_tools`: multi-turn episodes with a lookup tool and the verifiable gold reward "
-                  "(toy_tools.py); gold, KL and EOS rate are the script's own held-out evaluation (greedy episodes, the "
-                  "tool called by the policy; KL of those greedy completions), no reward model")}
+                  "(toy_tools.py); gold, KL and EOS rate are the script's own held-out evaluation (greedy episodes, "
+                  "the tool called by the policy; KL of those greedy completions), no reward model")}
 
 
 def script_points(run_dir: str) -> list:
@@ -245,7 +246,8 @@ def setting_lines(setting: str, results: dict, sft: dict, budget_note: str) -> l
         budget = sorted({r["budget"] for r in runs})
         lines.append(
             f"| {algo} | {len(runs)} | {'; '.join(budget)} | {sft['gold_score']:.3f} | "
-            f"{fmt([f['gold_score'] for f in finals])} | {num(sft['rm_score'])} | {fmt([f['rm_score'] for f in finals])} | "
+            f"{fmt([f['gold_score'] for f in finals])} | {num(sft['rm_score'])} | "
+            f"{fmt([f['rm_score'] for f in finals])} | "
             f"{fmt([f['kl'] for f in finals])} | {fmt([r['wall_time_s'] for r in runs], 0)} | "
             f"{fmt([r['peak_rss_mib'] for r in runs], 0)} |")
     if "reward" in results:
@@ -260,7 +262,7 @@ def setting_lines(setting: str, results: dict, sft: dict, budget_note: str) -> l
     for algo, runs in policies.items():
         for r in runs:
             f = r["final"]
-            own = r.get("script_gold")
+            own = r["script_metric"]  # the script's own last eval/gold_score
             lines.append(f"| {algo} | {r['seed']} | {r['steps']} | {f['gold_score']:.3f} | {num(f['rm_score'])} | "
                          f"{num(f['kl'])} | {num(f['eos_rate'], 2)} | {num(own)} | "
                          f"{r['wall_time_s']:.0f} | {r['peak_rss_mib']:.0f} |")
@@ -335,11 +337,9 @@ def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sf
         budget = f"{steps} steps, {int(episodes)} {UNIT[script]}"
     else:
         budget = f"{steps} steps x {per_step} {UNIT[script]}"
-    gold_rows = [r["eval/gold_score"] for r in rows if "eval/gold_score" in r]
     record = dict(setting=setting, algo=algo, seed=seed, command=" ".join(cmd[1:]), steps=steps, budget=budget,
                   num_eval_prompts=args.num_eval_prompts, points=points, final=points[-1] if points else None,
-                  sft=sft, script_gold=gold_rows[-1] if gold_rows else None,
-                  script_metric=final_metric(run_dir, script), **usage)
+                  sft=sft, script_metric=final_metric(run_dir, script), **usage)
     with open(os.path.join(run_dir, "bench_eval.json"), "w") as f:
         json.dump(record, f, indent=2)
     after = f"gold {points[0]['gold_score']:.3f} -> {points[-1]['gold_score']:.3f}" if points else \

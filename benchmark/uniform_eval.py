@@ -32,7 +32,6 @@ import prompt_sharing as ps  # noqa: E402
 import toy_task  # noqa: E402
 
 
-
 class ToyEvaluator:
     """Holds the toy tokenizer, the SFT reference, the reward model and the held-out prompts; call
     `evaluate(policy)` on any causal LM with the toy vocabulary."""

@@ -34,9 +34,9 @@ def tiny_benchmark(toy, tmp_path_factory):
     tool world (its own evaluation, not the uniform one)."""
     tmp = tmp_path_factory.mktemp("bench")
     runs, out = str(tmp / "runs"), str(tmp / "results")
-    run_script("benchmark/toy.py", "--settings", "toy", "toy_tools", "--algos", "rloo-gold", "dpo", "rloo", "--seeds", "1",
-               "--max_steps", "2", "--save_steps", "1",
-               "--num_eval_prompts", "16", "--script_eval_prompts", "8", "--runs_dir", runs, "--out", out, timeout=300)
+    run_script("benchmark/toy.py", "--settings", "toy", "toy_tools", "--algos", "rloo-gold", "dpo", "rloo",
+               "--seeds", "1", "--max_steps", "2", "--save_steps", "1", "--num_eval_prompts", "16",
+               "--script_eval_prompts", "8", "--runs_dir", runs, "--out", out, timeout=300)
     return runs, out
 
 

@@ -38,7 +38,8 @@ def test_band_and_check_by_hand(tmp_path):
     rloo, reward = expected["toy"]["rloo"], expected["toy"]["reward"]
     assert rloo["metric"] == "eval/gold_score" and reward["metric"] == "eval/accuracy"
     assert rloo["mean"] == pytest.approx(0.93, abs=1e-4) and rloo["std"] == pytest.approx(0.0294, abs=1e-4)
-    assert rloo["low"] == pytest.approx(0.93 - 0.0883, abs=2e-4) and rloo["high"] == pytest.approx(0.93 + 0.0883, abs=2e-4)
+    assert rloo["low"] == pytest.approx(0.93 - 0.0883, abs=2e-4)
+    assert rloo["high"] == pytest.approx(0.93 + 0.0883, abs=2e-4)
     assert reward["low"] == pytest.approx(0.5033 - 0.03, abs=1e-4) and reward["high"] == pytest.approx(0.5333, abs=1e-4)
     path = tmp_path / "expected.json"
     path.write_text(json.dumps(expected))
