@@ -46,12 +46,25 @@ RUNS = {  # name -> (script, flags): a few steps each, branches the default runs
                                "--kl_horizon", "512", "--num_ppo_epochs", "2", "--skip_nonfinite"]),
     "distill": ("distill.py", [*SHORT, "--max_steps", "4"]),
     "distill_variant": ("distill.py", [*SHORT, "--max_steps", "3", "--loss", "pg", "--gradient_accumulation_steps", "2"]),
+    "rloo_peft": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_peft", "--lora_r", "4"]),
+    "rloo_async": ("rloo.py", [*SHORT, "--max_steps", "4", "--max_staleness", "1"]),
+    "grpo_async": ("grpo.py", [*SHORT, "--max_steps", "4", "--max_staleness", "1", "--num_iterations", "2"]),
+    "grpo_dynamic": ("grpo.py", [*SHORT, "--max_steps", "2", "--dynamic_sampling", "--reward_funcs", "gold",
+                                 "--overlong_buffer_length", "2"]),
+    "grpo_tools": ("grpo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "3"]),
+    "rloo_tools": ("rloo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "3"]),
+    "grpo_env": ("grpo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "3", "--tools", "None", "--environment",
+                             "benchmark/toy_environment.py:LookupBox", "--reward_weights", "1.0", "0.5"]),
+    "sft_tools": ("sft.py", [*SHORT, "--model", "toy_tools", "--max_steps", "3"]),
 }
 VLLM_RUNS = {
     "rloo_vllm": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm"]),
     "grpo_vllm": ("grpo.py", [*SHORT, "--max_steps", "3", "--use_vllm"]),
     "grpo_vllm_iter2": ("grpo.py", [*SHORT, "--max_steps", "2", "--use_vllm", "--num_iterations", "2"]),
     "ppo_vllm": ("ppo.py", [*SHORT, "--max_steps", "2", "--use_vllm"]),
+    "rloo_vllm_async": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm", "--max_staleness", "1"]),
+    "grpo_vllm_tools": ("grpo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "2", "--use_vllm"]),
+    "distill_vllm": ("distill.py", [*SHORT, "--max_steps", "2", "--use_vllm", "--loss", "pg"]),
 }
 
 
