@@ -38,16 +38,16 @@ from typing import List, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-import chunked_head
-import data_utils as du
-import models
+from plumbing import chunked_head
+from plumbing import data_utils as du
+from plumbing import models
 import policy_common as pc
-import reward_sources as rs
-import rollout as ro
-import run_utils as ru
-import train_loop as tl
-import vllm_generation as vg
-from errors import RolloutError, UserError
+from plumbing import reward_sources as rs
+from plumbing import rollout as ro
+from plumbing import run_utils as ru
+from plumbing import train_loop as tl
+from plumbing import vllm_generation as vg
+from plumbing.errors import RolloutError, UserError
 
 
 @dataclass

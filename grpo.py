@@ -38,16 +38,16 @@ from typing import List, Literal, Optional
 
 import torch
 
-import episodes as ep
-import models
+from plumbing import episodes as ep
+from plumbing import models
 import policy_common as pc
-import reward_sources as rs
-import rollout as ro
-import run_ahead as ra
-import run_utils as ru
-import train_loop as tl
-import vllm_generation as vg
-from errors import RolloutError, UserError
+from plumbing import reward_sources as rs
+from plumbing import rollout as ro
+from plumbing import run_ahead as ra
+from plumbing import run_utils as ru
+from plumbing import train_loop as tl
+from plumbing import vllm_generation as vg
+from plumbing.errors import RolloutError, UserError
 
 
 @dataclass
@@ -233,7 +233,7 @@ ALIAS_DEFAULTS = {"toy": dict(
         total_episodes=12288, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
         num_generations=4, beta=0.0, response_length=24, max_prompt_length=16, eval_steps=16, num_eval_prompts=256,
         missing_eos_penalty=1.0, local_rollout_forward_batch_size=256, reward_funcs=["gold"],
-        tools=["toy_tools:lookup"], max_tool_calling_iterations=2)}
+        tools=["toy_worlds.toy_tools:lookup"], max_tool_calling_iterations=2)}
 # toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, response_length=10)
 

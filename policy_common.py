@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import chunked_head
-import models
-import prompt_sharing
-from errors import UserError
+from plumbing import chunked_head
+from plumbing import models
+from plumbing import prompt_sharing
+from plumbing.errors import UserError
 
 
 INVALID_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)

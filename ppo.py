@@ -20,14 +20,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-import models
+from plumbing import models
 import policy_common as pc
-import reward_sources as rs
-import rollout as ro
-import run_utils as ru
-import train_loop as tl
-import vllm_generation as vg
-from errors import RolloutError, UserError
+from plumbing import reward_sources as rs
+from plumbing import rollout as ro
+from plumbing import run_utils as ru
+from plumbing import train_loop as tl
+from plumbing import vllm_generation as vg
+from plumbing.errors import RolloutError, UserError
 from policy_common import masked_mean, masked_var, masked_whiten
 
 

@@ -57,13 +57,13 @@ import torch
 import torch.nn.functional as F
 from transformers import get_scheduler
 
-import data_utils as du
-import models
+from plumbing import data_utils as du
+from plumbing import models
 import policy_common as pc
-import prompt_sharing as ps
-import run_utils as ru
-import train_loop as tl
-from errors import UserError
+from plumbing import prompt_sharing as ps
+from plumbing import run_utils as ru
+from plumbing import train_loop as tl
+from plumbing.errors import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {

@@ -56,13 +56,13 @@ from typing import List, Literal, Optional
 import torch
 from transformers import get_scheduler
 
-import data_utils as du
-import greedy_eval as ge
-import models
+from plumbing import data_utils as du
+from plumbing import greedy_eval as ge
+from plumbing import models
 import policy_common as pc
-import run_utils as ru
-import train_loop as tl
-from errors import UserError
+from plumbing import run_utils as ru
+from plumbing import train_loop as tl
+from plumbing.errors import UserError
 
 # Toy-task values (applied only to flags not given on the command line); the dataclass holds the TL;DR defaults.
 ALIAS_DEFAULTS = {
@@ -195,7 +195,7 @@ def toy_demonstrations(split: str, kind: str, seed: int, world: str = "toy"):
     each with the sorted answer (`kind` "sorted") or one of that world's noisy demonstrations ("imperfect", a fixed
     draw per seed and split). Returns a datasets.Dataset with columns prompt, completion."""
     import datasets
-    import toy_task
+    from toy_worlds import toy_task
 
     prompts = du.load_prompt_dataset(world, split)["prompt"]
     if kind == "sorted":

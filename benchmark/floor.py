@@ -67,9 +67,9 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     from datasets import load_from_disk
 
     import kto
-    import models
+    from plumbing import models
     import policy_common as pc
-    import prompt_sharing as ps
+    from plumbing import prompt_sharing as ps
 
     torch.manual_seed(0)
     paths = setting_paths(setting)

@@ -85,7 +85,7 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------------------
 def load_examples(args) -> list:
     """[{prompt, reference}] of the first --num_examples rows."""
-    import data_utils as du
+    from plumbing import data_utils as du
 
     ds = du.load_prompt_dataset(args.dataset, args.split)
     du.require_columns(ds, ["prompt", "completion"], args.dataset)
@@ -97,10 +97,10 @@ def generate(args, examples: list) -> list:
     """Greedy summaries of the policy, as the published evaluations."""
     import torch
 
-    import data_utils as du
-    import models
+    from plumbing import data_utils as du
+    from plumbing import models
     import policy_common as pc
-    import run_utils as ru
+    from plumbing import run_utils as ru
 
     name = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(name)
@@ -166,9 +166,9 @@ def reward_model_report(args, examples: list) -> dict:
     higher. A proxy (the RL objective itself), NOT comparable with judge win rates."""
     import torch
 
-    import models
+    from plumbing import models
     import policy_common as pc
-    import run_utils as ru
+    from plumbing import run_utils as ru
 
     name = args.reward_model or (ru.default_reward_model(args.model) if args.model else None)
     if name is None:

@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-import data_utils as du  # noqa: E402
-import models  # noqa: E402
+from plumbing import data_utils as du  # noqa: E402
+from plumbing import models  # noqa: E402
 import policy_common as pc  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results", "pad_mass.md"))
     args = parser.parse_args()
     torch.set_num_threads(2)
-    import toy_task
+    from toy_worlds import toy_task
     from speed_settings import TLDR, build_tldr_shaped
     import tempfile
 

@@ -20,10 +20,10 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-import data_utils as du  # noqa: E402
-import models  # noqa: E402
+from plumbing import data_utils as du  # noqa: E402
+from plumbing import models  # noqa: E402
 import policy_common as pc  # noqa: E402
-import run_utils as ru  # noqa: E402
+from plumbing import run_utils as ru  # noqa: E402
 
 
 @torch.no_grad()

@@ -33,10 +33,10 @@ for p in (os.path.dirname(HERE), HERE):
 
 import torch  # noqa: E402
 
-import data_utils as du  # noqa: E402
-import models  # noqa: E402
+from plumbing import data_utils as du  # noqa: E402
+from plumbing import models  # noqa: E402
 import policy_common as pc  # noqa: E402
-import prompt_sharing as ps  # noqa: E402
+from plumbing import prompt_sharing as ps  # noqa: E402
 import speed_settings as settings  # noqa: E402
 from toy import vm_hwm_mib  # noqa: E402
 

@@ -52,7 +52,7 @@ def build_tldr_shaped(root: str) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
 
-    from toy_task import save_dataset
+    from toy_worlds.toy_task import save_dataset
 
     out = {k: os.path.join(root, k) for k in ("policy", "reward", "prompt_dataset", "preference_dataset",
                                               "unpaired_dataset", "teacher")}
@@ -106,7 +106,7 @@ def build_long_shaped(root: str, length: int) -> dict:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
 
-    from toy_task import save_dataset
+    from toy_worlds.toy_task import save_dataset
 
     names = ("policy", "reward", "teacher", "prompt_dataset", f"preference_dataset_{length}", f"sft_dataset_{length}")
     out = {k: os.path.join(root, k) for k in names}
@@ -154,7 +154,7 @@ def setting_paths(setting: str) -> dict:
         return build_long_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_memory_long_v1"),
                                  long_length(setting))
     if setting == "toy":
-        import toy_task
+        from toy_worlds import toy_task
 
         return dict(toy_task.build(verbose=False), teacher=toy_task.build_teacher(verbose=False)["teacher"])
     return build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))

@@ -24,7 +24,7 @@ for p in (os.path.dirname(HERE), HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-import models  # noqa: E402
+from plumbing import models  # noqa: E402
 import speed_settings as settings  # noqa: E402
 
 

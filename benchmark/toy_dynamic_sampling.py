@@ -32,7 +32,7 @@ SETTINGS = {"without": [], "--dynamic_sampling": ["--dynamic_sampling"]}
 
 def exact_match(prompts, completions, **columns):
     """1.0 when the toy gold scorer gives full marks (the exact sorted answer), else 0.0."""
-    import toy_task
+    from toy_worlds import toy_task
 
     scorer = toy_task.gold_scorer("toy")
     return [float(scorer(p, c) == 1.0) for p, c in zip(prompts, completions)]

@@ -2,7 +2,7 @@
 public methods are the policy's tools, `get_reward()` one more reward source. benchmark/same_runs.py runs grpo.py with
 it (`--environment benchmark/toy_environment.py:LookupBox --tools None`, the alias's own lookup tool left out)."""
 
-import toy_tools
+from toy_worlds import toy_tools
 
 
 class LookupBox:

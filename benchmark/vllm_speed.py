@@ -28,9 +28,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def setting(name: str):
     """(policy folder, prompts as token lists, rows per prompt, response_length, temperature) of a setting."""
-    import data_utils as du
-    import models
-    import run_utils as ru
+    from plumbing import data_utils as du
+    from plumbing import models
+    from plumbing import run_utils as ru
     from speed_settings import TLDR, build_tldr_shaped
 
     if name == "toy":
@@ -57,10 +57,10 @@ def run(name: str, rounds: int) -> dict:
     import torch
     from accelerate import Accelerator
 
-    import models
+    from plumbing import models
     import policy_common as pc
-    import prompt_sharing as ps
-    import vllm_generation as vg
+    from plumbing import prompt_sharing as ps
+    from plumbing import vllm_generation as vg
 
     torch.manual_seed(0)
     path, prompts, k, response_length, temperature = setting(name)
@@ -108,8 +108,8 @@ def sync_only(layers: int, width: int, rounds: int) -> dict:
     from accelerate import Accelerator
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    import models
-    import vllm_generation as vg
+    from plumbing import models
+    from plumbing import vllm_generation as vg
     from speed_settings import build_tldr_shaped
 
     paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))

@@ -22,7 +22,7 @@ sys.path.insert(0, ROOT)
 @pytest.fixture(scope="session")
 def toy():
     """Paths of the built toy world (builds it on first use, about a minute on 2 cores)."""
-    import toy_task
+    from toy_worlds import toy_task
 
     return toy_task.build(verbose=False)
 
@@ -31,7 +31,7 @@ def toy():
 def toy_hard():
     """Paths of the built harder toy world (`--model toy_hard`, toy_task.SETTINGS; builds it on first use, about 40 s
     on 2 cores), cached beside the toy world under $TOY_TASK_CACHE like it."""
-    import toy_task
+    from toy_worlds import toy_task
 
     return toy_task.build(verbose=False, setting="toy_hard")
 
@@ -40,7 +40,7 @@ def toy_hard():
 def toy_teacher(toy):
     """Paths of the toy world's teacher (toy_task.build_teacher; builds it on first use, under a minute on 2 cores),
     cached beside the toy world under $TOY_TASK_CACHE like it."""
-    import toy_task
+    from toy_worlds import toy_task
 
     return toy_task.build_teacher(verbose=False)
 
@@ -49,7 +49,7 @@ def toy_teacher(toy):
 def toy_tools_world():
     """Paths of the built toy tool world (toy_tools.py; builds it on first use, about 70 s on 2 cores), cached beside
     the toy world under $TOY_TASK_CACHE like it."""
-    import toy_tools
+    from toy_worlds import toy_tools
 
     return toy_tools.build(verbose=False)
 
@@ -100,7 +100,7 @@ def run_script_in_process(script: str, *args: str) -> subprocess.CompletedProces
     import numpy as np
     import torch
 
-    import run_utils
+    from plumbing import run_utils
 
     module = importlib.import_module(script.removesuffix(".py"))
     states = random.getstate(), np.random.get_state(), torch.get_rng_state()

@@ -192,7 +192,7 @@ def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters
     import rloo
     import speed_settings as settings
 
-    import run_utils as ru
+    from plumbing import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset", "unpaired_dataset")}
     for algo, module in (("rloo", rloo), ("dpo", dpo), ("kto", kto), ("grpo", grpo)):
@@ -215,7 +215,7 @@ def test_memory_long_settings_and_report(tmp_path):
     import memory
     import speed_settings as settings
 
-    import run_utils as ru
+    from plumbing import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "teacher", "prompt_dataset", "preference_dataset",
                                           "sft_dataset")}
@@ -255,7 +255,7 @@ def test_speed_grpo_settings_are_those_of_trls_grpo_config(tmp_path):
     import speed_settings as settings
     import speed_trl
 
-    import run_utils as ru
+    from plumbing import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset")}
     for setting in ("toy", "tldr"):

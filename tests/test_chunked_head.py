@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-import chunked_head
-import models
+from plumbing import chunked_head
+from plumbing import models
 import policy_common as pc
 from conftest import read_metrics, run_script
 from test_scale import run_distributed
-from errors import UserError
+from plumbing.errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 53
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from distill import generalized_jsd, pg_token_loss
-from errors import UserError
+from plumbing.errors import UserError
 
 BETAS = [0.0, 0.1, 0.5, 0.9, 1.0]
 
@@ -136,7 +136,7 @@ def save_teacher(tmp_path, tokenizer, positions=64, extra_token=False):
 
 
 def test_teacher_with_another_vocabulary_or_too_few_positions_is_refused(toy, tmp_path):
-    import models
+    from plumbing import models
     from conftest import run_script_in_process
 
     other = save_teacher(tmp_path / "vocab", models.load_tokenizer(toy["policy"]), extra_token=True)
@@ -146,7 +146,7 @@ def test_teacher_with_another_vocabulary_or_too_few_positions_is_refused(toy, tm
     proc = run_script_in_process("distill.py", "--teacher_model", short)
     assert proc.returncode == 2 and "has 8 positions" in proc.stderr
     with pytest.raises(UserError, match="--teacher_model is required"):
-        import run_utils
+        from plumbing import run_utils
 
         run_utils.default_teacher("some/model")
 

@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-import models
+from plumbing import models
 import policy_common as pc
-from errors import UserError
+from plumbing.errors import UserError
 
 from conftest import read_metrics, run_script, run_script_in_process
 

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-import models
+from plumbing import models
 import policy_common as pc
-import rollout as ro
+from plumbing import rollout as ro
 from conftest import ROOT, read_metrics, run_script
 from test_scale import run_distributed
 

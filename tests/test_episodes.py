@@ -15,11 +15,11 @@ import types
 import pytest
 import torch
 
-import episodes as ep
+from plumbing import episodes as ep
 import policy_common as pc
-import reward_sources as rs
+from plumbing import reward_sources as rs
 from conftest import QWEN_TEMPLATE
-from errors import UserError
+from plumbing.errors import UserError
 
 def lookup(box: str) -> str:
     """Look up the letters kept in a box.

@@ -122,7 +122,7 @@ def test_flat_groups_are_decided_on_the_rewards_not_a_float32_std(scale_rewards)
 ])
 def test_sequence_ratios_with_a_token_sum_loss_warn_once(flags, warned, capsys, monkeypatch):
     import grpo
-    import run_utils as ru
+    from plumbing import run_utils as ru
 
     monkeypatch.delenv("RANK", raising=False)
     grpo.validate(ru.parse_args(grpo.Args, argv=flags))

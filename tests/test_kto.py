@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import data_utils as du
-import models
-from errors import UserError
+from plumbing import data_utils as du
+from plumbing import models
+from plumbing.errors import UserError
 
 from conftest import read_metrics, run_script, run_script_in_process
 from kto import kl_reference_point, kto_losses, loss_weights, make_kl_groups, step_groups, to_unpaired, weight_advice

@@ -8,10 +8,10 @@ from hypothesis import strategies as st
 from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
                           GenerationConfig)
 
-import models
+from plumbing import models
 import policy_common as pc
-import prompt_sharing as ps
-from errors import UserError
+from plumbing import prompt_sharing as ps
+from plumbing.errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 40
 

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import data_utils as du
+from plumbing import data_utils as du
 
 from conftest import read_metrics, run_script_in_process
 from conftest import run_script as _run_script

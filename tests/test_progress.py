@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import metrics_log as ml
+from plumbing import metrics_log as ml
 from conftest import run_script
 
 NOISE = ("LOAD REPORT", "Setting accelerator", "Saving the dataset", "Loading weights", "Writing model shards")

@@ -7,9 +7,9 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, StaticCache
 
-import models
+from plumbing import models
 import policy_common as pc
-import prompt_sharing as ps
+from plumbing import prompt_sharing as ps
 
 PAD, VOCAB = 0, 40
 

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-import models
-from errors import UserError
+from plumbing import models
+from plumbing.errors import UserError
 
 from conftest import read_metrics, run_script, run_script_in_process
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import data_utils as du
-import models
+from plumbing import data_utils as du
+from plumbing import models
 import policy_common as pc
-import reward_sources as rs
-import run_utils as ru
-from errors import UserError
+from plumbing import reward_sources as rs
+from plumbing import run_utils as ru
+from plumbing.errors import UserError
 from conftest import read_metrics, run_script, run_script_in_process
 from test_scale import run_distributed
 
@@ -292,7 +292,7 @@ def fails_at_step_two(prompts, completions, **columns):
 @pytest.fixture(scope="module")
 def funcs(toy, tmp_path_factory):
     """A file of reward functions and a toy prompt dataset with an `answer` column."""
-    import toy_task
+    from toy_worlds import toy_task
 
     root = tmp_path_factory.mktemp("funcs")
     (root / "funcs.py").write_text(FUNCS)

@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import models
+from plumbing import models
 import policy_common as pc
-import run_utils as ru
+from plumbing import run_utils as ru
 from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
 from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
                   token_level_returns)

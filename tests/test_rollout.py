@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import models
+from plumbing import models
 import policy_common as pc
-import reward_sources as rs
-import rollout as ro
-from errors import RolloutError
+from plumbing import reward_sources as rs
+from plumbing import rollout as ro
+from plumbing.errors import RolloutError
 
 
 def letters_reward(prompts, completions, **columns):

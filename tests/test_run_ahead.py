@@ -12,10 +12,10 @@ import torch
 
 import grpo
 import rloo
-import run_ahead as ra
-import vllm_generation as vg
+from plumbing import run_ahead as ra
+from plumbing import vllm_generation as vg
 from conftest import read_metrics, run_script
-from errors import UserError
+from plumbing.errors import UserError
 from test_scale import run_distributed
 
 
@@ -80,7 +80,7 @@ def test_nothing_stale_is_the_plain_loss():
 def test_flag_checks():
     base = dict(max_staleness=1, tools=None, environment=None, dynamic_sampling=False)
     ra.validate_args(SimpleNamespace(**base))
-    for bad, words in ((dict(max_staleness=-1), ">= 0"), (dict(tools=["toy_tools:lookup"]), "--tools"),
+    for bad, words in ((dict(max_staleness=-1), ">= 0"), (dict(tools=["toy_worlds.toy_tools:lookup"]), "--tools"),
                        (dict(dynamic_sampling=True), "--dynamic_sampling")):
         with pytest.raises(UserError, match=words):
             ra.validate_args(SimpleNamespace(**{**base, **bad}))

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
 
-import data_utils as du
-import metrics_log as ml
-import models
-import run_utils as ru
-import train_loop as tl
-from errors import UserError
+from plumbing import data_utils as du
+from plumbing import metrics_log as ml
+from plumbing import models
+from plumbing import run_utils as ru
+from plumbing import train_loop as tl
+from plumbing.errors import UserError
 from conftest import run_two_processes
 from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 
@@ -178,7 +178,7 @@ def test_a_template_that_ends_turns_with_eos_gets_no_second_eos(turn_end):
 
 
 def test_the_toy_tool_template_which_ends_turns_with_eos_agrees_with_tokenize_conversation():
-    import toy_tools
+    from toy_worlds import toy_tools
 
     tokenizer = toy_tools.make_tokenizer()  # assistant turns end with "[EOS] "
     prompt, completion = [{"role": "user", "content": "sort box 4 8 2"}], [{"role": "assistant", "content": "a b c"}]

@@ -55,7 +55,7 @@ import atexit, os, sys
 import torch
 import torch.distributed as dist
 sys.path.insert(0, {root!r})
-import run_utils as ru
+from plumbing import run_utils as ru
 
 def main():
     dist.init_process_group("gloo")

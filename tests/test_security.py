@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
-import models
-import train_loop as tl
+from plumbing import models
+from plumbing import train_loop as tl
 
 EVIL_MODULE = '''import os
 open(os.environ["EVIL_MARKER"], "w").write("remote code ran")

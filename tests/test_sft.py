@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import data_utils as du
-import models
-from errors import UserError
+from plumbing import data_utils as du
+from plumbing import models
+from plumbing.errors import UserError
 
 from conftest import read_metrics, run_script, run_script_in_process
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -170,7 +170,7 @@ def encode(tokenizer, text):
 
 
 def test_toy_demonstrations(toy):
-    import toy_task
+    from toy_worlds import toy_task
 
     sorted_demos = toy_demonstrations("test", "sorted", seed=1)
     assert len(sorted_demos) == 256 and sorted_demos.column_names == ["prompt", "completion"]

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import data_utils as du
-from errors import UserError
+from plumbing import data_utils as du
+from plumbing.errors import UserError
 from sft import completion_token_stats, prompt_completion_pairs, sft_loss, tokenize_demonstrations
 from conftest import QWEN_TEMPLATE
 from test_episodes import CALL, PROMPT, lookup, play, toolset_of
@@ -54,7 +54,7 @@ def tool_rows(toy_tools_world):
     tool (one with a typo'd box) and two direct answers, with the conversations they came from."""
     import datasets
 
-    import models
+    from plumbing import models
 
     tokenizer = models.load_tokenizer(toy_tools_world["policy"])
     data = datasets.load_from_disk(toy_tools_world["sft_dataset"])["train"]
@@ -70,7 +70,7 @@ def tool_rows(toy_tools_world):
 def test_tool_rows_match_the_world_builders_tokens(tool_rows):
     """The rows equal toy_tools.conversation_ids (the builder's rule: the whole conversation tokenised at once, each
     assistant message's tokens through its EOS trained), which is how the toy tool policy was trained."""
-    import toy_tools
+    from toy_worlds import toy_tools
 
     tokenizer, rows, data = tool_rows
     for row, example in zip(rows, data):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-import toy_task
+from toy_worlds import toy_task
 
 
 def test_gold_score_hand_worked():

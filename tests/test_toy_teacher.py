@@ -6,7 +6,7 @@ import json
 import os
 import time
 
-import toy_task
+from toy_worlds import toy_task
 
 
 def test_teacher_shares_the_students_tokenizer_and_positions(toy, toy_teacher):

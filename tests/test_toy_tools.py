@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-import toy_tools
+from toy_worlds import toy_tools
 
 BOX = "0 0 0"  # holds f j h e (sorted: e f h j)
 CALL_JSON = '{"name": "lookup", "arguments": {"box": "0 0 0"}}'
@@ -98,8 +98,8 @@ def test_gold_score_reads_the_box_from_any_prompt(tokenizer):
 
 
 def test_gold_scorer_lookup(tmp_path):
-    import data_utils as du
-    import toy_task
+    from plumbing import data_utils as du
+    from toy_worlds import toy_task
 
     assert toy_tools.gold_scorer("toy_tools") is toy_tools.gold_score
     assert du.gold_scorer("toy_tools") is toy_tools.gold_score
@@ -155,7 +155,7 @@ def test_played_episode_is_the_rendered_conversation(tokenizer):
     """Token in, token out on the toy template: an episode played by episodes.run_episodes (a scripted sampler writes
     the call turn and the answer; the lookup tool answers) is exactly the template's rendering of the finished
     conversation, and the action mask is the assistant turns (the template is append-only)."""
-    import episodes as ep
+    from plumbing import episodes as ep
     from test_episodes import play
 
     toolset = ep.Toolset([toy_tools.lookup], None, toy_tools.tool_schemas())
@@ -233,9 +233,9 @@ def test_built_datasets(toy_tools_world, tokenizer):
 def test_built_tokenizer_and_aliases(toy_tools_world, tokenizer):
     from transformers import AutoTokenizer
 
-    import data_utils as du
-    import run_utils as ru
-    from errors import UserError
+    from plumbing import data_utils as du
+    from plumbing import run_utils as ru
+    from plumbing.errors import UserError
 
     for folder in ("tokenizer", "policy"):
         saved = AutoTokenizer.from_pretrained(toy_tools_world[folder])

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import train_loop as tl
-from errors import UserError
+from plumbing import train_loop as tl
+from plumbing.errors import UserError
 
 
 # ---------------------------------------------------------------------------------------------------------

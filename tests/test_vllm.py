@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 
-import data_utils as du
-import models
+from plumbing import data_utils as du
+from plumbing import models
 import policy_common as pc
-import vllm_generation as vg
+from plumbing import vllm_generation as vg
 from conftest import read_metrics, run_script
-from errors import UserError
+from plumbing.errors import UserError
 
 try:
     import vllm  # noqa: F401
@@ -141,7 +141,7 @@ def test_importance_sampling_flags_are_trls():
     import distill
     import grpo
     import rloo
-    import run_utils as ru
+    from plumbing import run_utils as ru
     from trl import GRPOConfig
 
     trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}

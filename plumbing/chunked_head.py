@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from errors import UserError
+from plumbing.errors import UserError
 
 CHUNK_LOGITS_BYTES = 2**28  # the default chunk: as many positions as make 256 MiB of float32 logits
 # config fields of models whose forward transforms the output layer's result (the full-logits path serves them)

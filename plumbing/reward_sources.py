@@ -37,11 +37,11 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-import data_utils as du
-import models
+from plumbing import data_utils as du
+from plumbing import models
 import policy_common as pc
-import run_utils as ru
-from errors import RolloutError, UserError
+from plumbing import run_utils as ru
+from plumbing.errors import RolloutError, UserError
 
 BUILTINS = ("gold",)
 REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metrics

@@ -20,10 +20,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-import data_utils as du
-import metrics_log as ml
-import models
-from errors import UserError
+from plumbing import data_utils as du
+from plumbing import metrics_log as ml
+from plumbing import models
+from plumbing.errors import UserError
 
 # Model aliases: short names for the public TL;DR checkpoints behind the published RLOO/PPO/DPO runs (Huang et al.
 # 2024, "The N+ Implementation Details of RLHF with PPO"; TRL documentation); `toy` is the toy task's.

@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from errors import UserError
+from plumbing.errors import UserError
 
 
 def used_folder_error(folder: str) -> UserError:

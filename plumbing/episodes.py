@@ -47,10 +47,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-import data_utils as du
+from plumbing import data_utils as du
 import policy_common as pc
-import run_utils as ru
-from errors import UserError
+from plumbing import run_utils as ru
+from plumbing.errors import UserError
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 

@@ -22,10 +22,10 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-import metrics_log as ml
+from plumbing import metrics_log as ml
 import policy_common as pc
-import run_utils as ru
-from errors import UserError
+from plumbing import run_utils as ru
+from plumbing.errors import UserError
 
 
 @contextlib.contextmanager

@@ -32,9 +32,9 @@ import torch
 import torch.nn as nn
 import tyro
 
-import models
+from plumbing import models
 import policy_common as pc
-from errors import UserError
+from plumbing.errors import UserError
 
 PAD_LOGIT_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
 

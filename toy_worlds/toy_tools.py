@@ -50,7 +50,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-import toy_task
+from toy_worlds import toy_task
 
 BUILDER_VERSION = 2  # bump whenever the build or anything it calls changes
 LETTERS = toy_task.LETTERS

@@ -49,9 +49,9 @@ from typing import Optional
 
 import safetensors.torch
 
-import rollout as ro
-import vllm_generation as vg
-from errors import UserError
+from plumbing import rollout as ro
+from plumbing import vllm_generation as vg
+from plumbing.errors import UserError
 
 SAVED = ("query_responses", "logprobs", "entropy", "sampler_logprobs", "truncated")  # a Samples' tensors
 

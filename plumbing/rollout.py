@@ -40,14 +40,14 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-import data_utils as du
-import episodes as ep
+from plumbing import data_utils as du
+from plumbing import episodes as ep
 import policy_common as pc
-import prompt_sharing as ps
-import reward_sources as rs
-import run_utils as ru
-import vllm_generation as vg
-from errors import RolloutError, UserError
+from plumbing import prompt_sharing as ps
+from plumbing import reward_sources as rs
+from plumbing import run_utils as ru
+from plumbing import vllm_generation as vg
+from plumbing.errors import RolloutError, UserError
 
 LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant (the first rollout is checked)
 LOGPROB_CHECK_ROWS = 4  # rows scored again by a forward at each check

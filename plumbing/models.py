@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from errors import UserError
+from plumbing.errors import UserError
 
 _HUB_REACHABLE: Optional[bool] = None
 

@@ -7,9 +7,9 @@ from typing import List, Sequence
 
 import torch
 
-import data_utils as du
+from plumbing import data_utils as du
 import policy_common as pc
-import run_utils as ru
+from plumbing import run_utils as ru
 
 
 @torch.no_grad()

@@ -13,8 +13,8 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
-import models
-from errors import UserError
+from plumbing import models
+from plumbing.errors import UserError
 
 # Dataset aliases: the public TL;DR datasets behind the published RLOO/PPO/DPO runs (Huang et al. 2024; TRL's
 # documentation), and the toy task (built offline by toy_task.py the first time it is named).
@@ -42,14 +42,14 @@ class HeldOut:
 
 def toy_world(setting: str = TOY_ALIAS) -> dict:
     """The paths of the toy world `setting` (`toy`, `toy_hard`; built offline on first use: toy_task.build)."""
-    import toy_task
+    from toy_worlds import toy_task
 
     return toy_task.build(setting=setting)
 
 
 def toy_tools_world() -> dict:
     """The toy tool world's paths (built offline on first use: toy_tools.build)."""
-    import toy_tools
+    from toy_worlds import toy_tools
 
     return toy_tools.build()
 
@@ -57,7 +57,7 @@ def toy_tools_world() -> dict:
 def toy_teacher(setting: str = TOY_ALIAS) -> str:
     """The teacher of the toy world `setting` (built offline on first use: toy_task.build_teacher), the folder
     distill.py loads."""
-    import toy_task
+    from toy_worlds import toy_task
 
     return toy_task.build_teacher(setting=setting)["teacher"]
 
@@ -65,8 +65,8 @@ def toy_teacher(setting: str = TOY_ALIAS) -> str:
 def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
     """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task and the
     toy tool world do), else None. Evaluation reports `eval/gold_score` whenever one exists."""
-    import toy_task
-    import toy_tools
+    from toy_worlds import toy_task
+    from toy_worlds import toy_tools
 
     return toy_tools.gold_scorer(dataset) or toy_task.gold_scorer(dataset)
 
