@@ -51,90 +51,19 @@ from plumbing.errors import RolloutError, UserError
 
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (each process adds its index; a run repeats exactly)"""
-    model: str = "toy"
-    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, rs.RewardFunctionFlags, vg.VLLMFlags):
+    # shared flags whose default differs here (TRL's DistillationConfig)
+    learning_rate: float = 1e-6
+    total_episodes: int = 100_000
+    response_length: int = 256
+
+    # distillation (names and defaults of TRL's DistillationConfig / GKDConfig)
     teacher_model: Optional[str] = None
     """teacher: alias (toy: the toy world's teacher), hub id or folder; same vocabulary; None = the one paired"""
-    reward_funcs: Optional[List[str]] = None
-    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
-    reward_weights: Optional[List[float]] = None
-    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
-    dataset: Optional[str] = None
-    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
-    eval_split: str = "test"
-    """split of the dataset held out for evaluation"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
-    track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
-    wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
-
-    # Model loading
-    use_peft: bool = False
-    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
-    lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
-    merge_peft: bool = False
-    """with --use_peft, save merged full weights instead of the adapter"""
-    load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    bf16: bool = False
-    """bfloat16 weights (GPU only)"""
-    logprob_chunk_tokens: Optional[int] = None
-    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
-    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
-    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
-    trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
-    verbose: bool = False
-    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
-
-    # Run length, optimisation, logging
-    total_episodes: int = 100_000
-    """total number of sampled completions (episodes) to train on"""
-    max_steps: Optional[int] = None
-    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
-    learning_rate: float = 1e-6
-    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
-    per_device_train_batch_size: int = 8
-    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
-    gradient_accumulation_steps: int = 8
-    """micro-batches accumulated into one optimizer step"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    skip_nonfinite: bool = False
-    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
-    eval_steps: int = 0
-    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
-    num_eval_prompts: int = 512
-    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
-    num_samples_printed: int = 4
-    """evaluation samples printed per evaluation"""
-    save_steps: int = 0
-    """write a resumable checkpoint every this many steps (0 = none)"""
-    resume_from: Optional[str] = None
-    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
-
-    # Algorithm specific arguments
     loss: Literal["gkd", "pg"] = "gkd"
     """gkd: generalized JSD of the next-token distributions; pg: REINFORCE on log p_teacher - log p_student"""
     beta: float = 1.0
-    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
-    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
+    """the divergence (TRL's GKD beta): 0 = forward KL(teacher || student), 1 = reverse KL, 0.5 = JSD"""
     lmbda: float = 1.0
     """fraction of steps whose completions the student samples (the rest: dataset completions, or the teacher's)"""
     seq_kd: bool = False
@@ -143,36 +72,6 @@ class Args:
     """gkd: the divergence over the teacher's k most likely tokens, renormalised there (0 = the whole vocabulary)"""
     cliprange: float = 0.2
     """clip range of the policy's importance ratio"""
-    response_length: int = 256
-    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
-    max_prompt_length: Optional[int] = None
-    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
-    local_rollout_forward_batch_size: Optional[int] = None
-    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
-    memory than the training pass over as many rows)"""
-    missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of a completion without EOS (None = no penalty)"""
-
-    # vLLM generation (vllm_generation.py, README "vLLM")
-    use_vllm: bool = False
-    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine is sharded over (with one training process)"""
-    vllm_sleep_mode: bool = False
-    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = "sequence_mask"
-    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
-    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
-    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
-    vllm_importance_sampling_clip_max: vg.ClipMax = 3.0
-    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """lower bound of the importance weight (None = none)"""
 
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").

@@ -34,12 +34,14 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
+from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import models
+from plumbing import prompt_sharing as ps
 import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
@@ -51,150 +53,20 @@ from plumbing.errors import RolloutError, UserError
 
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (each process adds its index; a run repeats exactly)"""
-    model: str = "toy"
-    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
-    ref_model: Optional[str] = None
-    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
-    reward_model: Optional[str] = None
-    """reward model: alias, hub id or local folder; None = the one paired with --model (none with --reward_funcs)"""
-    reward_model_input: Optional[Literal["tokens", "text"]] = None
-    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
-    reward_funcs: Optional[List[str]] = None
-    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
-    reward_weights: Optional[List[float]] = None
-    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
-    dataset: Optional[str] = None
-    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
-    eval_split: str = "test"
-    """split of the dataset held out for evaluation"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
-    track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
-    wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
-
-    # Model loading
-    use_peft: bool = False
-    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
-    lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
-    merge_peft: bool = False
-    """with --use_peft, save merged full weights instead of the adapter"""
-    load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    bf16: bool = False
-    """bfloat16 weights (GPU only)"""
-    logprob_chunk_tokens: Optional[int] = None
-    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
-    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
-    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
-    trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
-    verbose: bool = False
-    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
-
-    # Run length, optimisation, logging
-    total_episodes: int = 1_000_000
-    """total number of sampled completions (episodes) to train on"""
-    max_steps: Optional[int] = None
-    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
+class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.ReferenceFlags, rs.RewardFlags,
+           tl.KLControlFlags, ps.PromptSharingFlags, vg.VLLMFlags, ra.AsyncFlags, ep.ToolFlags):
+    # shared flags whose default differs here (TRL 1.16's GRPOConfig)
     learning_rate: float = 1e-6
-    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
-    per_device_train_batch_size: int = 8
-    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
-    gradient_accumulation_steps: int = 8
-    """micro-batches accumulated into one optimizer step"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    skip_nonfinite: bool = False
-    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
-    eval_steps: int = 0
-    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
-    num_eval_prompts: int = 512
-    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
-    num_samples_printed: int = 4
-    """evaluation samples printed per evaluation"""
-    save_steps: int = 0
-    """write a resumable checkpoint every this many steps (0 = none)"""
-    resume_from: Optional[str] = None
-    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
-
-    # Generation
     response_length: int = 512
-    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
-    max_prompt_length: Optional[int] = None
-    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    temperature: float = 1.0
-    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
-    missing_eos_penalty: Optional[float] = None
-    """subtracted from the score of a completion without EOS (None = no penalty)"""
-    overlong_buffer_length: int = 0
-    """DAPO's overlong shaping: a penalty rising linearly over the last this many tokens before --response_length
-    (reward source `overlong`, weight 1; 0 = off)"""
-    overlong_penalty_factor: float = 1.0
-    """the overlong penalty at --response_length tokens is -this (DAPO: 1.0)"""
-    local_rollout_forward_batch_size: Optional[int] = None
-    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
-    memory than the training pass over as many rows)"""
-    share_prompts: bool = True
-    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
-    # vLLM generation (vllm_generation.py, README "vLLM")
-    use_vllm: bool = False
-    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine is sharded over (with one training process)"""
-    vllm_sleep_mode: bool = False
-    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = "sequence_mask"
-    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
-    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
-    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
-    vllm_importance_sampling_clip_max: vg.ClipMax = 3.0
-    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """lower bound of the importance weight (None = none)"""
-
-    # Asynchronous generation (run_ahead.py, README "Asynchronous generation")
-    max_staleness: int = 0
-    """the sampler runs this many steps ahead of the trainer: step t trains on completions sampled by the weights
-    after step t - 1 - N (with --use_vllm, while it trains); the loss then weights them by pi_old / pi_sampler as
-    --vllm_importance_sampling_* say (AReaL's decoupled objective); 0 = synchronous"""
-
-    # Tools and environments: multi-turn episodes (episodes.py, README "Tools"; TRL's interface)
-    tools: Optional[List[str]] = None
-    """tools the policy may call: path/to/file.py:fn or package.module:fn (comma-separated or repeated)"""
-    environment: Optional[str] = None
-    """environment class, one per episode: reset(**row), its public methods are tools, get_reward() (file.py:Class)"""
-    max_tool_calling_iterations: Optional[int] = None
-    """tool rounds per episode (None = until a turn calls no tool or --response_length sampled tokens are spent)"""
-    tool_timeout: float = 30.0
-    """seconds a tool call may run before it is cut off (the model then reads an error)"""
-
-    # Algorithm specific arguments (names and defaults of TRL's GRPOConfig)
+    # GRPO (names and defaults of TRL 1.16's GRPOConfig)
     num_generations: int = 8
     """completions sampled per prompt (the group of the group-relative advantage)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide advantages by the std of the group's rewards, of the whole batch's, or not at all (none = Dr. GRPO)"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
-    """loss variant: dpo.py sigmoid (DPO/cDPO), ipo, hinge (SLiC), robust (rDPO); grpo.py aggregation (see its code)"""
+    """how token losses become the step's loss: grpo (sequence means), bnpo (token mean per micro-batch), dr_grpo
+    (token sum / constant), dapo (token mean over the global batch); see aggregate_loss"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """one importance ratio per token, or one per sequence from the mean token log-ratio (sequence = GSPO; with
     --loss_type bnpo, dr_grpo or dapo, which sum token losses, each sequence then weighs by its length: a warning)"""
@@ -205,12 +77,7 @@ class Args:
     num_iterations: int = 1
     """mu: optimizer steps on each generated batch (1: the ratio is 1 and no old-log-prob forward runs)"""
     beta: float = 0.0
-    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
-    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
-    kl_target: Optional[float] = None
-    """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
-    kl_horizon: int = 10_000
-    """adaptive KL controller horizon in episodes"""
+    """weight of the k3 KL-to-reference term added to each token's loss (0: no reference model is loaded)"""
     mask_truncated_completions: bool = False
     """leave completions without EOS (cut at response_length) out of the loss (DAPO)"""
     skip_zero_std_groups: bool = False

@@ -58,108 +58,30 @@ ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10, des
 
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (each process adds its index; a run repeats exactly)"""
-    model: str = "toy"
-    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
-    ref_model: Optional[str] = None
-    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
-    dataset: Optional[str] = None
-    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
-    eval_split: str = "test"
-    """split of the dataset held out for evaluation"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
-    track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
-    wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
+class Args(tl.TrainFlags, tl.EpochFlags, models.PolicyFlags, du.DataFlags, ge.GenerationFlags, pc.ReferenceFlags,
+           ps.PromptSharingFlags):
+    # shared flags whose default differs here (TRL's KTOConfig)
+    learning_rate: float = 5e-7
+    gradient_accumulation_steps: int = 4
+    warmup_ratio: float = 0.1
+    eval_steps: int = 500
+    num_eval_prompts: int = 64
 
-    # Algorithm specific arguments
+    # KTO
     beta: float = 0.1
-    """KL-to-reference strength: DPO/KTO reward = beta * log(pi / ref); GRPO loss += beta * k3 KL (0: no reference);
-    distill.py (TRL's GKD beta): the divergence, 0 = forward KL(teacher || student), 1 = reverse, 0.5 = JSD"""
+    """scale of the implicit reward beta * (log(pi / ref) - z0) inside the sigmoid (larger: closer to the reference)"""
     desirable_weight: Optional[float] = None
     """loss weight of desirable examples (lambda_D); None = from the training data's counts (see loss_weights)"""
     undesirable_weight: Optional[float] = None
     """loss weight of undesirable examples (lambda_U); None = from the training data's counts (see loss_weights)"""
     precompute_ref_logprobs: bool = False
     """compute every reference log-prob once before training, then free the reference model"""
-    max_prompt_length: Optional[int] = None
-    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    max_length: int = 640
-    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
-    share_prompts: bool = True
-    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
-
-    # Optimization
-    learning_rate: float = 5e-7
-    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
-    per_device_train_batch_size: int = 8
-    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
-    gradient_accumulation_steps: int = 4
-    """micro-batches accumulated into one optimizer step"""
-    num_train_epochs: float = 1.0
-    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
-    max_steps: Optional[int] = None
-    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
-    warmup_ratio: float = 0.1
-    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    skip_nonfinite: bool = False
-    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
-
-    # Evaluation
-    eval_steps: int = 500
-    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
-    per_device_eval_batch_size: int = 8
-    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
     num_eval_examples: int = 1024
     """held-out unpaired examples scored for eval/ metrics (0 = all)"""
-    num_eval_prompts: int = 64
-    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
-    num_samples_printed: int = 4
-    """evaluation samples printed per evaluation"""
-    response_length: int = 53
-    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
 
     # Saving
-    save_steps: int = 0
-    """write a resumable checkpoint every this many steps (0 = none)"""
-    resume_from: Optional[str] = None
-    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
-    merge_peft: bool = False
-    """with --use_peft, save merged full weights instead of the adapter"""
 
     # Model loading
-    use_peft: bool = False
-    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
-    lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
-    load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    bf16: bool = False
-    """bfloat16 weights (GPU only)"""
-    logprob_chunk_tokens: Optional[int] = None
-    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
-    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
-    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
-    trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
-    verbose: bool = False
-    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
 
 
 # ALGO LOGIC: the KTO loss, its KL reference point and the class weights
@@ -478,7 +400,8 @@ def main():
 
     # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
     policy = models.load_policy(policy_path, tokenizer, args)
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
+                                  weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -28,7 +29,14 @@ from plumbing import prompt_sharing
 from plumbing.errors import UserError
 
 
-INVALID_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
+PADDING_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
+
+
+@dataclass
+class ReferenceFlags:
+    """The frozen reference policy (`create_reference`)."""
+    ref_model: Optional[str] = None
+    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,7 +195,7 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     """Generate responses for a batch of queries (B, Lq), LEFT-padded, `chunk_size` rows at a time. Returns (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
       query_responses (B, Lq + max_new_tokens): query then response, pad after the first EOS (kept) and to the end.
       logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (logits /
-        temperature, pad suppressed), INVALID_LOGPROB after EOS: a fresh `response_logprobs` to float rounding, so
+        temperature, pad suppressed), PADDING_LOGPROB after EOS: a fresh `response_logprobs` to float rounding, so
         while the weights have not changed since sampling they are the old log-probs (no forward needed).
       entropy (B, max_new_tokens): entropy of that distribution at each response position, 0 after EOS.
     Only our config applies: the model's own sampling defaults are ignored (`_no_model_sampling_defaults`).
@@ -213,9 +221,9 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             if return_entropy:
                 entropies.append(F.pad(entropy, (0, R - response.shape[1])))
             responses.append(F.pad(response, (0, R - response.shape[1]), value=pad_token_id))
-            logprobs.append(F.pad(logprob, (0, R - logprob.shape[1]), value=INVALID_LOGPROB))
+            logprobs.append(F.pad(logprob, (0, R - logprob.shape[1]), value=PADDING_LOGPROB))
     responses = truncate_after_eos(torch.cat(responses), eos_token_id, pad_token_id)
-    logprobs = torch.cat(logprobs).masked_fill(responses == pad_token_id, INVALID_LOGPROB).nan_to_num(INVALID_LOGPROB)
+    logprobs = torch.cat(logprobs).masked_fill(responses == pad_token_id, PADDING_LOGPROB).nan_to_num(PADDING_LOGPROB)
     if return_entropy:
         return (torch.cat([queries, responses], 1), logprobs,
                 torch.cat(entropies).masked_fill(responses == pad_token_id, 0.0))

@@ -14,12 +14,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
 
+from plumbing import data_utils as du
 from plumbing import models
 import policy_common as pc
 from plumbing import reward_sources as rs
@@ -32,87 +33,26 @@ from policy_common import masked_mean, masked_var, masked_whiten
 
 
 @dataclass
-class Args:
-    # common arguments (same meaning in every script)
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (each process adds its index; a run repeats exactly)"""
-    model: str = "toy"
-    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
-    ref_model: Optional[str] = None
-    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
-    reward_model: Optional[str] = None
-    """reward model: alias, hub id or local folder; None = the one paired with --model (none with --reward_funcs)"""
-    reward_model_input: Optional[Literal["tokens", "text"]] = None
-    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
-    reward_funcs: Optional[List[str]] = None
-    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
-    reward_weights: Optional[List[float]] = None
-    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
-    value_model: Optional[str] = None
-    """value model's start; None = the reward model if it reads tokens (Ouyang et al.), else the policy + a new head"""
-    dataset: Optional[str] = None
-    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
-    eval_split: str = "test"
-    """split of the dataset held out for evaluation"""
-    num_eval_prompts: int = 512
-    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
-    num_samples_printed: int = 4
-    """evaluation samples printed per evaluation"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
-    track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
-    wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
-
-    # optimisation
-    learning_rate: float = 3e-6
-    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.ReferenceFlags, rs.RewardFlags,
+           tl.KLControlFlags, vg.VLLMFlags):
+    # shared flags whose default differs here (Huang et al. 2024)
     per_device_train_batch_size: int = 16
-    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     gradient_accumulation_steps: int = 4
-    """micro-batches accumulated into one optimizer step"""
-    total_episodes: int = 1_000_000
-    """total number of sampled completions (episodes) to train on"""
-    max_steps: Optional[int] = None
-    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    skip_nonfinite: bool = False
-    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
     eval_steps: int = 200
-    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
-    save_steps: int = 0
-    """write a resumable checkpoint every this many steps (0 = none)"""
-    resume_from: Optional[str] = None
-    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
-
-    # generation
-    response_length: int = 53
-    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     temperature: float = 0.7
-    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
     missing_eos_penalty: Optional[float] = 1.0
-    """subtracted from the score of a completion without EOS (None = no penalty)"""
-    max_prompt_length: Optional[int] = None
-    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    local_rollout_forward_batch_size: Optional[int] = None
-    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
-    memory than the training pass over as many rows)"""
+    vllm_importance_sampling_mode: str = "token_truncate"
+    vllm_importance_sampling_clip_max: Optional[float] = 2.0
 
     # PPO (defaults from Huang et al. 2024)
+    value_model: Optional[str] = None
+    """value model's start; None = the reward model if it reads tokens (Ouyang et al.), else the policy + a new head"""
     num_ppo_epochs: int = 4
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
     """mini-batches (optimizer steps) per pass over a batch of rollouts"""
     kl_coef: float = 0.05
     """beta: weight of the KL-to-reference penalty in the reward (the start value if --kl_target adapts it)"""
-    kl_target: Optional[float] = None
-    """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
-    kl_horizon: int = 10_000
-    """adaptive KL controller horizon in episodes"""
     cliprange: float = 0.2
     """clip range of the policy's importance ratio"""
     cliprange_value: float = 0.2
@@ -125,46 +65,6 @@ class Args:
     """GAE lambda"""
     whiten_rewards: bool = False
     """whiten the per-token rewards (masked, mean kept) before GAE"""
-
-    # vLLM generation (vllm_generation.py, README "vLLM")
-    use_vllm: bool = False
-    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine is sharded over (with one training process)"""
-    vllm_sleep_mode: bool = False
-    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_is_cap: float = 2.0
-    """cap C of the truncated importance weight min(pi_trainer / pi_vllm, C) on the policy loss (Yao et al. 2025)"""
-
-    # models and memory
-    use_peft: bool = False
-    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
-    lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
-    merge_peft: bool = False
-    """with --use_peft, save merged full weights instead of the adapter"""
-    load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    bf16: bool = False
-    """bfloat16 weights (GPU only)"""
-    logprob_chunk_tokens: Optional[int] = None
-    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
-    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
-    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
-    trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
-    verbose: bool = False
-    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
     save_value_model: bool = False
     """also save the value model to <output_dir>/value_model"""
 

@@ -51,7 +51,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,90 +76,18 @@ ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, m
 
 
 @dataclass
-class Args:
-    # common arguments
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (each process adds its index; a run repeats exactly)"""
-    model: str = "toy"
-    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
-    reward_model_input: Optional[Literal["tokens", "text"]] = None
-    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
-    dataset: Optional[str] = None
-    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
-    eval_split: str = "test"
-    """split of the dataset held out for evaluation"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
-    track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
-    wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
-
-    # optimisation
-    learning_rate: float = 3e-6
-    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+class Args(tl.TrainFlags, tl.EpochFlags, models.ModelFlags, du.DataFlags, ps.PromptSharingFlags):
+    # shared flags whose default differs here (Huang et al. 2024's TL;DR reward model)
     per_device_train_batch_size: int = 1
-    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
-    per_device_eval_batch_size: int = 8
-    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
-    gradient_accumulation_steps: int = 8
-    """micro-batches accumulated into one optimizer step"""
-    num_train_epochs: float = 1.0
-    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
-    max_steps: Optional[int] = None
-    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
-    warmup_ratio: float = 0.0
-    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
-    weight_decay: float = 0.01
-    """AdamW weight decay"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    skip_nonfinite: bool = False
-    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
-    eval_steps: int = 0
-    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
-    save_steps: int = 0
-    """write a resumable checkpoint every this many steps (0 = none)"""
-    resume_from: Optional[str] = None
-    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
-
-    # model loading
-    use_peft: bool = False
-    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
-    lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
-    merge_peft: bool = False
-    """with --use_peft, save merged full weights instead of the adapter"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    bf16: bool = False
-    """bfloat16 weights (GPU only)"""
-    trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
-    verbose: bool = False
-    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
-    share_prompts: bool = True
-    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
     # reward model
+    reward_model_input: Optional[Literal["tokens", "text"]] = None
+    """what the trained reward model reads, recorded in its config for the RL scripts: tokens (the policy's ids + EOS)
+    or text (re-tokenised by its own tokenizer, no EOS); None = tokens"""
     center_rewards_coefficient: Optional[float] = None
     """weight of TRL's reward-centring term: loss += coef * mean((r_chosen + r_rejected)^2); None = off"""
-    max_prompt_length: Optional[int] = None
-    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    max_length: int = 640
-    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
     max_eval_pairs: int = 2000
     """evaluate on the first this many held-out pairs (0 = all)"""
-    num_samples_printed: int = 4
-    """evaluation samples printed per evaluation"""
 
 
 def validate(args: Args) -> None:

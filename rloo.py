@@ -31,12 +31,14 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import Literal, Optional
 
 import torch
 
+from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import models
+from plumbing import prompt_sharing as ps
 import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
@@ -48,107 +50,19 @@ from plumbing.errors import RolloutError, UserError
 
 
 @dataclass
-class Args:
-    exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """the name of this experiment"""
-    seed: int = 1
-    """seed of the experiment (each process adds its index; a run repeats exactly)"""
-    model: str = "toy"
-    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
-    ref_model: Optional[str] = None
-    """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
-    reward_model: Optional[str] = None
-    """reward model: alias, hub id or local folder; None = the one paired with --model (none with --reward_funcs)"""
-    reward_model_input: Optional[Literal["tokens", "text"]] = None
-    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
-    reward_funcs: Optional[List[str]] = None
-    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
-    reward_weights: Optional[List[float]] = None
-    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
-    dataset: Optional[str] = None
-    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
-    eval_split: str = "test"
-    """split of the dataset held out for evaluation"""
-    output_dir: Optional[str] = None
-    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
-    track: bool = False
-    """log to Weights & Biases as well as metrics.jsonl"""
-    wandb_project: str = "policy-rlhf"
-    """the wandb project name"""
-
-    # Model loading
-    use_peft: bool = False
-    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
-    lora_r: int = 16
-    """LoRA rank"""
-    lora_alpha: int = 32
-    """LoRA alpha"""
-    lora_dropout: float = 0.0
-    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
-    lora_target_modules: Optional[List[str]] = None
-    """modules LoRA adapts; None = PEFT's default for the architecture"""
-    merge_peft: bool = False
-    """with --use_peft, save merged full weights instead of the adapter"""
-    load_in_4bit: bool = False
-    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
-    gradient_checkpointing: bool = False
-    """recompute activations in the backward pass to save memory"""
-    bf16: bool = False
-    """bfloat16 weights (GPU only)"""
-    logprob_chunk_tokens: Optional[int] = None
-    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
-    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
-    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
-    trust_remote_code: bool = False
-    """allow models with custom code from the hub"""
-    verbose: bool = False
-    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
-
-    # Run length, optimisation, logging
-    total_episodes: int = 1_000_000
-    """total number of sampled completions (episodes) to train on"""
-    max_steps: Optional[int] = None
-    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
-    learning_rate: float = 3e-6
-    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.ReferenceFlags, rs.RewardFlags,
+           tl.KLControlFlags, ps.PromptSharingFlags, vg.VLLMFlags, ra.AsyncFlags, ep.ToolFlags):
+    # shared flags whose default differs here (TRL's RLOO TL;DR run)
     per_device_train_batch_size: int = 16
-    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     gradient_accumulation_steps: int = 16
-    """micro-batches accumulated into one optimizer step"""
-    max_grad_norm: float = 1.0
-    """gradient clipping norm"""
-    skip_nonfinite: bool = False
-    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
-    eval_steps: int = 0
-    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
-    num_eval_prompts: int = 512
-    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
-    num_samples_printed: int = 4
-    """evaluation samples printed per evaluation"""
-    save_steps: int = 0
-    """write a resumable checkpoint every this many steps (0 = none)"""
-    resume_from: Optional[str] = None
-    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
+    temperature: float = 0.7
+    missing_eos_penalty: Optional[float] = 1.0
 
-    # Tools and environments: multi-turn episodes (episodes.py, README "Tools"; TRL's interface)
-    tools: Optional[List[str]] = None
-    """tools the policy may call: path/to/file.py:fn or package.module:fn (comma-separated or repeated)"""
-    environment: Optional[str] = None
-    """environment class, one per episode: reset(**row), its public methods are tools, get_reward() (file.py:Class)"""
-    max_tool_calling_iterations: Optional[int] = None
-    """tool rounds per episode (None = until a turn calls no tool or --response_length sampled tokens are spent)"""
-    tool_timeout: float = 30.0
-    """seconds a tool call may run before it is cut off (the model then reads an error)"""
-
-    # Algorithm specific arguments
+    # RLOO
     rloo_k: int = 2
     """completions sampled per prompt (k of the leave-one-out baseline)"""
     kl_coef: float = 0.03
     """beta: weight of the KL-to-reference penalty in the reward (the start value if --kl_target adapts it)"""
-    kl_target: Optional[float] = None
-    """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
-    kl_horizon: int = 10_000
-    """adaptive KL controller horizon in episodes"""
     kl_estimator: Literal["k1", "k3"] = "k1"
     """per-token KL estimator: k1 = logp - ref_logp; k3 = exp(ref_logp - logp) - 1 - (ref_logp - logp)"""
     token_level_kl: bool = False
@@ -161,49 +75,6 @@ class Args:
     """passes over each batch of rollouts"""
     num_mini_batches: int = 1
     """mini-batches (optimizer steps) per pass over a batch of rollouts"""
-    response_length: int = 53
-    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
-    max_prompt_length: Optional[int] = None
-    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
-    temperature: float = 0.7
-    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
-    missing_eos_penalty: Optional[float] = 1.0
-    """subtracted from the score of a completion without EOS (None = no penalty)"""
-    overlong_buffer_length: int = 0
-    """DAPO's overlong shaping: a penalty rising linearly over the last this many tokens before --response_length
-    (reward source `overlong`, weight 1; 0 = off)"""
-    overlong_penalty_factor: float = 1.0
-    """the overlong penalty at --response_length tokens is -this (DAPO: 1.0)"""
-    local_rollout_forward_batch_size: Optional[int] = None
-    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
-    memory than the training pass over as many rows)"""
-    share_prompts: bool = True
-    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
-
-    # vLLM generation (vllm_generation.py, README "vLLM")
-    use_vllm: bool = False
-    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
-    vllm_gpu_memory_utilization: float = 0.3
-    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
-    vllm_tensor_parallel_size: int = 1
-    """GPUs one vLLM engine is sharded over (with one training process)"""
-    vllm_sleep_mode: bool = False
-    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = "sequence_mask"
-    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
-    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
-    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
-    vllm_importance_sampling_clip_max: vg.ClipMax = 3.0
-    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap, TRL's older name"""
-    vllm_importance_sampling_clip_min: Optional[float] = None
-    """lower bound of the importance weight (None = none)"""
-
-    # Asynchronous generation (run_ahead.py, README "Asynchronous generation")
-    max_staleness: int = 0
-    """the sampler runs this many steps ahead of the trainer: step t trains on completions sampled by the weights
-    after step t - 1 - N (with --use_vllm, while it trains); the loss then weights them by pi_old / pi_sampler as
-    --vllm_importance_sampling_* say (AReaL's decoupled objective); 0 = synchronous"""
 
 
 # Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
@@ -322,6 +193,11 @@ def validate(args: Args):
     if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
         raise UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
     vg.validate_args(args)
+    if (args.use_vllm or args.max_staleness) and not args.token_level_kl and \
+            args.vllm_importance_sampling_mode.startswith("token_"):  # the sequence view: one action per completion
+        raise UserError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights each token's "
+                        "loss, but rloo.py's loss has one term per completion (its sequence view): use "
+                        "sequence_truncate / sequence_mask, or --token_level_kl for a loss per token")
     ep.validate_args(args)
     ra.validate_args(args)
     if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training

@@ -18,6 +18,7 @@ the rest can beat; only fewer or cheaper passes move it. Median of --repeats tim
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -54,7 +55,7 @@ def flags(setting: str, algo: str) -> dict:
     import importlib
 
     module = importlib.import_module(algo)
-    values = {k: v for k, v in vars(module.Args).items() if not k.startswith("_")}
+    values = dataclasses.asdict(module.Args())  # the script's defaults, its flag groups' included
     values.update(hyper(setting, algo))
     if values.get("local_rollout_forward_batch_size") is None:
         values["local_rollout_forward_batch_size"] = values["per_device_train_batch_size"]

@@ -16,6 +16,17 @@ import torch
 from plumbing import models
 from plumbing.errors import UserError
 
+
+@dataclass
+class DataFlags:
+    """The data: which dataset, the held-out split, the longest prompt (every script)."""
+    dataset: Optional[str] = None
+    """training data (columns: see the docstring): alias (toy|tldr), hub id, folder or json/parquet; None = --model's"""
+    eval_split: str = "test"
+    """split of the dataset held out for evaluation"""
+    max_prompt_length: Optional[int] = None
+    """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
+
 # Dataset aliases: the public TL;DR datasets behind the published RLOO/PPO/DPO runs (Huang et al. 2024; TRL's
 # documentation), and the toy task (built offline by toy_task.py the first time it is named).
 TOY_ALIAS = "toy"

@@ -55,6 +55,19 @@ from plumbing.errors import UserError
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+@dataclass
+class ToolFlags:
+    """Tools and environments (rloo, grpo): each completion a multi-turn episode (TRL's interface)."""
+    tools: Optional[List[str]] = None
+    """tools the policy may call: path/to/file.py:fn or package.module:fn (comma-separated or repeated)"""
+    environment: Optional[str] = None
+    """environment class, one per episode: reset(**row), its public methods are tools, get_reward() (file.py:Class)"""
+    max_tool_calling_iterations: Optional[int] = None
+    """tool rounds per episode (None = until a turn calls no tool or --response_length sampled tokens are spent)"""
+    tool_timeout: float = 30.0
+    """seconds a tool call may run before it is cut off (the model then reads an error)"""
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Start-up: the run's tools from --tools / --environment, and the chat template checks
 # ---------------------------------------------------------------------------------------------------------
@@ -368,7 +381,7 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
 def episode_tensors(episodes: List[Episode], pad_token_id: int, device=None) -> dict:
     """Episodes -> the rollout's tensors: query_responses (B, Lq + R) [left-padded prompt | response right-padded
     with pad], context_length Lq, action_mask (B, R) bool (True on sampled tokens), logprobs, sampler_logprobs,
-    entropy (B, R) float (pc.INVALID_LOGPROB / 0 off the sampled tokens), truncated (B,) bool."""
+    entropy (B, R) float (pc.PADDING_LOGPROB / 0 off the sampled tokens), truncated (B,) bool."""
     queries = pc.pad_sequences([e.prompt_ids for e in episodes], pad_token_id, "left")
     width = max(1, max(len(e.response_ids) for e in episodes))
 
@@ -380,9 +393,9 @@ def episode_tensors(episodes: List[Episode], pad_token_id: int, device=None) -> 
     out = dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
                action_mask=action_mask,
                logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32).masked_fill(~action_mask,
-                                                                                            pc.INVALID_LOGPROB),
+                                                                                            pc.PADDING_LOGPROB),
                sampler_logprobs=right([e.sampler_logprobs for e in episodes], 0.0, torch.float32).masked_fill(
-                   ~action_mask, pc.INVALID_LOGPROB),
+                   ~action_mask, pc.PADDING_LOGPROB),
                entropy=right([e.entropy for e in episodes], 0.0, torch.float32),
                truncated=torch.tensor([e.truncated for e in episodes]))
     return {k: v.to(device) if isinstance(v, torch.Tensor) and device is not None else v for k, v in out.items()}

@@ -3,6 +3,7 @@ samples and, when the task has one, its gold score. (The RL scripts evaluate thr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Sequence
 
 import torch
@@ -10,6 +11,15 @@ import torch
 from plumbing import data_utils as du
 import policy_common as pc
 from plumbing import run_utils as ru
+
+
+@dataclass
+class GenerationFlags:
+    """Completions: their length, and the held-out prompts completed greedily at each evaluation."""
+    response_length: int = 53
+    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
+    num_eval_prompts: int = 512
+    """held-out prompts completed greedily at each evaluation (at most the split's size)"""
 
 
 @torch.no_grad()

@@ -7,12 +7,50 @@ checkpointing). Aliases such as `toy` are resolved by run_utils.resolve_model be
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from plumbing.errors import UserError
+
+
+@dataclass
+class ModelFlags:
+    """Model loading: the model to start from, LoRA, precision, memory (every script)."""
+    model: str = "toy"
+    """policy to start from: alias (toy|pythia-1b|pythia-2.8b|pythia-6.9b), hub id or local folder"""
+    use_peft: bool = False
+    """train a LoRA adapter on the policy instead of all its weights (the reference is then the adapter-off base)"""
+    lora_r: int = 16
+    """LoRA rank"""
+    lora_alpha: int = 32
+    """LoRA alpha"""
+    lora_dropout: float = 0.0
+    """LoRA dropout (0 keeps the forward deterministic, as log-ratios to the reference assume)"""
+    lora_target_modules: Optional[List[str]] = None
+    """modules LoRA adapts; None = PEFT's default for the architecture"""
+    merge_peft: bool = False
+    """with --use_peft, save merged full weights instead of the adapter"""
+    gradient_checkpointing: bool = False
+    """recompute activations in the backward pass to save memory"""
+    bf16: bool = False
+    """bfloat16 weights (GPU only)"""
+    trust_remote_code: bool = False
+    """allow models with custom code from the hub"""
+
+
+@dataclass
+class PolicyFlags(ModelFlags):
+    """Model loading for a policy (a causal LM whose log-probs are computed): ModelFlags, 4-bit weights, chunked
+    log-probs."""
+    load_in_4bit: bool = False
+    """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
+    logprob_chunk_tokens: Optional[int] = None
+    """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
+    vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
+    MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
 
 _HUB_REACHABLE: Optional[bool] = None
 

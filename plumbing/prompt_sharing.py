@@ -23,6 +23,7 @@ Shapes: B rows, T = Lq + R positions; rows are [left pads | query | response | r
 import copy
 import functools
 import inspect
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -30,6 +31,13 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 # Sharing costs one more model call: on small models that costs more than the prompt positions it saves.
 MIN_SAVED_FRACTION = 0.2  # of all input positions
 MIN_SAVED_POSITIONS = 128
+
+
+@dataclass
+class PromptSharingFlags:
+    """Prompt sharing (the scripts whose rows repeat a prompt: rloo, grpo, dpo, kto, reward)."""
+    share_prompts: bool = True
+    """encode a prompt repeated over rows once when that saves enough (prompt_sharing.py; the same numbers)"""
 
 
 def worth_sharing(rows: int, rows_per_prompt: int, prompt_length: int, response_length: int) -> bool:

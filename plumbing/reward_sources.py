@@ -33,7 +33,8 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
-from typing import Callable, Dict, Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Literal, Optional, Sequence
 
 import torch
 
@@ -45,6 +46,29 @@ from plumbing.errors import RolloutError, UserError
 
 BUILTINS = ("gold",)
 REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metrics
+
+
+@dataclass
+class RewardFunctionFlags:
+    """Reward functions (TRL's signature) and the weights of the reward sources."""
+    reward_funcs: Optional[List[str]] = None
+    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
+    reward_weights: Optional[List[float]] = None
+    """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
+
+
+@dataclass
+class RewardFlags(RewardFunctionFlags):
+    """Rewards (`load_rewards`): a reward model and/or reward functions, weighted; DAPO's overlong shaping."""
+    reward_model: Optional[str] = None
+    """reward model: alias, hub id or local folder; None = the one paired with --model (none with --reward_funcs)"""
+    reward_model_input: Optional[Literal["tokens", "text"]] = None
+    """reward model reads tokens (the policy's ids + EOS) or text (re-tokenised); None = its record, else by vocab"""
+    overlong_buffer_length: int = 0
+    """DAPO's overlong shaping: a penalty rising linearly over the last this many tokens before --response_length
+    (reward source `overlong`, weight 1; 0 = off)"""
+    overlong_penalty_factor: float = 1.0
+    """the overlong penalty at --response_length tokens is -this (DAPO: 1.0)"""
 
 
 class RewardFunctionError(RolloutError):

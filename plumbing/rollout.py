@@ -42,6 +42,7 @@ import torch.nn as nn
 
 from plumbing import data_utils as du
 from plumbing import episodes as ep
+from plumbing import greedy_eval as ge
 import policy_common as pc
 from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
@@ -53,6 +54,20 @@ LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant 
 LOGPROB_CHECK_ROWS = 4  # rows scored again by a forward at each check
 LOGPROB_CHECK_MAX = 1e-3  # float32: largest |sampled - recomputed| log-prob of any checked token
 LOGPROB_CHECK_MEAN_LOW_PRECISION = 0.05  # bf16 / fp16: mean |sampled - recomputed| over the checked tokens
+
+
+@dataclass
+class RolloutFlags(ge.GenerationFlags):
+    """Rollouts (rloo, grpo, ppo, distill): how many, how they are sampled, penalised and chunked."""
+    total_episodes: int = 1_000_000
+    """total number of sampled completions (episodes) to train on"""
+    temperature: float = 1.0
+    """sampling temperature (log-probs for ratios and the KL use logits / temperature too)"""
+    missing_eos_penalty: Optional[float] = None
+    """subtracted from the score of a completion without EOS (None = no penalty)"""
+    local_rollout_forward_batch_size: Optional[int] = None
+    """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
+    memory than the training pass over as many rows)"""
 
 
 @dataclass
@@ -186,7 +201,7 @@ class Rollout:
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     """Several rollouts of one step as one (rows in order; e.g. dynamic sampling's rounds): prompts re-padded on the
-    left to the longest context, responses on the right to the longest (pad; INVALID_LOGPROB for old log-probs,
+    left to the longest context, responses on the right to the longest (pad; PADDING_LOGPROB for old log-probs,
     0 elsewhere, outside the response mask either way); numeric metrics averaged over the rounds that have them."""
     if len(rollouts) == 1:
         return rollouts[0]
@@ -211,7 +226,7 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         first, query_responses=query_responses, context_length=context_length,
         rows=[row for r in rollouts for row in r.rows],
         scores=torch.cat([r.scores for r in rollouts]), source_scores=torch.cat([r.source_scores for r in rollouts]),
-        logprobs=response_side("logprobs", pc.INVALID_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
+        logprobs=response_side("logprobs", pc.PADDING_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
         entropy=response_side("entropy", 0.0), sampler_logprobs=response_side("sampler_logprobs", 0.0),
         action_mask=response_side("action_mask", False), metrics=metrics,
         episode_truncated=None if first.episode_truncated is None else torch.cat([r.episode_truncated
@@ -328,7 +343,7 @@ class Sampler:
             logprobs, entropies = logprobs if entropy else (logprobs, None)
             self.policy.train(training)
         if logprobs is not None:
-            logprobs = logprobs.masked_fill(~response_mask, pc.INVALID_LOGPROB)
+            logprobs = logprobs.masked_fill(~response_mask, pc.PADDING_LOGPROB)
         if entropies is not None:
             entropies = entropies.masked_fill(~response_mask, 0.0)
 

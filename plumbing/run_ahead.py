@@ -45,6 +45,7 @@ import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Optional
 
 import safetensors.torch
@@ -54,6 +55,15 @@ from plumbing import vllm_generation as vg
 from plumbing.errors import UserError
 
 SAVED = ("query_responses", "logprobs", "entropy", "sampler_logprobs", "truncated")  # a Samples' tensors
+
+
+@dataclass
+class AsyncFlags:
+    """Asynchronous generation (rloo, grpo): a sampler running ahead of the trainer."""
+    max_staleness: int = 0
+    """the sampler runs this many steps ahead of the trainer: step t trains on completions sampled by the weights
+    after step t - 1 - N (with --use_vllm, while it trains); the loss then weights them by pi_old / pi_sampler as
+    --vllm_importance_sampling_* say (AReaL's decoupled objective); 0 = synchronous"""
 
 
 def validate_args(args) -> None:

@@ -10,11 +10,14 @@ once per step by every process, never a number of times that depends on one proc
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import math
 import os
 import random
+import re
 import sys
 import time
+import typing
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -122,24 +125,56 @@ def load_object(spec: str, flag: str, alternatives: str = "") -> object:
 
 
 def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv: Optional[List[str]] = None):
-    """tyro CLI with `--snake_case` flags. `alias_defaults` maps a `--model` alias (e.g. "toy") to tuned
-    defaults for that alias; each applies only where the flag was not given on the command line, so the
-    dataclass defaults stay those of the real-scale path. The flags given on the command line are kept in
-    `args.given_flags` (not a field: not saved with the config) for `fit_length`."""
+    """The script's `Args` from the command line: flat `--snake_case` flags, grouped in `--help` (`cli_class`).
+    `alias_defaults` maps a `--model` alias (e.g. "toy") to tuned defaults for that alias; each applies only where the
+    flag was not given on the command line, so the dataclass defaults stay those of the real-scale path. The flags
+    given on the command line are kept in `args.given_flags` (not a field: not saved with the config) for
+    `fit_length`. --exp_name defaults to the script's file name."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
-    args = tyro.cli(args_cls, args=argv, use_underscores=True)
+    parsed = tyro.cli(cli_class(args_cls), args=argv, use_underscores=True)
+    own, *groups = [getattr(parsed, f.name) for f in dataclasses.fields(parsed)]
+    values = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)}  # the grouped ones at their defaults
+    values.update({f.name: getattr(group, f.name) for group in groups for f in dataclasses.fields(group)})
+    args = args_cls(**values)
     given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     given |= {name[3:] for name in given if name.startswith("no_")}
     for field, value in (alias_defaults or {}).get(getattr(args, "model", None), {}).items():
         if field not in given:
             setattr(args, field, value)
     args.given_flags = frozenset(given)
+    if getattr(args, "exp_name", "") is None:
+        args.exp_name = os.path.splitext(os.path.basename(sys.modules[args_cls.__module__].__file__))[0]
     if (getattr(args, "logprob_chunk_tokens", None) or 0) < 0:  # a flag of every script that computes log-probs
         raise UserError(f"--logprob_chunk_tokens must be >= 0 (0 = all at once), got {args.logprob_chunk_tokens}")
     quiet_libraries(getattr(args, "verbose", True))
     return args
+
+
+def cli_class(args_cls):
+    """The dataclass tyro parses for `args_cls`: one field per flag group `args_cls` mixes in (its direct dataclass
+    bases, e.g. TrainFlags) and one for the script's own flags, each shown as a group of `--help` with its docstring,
+    their prefixes omitted so that every flag keeps its flat name. Every default is `args_cls`'s, a script's
+    overrides of a group's defaults included."""
+    import tyro
+
+    defaults, types = args_cls(), typing.get_type_hints(args_cls, include_extras=True)
+    groups = [base for base in args_cls.__bases__ if dataclasses.is_dataclass(base)]
+    grouped = {f.name for group in groups for f in dataclasses.fields(group)}
+
+    def default(cls):  # cls's fields at the script's defaults
+        return lambda: cls(**{f.name: getattr(defaults, f.name) for f in dataclasses.fields(cls)})
+
+    # the script's own flags: args_cls with the grouped ones hidden (tyro reads the help from args_cls' source)
+    own = dataclasses.make_dataclass(args_cls.__name__, [
+        (f.name, tyro.conf.Suppress[types[f.name]], dataclasses.field(default=getattr(defaults, f.name)))
+        for f in dataclasses.fields(args_cls) if f.name in grouped], bases=(args_cls,))
+    script = os.path.basename(sys.modules[args_cls.__module__].__file__)
+    own.__doc__ = f"{script}'s own flags"
+    fields = [(re.sub(r"\W", "_", script[:-len(".py")]) if cls is own else cls.__name__, tyro.conf.OmitArgPrefixes[cls],
+               dataclasses.field(default_factory=default(cls))) for cls in (own, *groups)]
+    return dataclasses.make_dataclass(f"{args_cls.__name__}Groups", fields)
 
 
 def quiet_libraries(verbose: bool) -> None:

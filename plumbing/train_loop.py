@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import signal
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +27,67 @@ from plumbing import metrics_log as ml
 import policy_common as pc
 from plumbing import run_utils as ru
 from plumbing.errors import UserError
+
+
+@dataclass
+class TrainFlags:
+    """The run: its name and folder, logging, the optimizer step, evaluation and checkpoint cadence (every script)."""
+    exp_name: Optional[str] = None
+    """the name of this experiment (None = the script's file name)"""
+    seed: int = 1
+    """seed of the experiment (each process adds its index; a run repeats exactly)"""
+    output_dir: Optional[str] = None
+    """where metrics, checkpoints and the model go; None = runs/<run_name>, or the run folder of --resume_from"""
+    track: bool = False
+    """log to Weights & Biases as well as metrics.jsonl"""
+    wandb_project: str = "policy-rlhf"
+    """the wandb project name"""
+    verbose: bool = False
+    """show the libraries' own logs and progress bars (quiet by default: the run's own lines and bar only)"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate (the peak of the schedule; it decays linearly to 0)"""
+    per_device_train_batch_size: int = 8
+    """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
+    gradient_accumulation_steps: int = 8
+    """micro-batches accumulated into one optimizer step"""
+    max_steps: Optional[int] = None
+    """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
+    max_grad_norm: float = 1.0
+    """gradient clipping norm"""
+    skip_nonfinite: bool = False
+    """skip (and count) a step whose loss or gradient norm is not finite, instead of checkpointing and stopping"""
+    eval_steps: int = 0
+    """evaluate before training, every this many steps, and after the last step (0 = before and after only)"""
+    num_samples_printed: int = 4
+    """evaluation samples printed per evaluation"""
+    save_steps: int = 0
+    """write a resumable checkpoint every this many steps (0 = none)"""
+    resume_from: Optional[str] = None
+    """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
+
+
+@dataclass
+class EpochFlags:
+    """Passes over a fixed dataset (sft, reward, dpo, kto): epochs, warmup, weight decay, lengths, evaluation batch."""
+    num_train_epochs: float = 1.0
+    """passes over the training data (fractional allowed); sets the learning-rate schedule"""
+    warmup_ratio: float = 0.0
+    """fraction of the steps with a linear warmup of the learning rate (then linear decay to 0)"""
+    weight_decay: float = 0.01
+    """AdamW weight decay"""
+    max_length: int = 640
+    """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
+    per_device_eval_batch_size: int = 8
+    """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
+
+
+@dataclass
+class KLControlFlags:
+    """The adaptive KL controller (Ziegler et al. 2019, `adaptive_kl_coef`) of the RL scripts' KL coefficient."""
+    kl_target: Optional[float] = None
+    """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
+    kl_horizon: int = 10_000
+    """adaptive KL controller horizon in episodes"""
 
 
 @contextlib.contextmanager

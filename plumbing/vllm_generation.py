@@ -26,7 +26,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Annotated, List, Optional
+from typing import Annotated, List, Literal, Optional
 
 import torch
 import torch.nn as nn
@@ -52,7 +52,31 @@ def require_vllm():
 IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # the type of --vllm_importance_sampling_clip_max: also spelled --vllm_importance_sampling_cap, TRL 1.16's deprecated
 # name for it, so a TRL command line carries over
-ClipMax = Annotated[Optional[float], tyro.conf.arg(aliases=("--vllm_importance_sampling_cap",))]
+ClipMax = Annotated[Optional[float], tyro.conf.arg(aliases=("--vllm_importance_sampling_cap", "--vllm_is_cap"))]
+
+
+@dataclass
+class VLLMFlags:
+    """Generation with vLLM (rloo, grpo, ppo, distill), and the importance weights of samples the trainer's own
+    weights did not draw (vLLM's, or earlier weights' with --max_staleness)."""
+    use_vllm: bool = False
+    """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
+    vllm_gpu_memory_utilization: float = 0.3
+    """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
+    vllm_tensor_parallel_size: int = 1
+    """GPUs one vLLM engine is sharded over (with one training process)"""
+    vllm_sleep_mode: bool = False
+    """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] = "sequence_mask"
+    """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
+    per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
+    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
+    vllm_importance_sampling_clip_max: ClipMax = 3.0
+    """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap (TRL's older name)
+    and --vllm_is_cap (ppo.py's)"""
+    vllm_importance_sampling_clip_min: Optional[float] = None
+    """lower bound of the importance weight (None = none)"""
 
 
 @dataclass(frozen=True)
@@ -68,10 +92,7 @@ class ImportanceSampling:
 
     @classmethod
     def from_args(cls, args, sampler: str = "vllm") -> "ImportanceSampling":
-        """The scripts' --vllm_importance_sampling_* flags; ppo.py, which has only --vllm_is_cap, truncates per
-        token at it."""
-        if not hasattr(args, "vllm_importance_sampling_mode"):
-            return cls("token_truncate", getattr(args, "vllm_is_cap", 2.0), None, sampler)
+        """The scripts' --vllm_importance_sampling_* flags."""
         return cls(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
                    args.vllm_importance_sampling_clip_min, sampler)
 
@@ -92,13 +113,7 @@ def validate_args(args) -> None:
 
 
 def validate_importance_sampling(args) -> None:
-    """--vllm_importance_sampling_mode / _clip_max / _clip_min (ppo.py: --vllm_is_cap) against what each script's
-    loss can take: UserErrors for bad values."""
-    if not hasattr(args, "vllm_importance_sampling_mode"):  # ppo.py: per-token truncation at --vllm_is_cap
-        if args.vllm_is_cap < 1:
-            raise UserError(f"--vllm_is_cap must be >= 1 (the weight of an action both engines agree on is 1), got "
-                            f"{args.vllm_is_cap}")
-        return
+    """--vllm_importance_sampling_mode / _clip_max / _clip_min: UserErrors for bad values."""
     mode, low, high = (args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
                        args.vllm_importance_sampling_clip_max)
     if mode not in IS_MODES:
@@ -112,11 +127,6 @@ def validate_importance_sampling(args) -> None:
     if mode.endswith("_truncate") and low is None and high is None:
         raise UserError(f"--vllm_importance_sampling_mode {mode} clamps the weights: set "
                         "--vllm_importance_sampling_clip_max and/or --vllm_importance_sampling_clip_min")
-    if getattr(args, "token_level_kl", None) is False and mode.startswith("token_"):
-        # rloo.py's sequence view: the completion is one action with one ratio; a weight per token has nowhere to go
-        raise UserError(f"--vllm_importance_sampling_mode {mode} weights each token's loss, but rloo.py's loss has one "
-                        "term per completion (its sequence view): use sequence_truncate / sequence_mask, or "
-                        "--token_level_kl for a loss per token")
 
 
 def merged_state_dict(model: nn.Module) -> dict:
@@ -281,7 +291,7 @@ class VLLMGenerator:
         the config's; None: the config's. seeds: one sampling seed per row (`draw_seeds`; None: drawn here).
         Returns (query_responses, sampler_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
         truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
-        INVALID_LOGPROB after EOS."""
+        PADDING_LOGPROB after EOS."""
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         if weights_version != self.weights_version:
             self.sync(policy, weights_version)
@@ -297,7 +307,7 @@ class VLLMGenerator:
             self.llm.sleep(level=1)
         R = generation_config.max_new_tokens
         responses = torch.full((len(prompts), R), pad, dtype=torch.long)
-        logprobs = torch.full((len(prompts), R), pc.INVALID_LOGPROB)
+        logprobs = torch.full((len(prompts), R), pc.PADDING_LOGPROB)
         for i, output in enumerate(outputs):
             completion = output.outputs[0]
             tokens = list(completion.token_ids)[:R]
@@ -305,7 +315,7 @@ class VLLMGenerator:
             logprobs[i, :len(tokens)] = torch.tensor([step[token].logprob for step, token
                                                       in zip(completion.logprobs, tokens)])
         responses = pc.truncate_after_eos(responses, eos, pad)
-        logprobs = logprobs.masked_fill(responses == pad, pc.INVALID_LOGPROB)
+        logprobs = logprobs.masked_fill(responses == pad, pc.PADDING_LOGPROB)
         device = queries.device
         return torch.cat([queries, responses.to(device)], 1), logprobs.to(device)
 

@@ -30,7 +30,7 @@ def make_rollout(tokenizer, policy, prompts, k, seed):
     return ro.Rollout(query_responses=query_responses, context_length=queries.shape[1], samples_per_prompt=k,
                       rows=[{"prompt": i, "seed": seed} for i in range(B)], scores=torch.arange(B) + seed / 10,
                       source_scores=(torch.arange(B) + seed / 10)[:, None], logprobs=logprobs.masked_fill(
-                          ~mask, pc.INVALID_LOGPROB), ref_logprobs=torch.randn(B, R), entropy=torch.rand(B, R),
+                          ~mask, pc.PADDING_LOGPROB), ref_logprobs=torch.randn(B, R), entropy=torch.rand(B, R),
                       sampler_logprobs=None, metrics={"m": float(seed)}, pad_token_id=pad,
                       eos_token_id=eos)
 

@@ -348,7 +348,7 @@ def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
     assert 0 < (eos_at < 8).sum() < 16, "want rows that end early and rows that do not"
     in_response = torch.arange(8).unsqueeze(0) <= eos_at.unsqueeze(1)  # up to and including the first EOS
     assert (responses[~in_response] == PAD).all()
-    assert (logprobs[~in_response] == pc.INVALID_LOGPROB).all() and (entropy[~in_response] == 0).all()
+    assert (logprobs[~in_response] == pc.PADDING_LOGPROB).all() and (entropy[~in_response] == 0).all()
     with torch.no_grad():
         logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature, share_prompts=share)
         forward = pc.selective_logprobs(logits, responses)

@@ -11,6 +11,7 @@ from plumbing import models
 import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
+from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError
 
 
@@ -33,9 +34,9 @@ def toy_sampler_parts(toy):
 
 
 def make_sampler(parts, k=4, reference=None, **flags):
-    args = SimpleNamespace(response_length=8, temperature=1.0, missing_eos_penalty=1.0, seed=5,
-                           local_rollout_forward_batch_size=16, per_device_train_batch_size=8, share_prompts=True,
-                           use_vllm=False, num_samples_printed=0, logprob_chunk_tokens=None, **flags)
+    args = SimpleNamespace(**{**vars(vg.VLLMFlags()), **dict(
+        response_length=8, temperature=1.0, missing_eos_penalty=1.0, seed=5, local_rollout_forward_batch_size=16,
+        per_device_train_batch_size=8, share_prompts=True, num_samples_printed=0, logprob_chunk_tokens=None), **flags})
     rewards = rs.Rewards(parts["tokenizer"], functions=[rs.RewardFunction("letters", letters_reward)])
     return ro.Sampler(args, parts["accelerator"], parts["tokenizer"], parts["policy"], rewards, reference,
                       prompts=parts["prompt_ids"], rows=parts["rows"], samples_per_prompt=k, prompts_per_process=2,
@@ -70,7 +71,7 @@ def test_rollout_layout_scores_and_old_logprobs(toy_sampler_parts):
     mask = batch.response_mask
     forward = pc.response_logprobs(policy, batch.query_responses, ctx, pad, 1.0)
     torch.testing.assert_close(batch.logprobs[mask], forward[mask], atol=1e-5, rtol=0)
-    assert (batch.logprobs[~mask] == pc.INVALID_LOGPROB).all()
+    assert (batch.logprobs[~mask] == pc.PADDING_LOGPROB).all()
     ref = pc.response_logprobs(reference.model, batch.query_responses, ctx, pad, 1.0)
     torch.testing.assert_close(batch.ref_logprobs[mask], ref[mask], atol=1e-5, rtol=0)
     assert batch.entropy.shape == mask.shape and (batch.entropy[mask] > 0).all()

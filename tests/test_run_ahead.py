@@ -14,7 +14,7 @@ import grpo
 import rloo
 from plumbing import run_ahead as ra
 from plumbing import vllm_generation as vg
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 from plumbing.errors import UserError
 from test_scale import run_distributed
 
@@ -86,11 +86,13 @@ def test_flag_checks():
             ra.validate_args(SimpleNamespace(**{**base, **bad}))
     # the importance-sampling flags are checked without vLLM too once samples can be stale
     args = SimpleNamespace(use_vllm=False, max_staleness=1, vllm_importance_sampling_mode="token_mask",
-                           vllm_importance_sampling_clip_max=3.0, vllm_importance_sampling_clip_min=None,
-                           token_level_kl=False)
-    with pytest.raises(UserError, match="sequence view"):
+                           vllm_importance_sampling_clip_max=0.5, vllm_importance_sampling_clip_min=None)
+    with pytest.raises(UserError, match="clip_max must be >= 1"):
         vg.validate_args(args)
     vg.validate_args(SimpleNamespace(**{**vars(args), "max_staleness": 0}))  # synchronous: no samplers to weigh
+    # rloo.py's sequence view weighs a completion, not its tokens
+    proc = run_script_in_process("rloo.py", "--max_staleness", "1", "--vllm_importance_sampling_mode", "token_mask")
+    assert proc.returncode == 2 and "sequence view" in proc.stderr
 
 
 SHORT = ["--eval_steps", "0", "--num_eval_prompts", "32", "--seed", "5"]

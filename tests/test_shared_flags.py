@@ -1,63 +1,122 @@
-"""A flag shared by several scripts means exactly the same thing in each: same name, type and help text (the
-default value may differ per algorithm and per alias). Every algorithm script in the repository root that
-defines a tyro `Args` dataclass is compared, so a script added later is checked too."""
+"""Flags are declared once. The flags several scripts share live in flag groups beside the code that reads them
+(plumbing's TrainFlags, ModelFlags, RolloutFlags, ...), mixed into each script's `Args`; a script declares its own
+flags and may change a group flag's default, never its help. Every script at the root is checked, so a copied or new
+script is too."""
 
 import ast
+import contextlib
+import dataclasses
 import glob
+import importlib
+import io
 import os
+import re
 from collections import defaultdict
 
 import pytest
 
 from conftest import ROOT
 
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
+                 if os.path.basename(p) != "policy_common.py")
+# algorithm flags whose meaning is the algorithm's own, so each script's help says what it means there
+PER_SCRIPT_MEANING = {"beta", "loss_type", "reward_model_input"}
 
-def script_flags(path):
-    """{field name: (type annotation, one-line help)} of the `Args` dataclass of a script, read from source."""
-    tree = ast.parse(open(path).read())
-    args = next((node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args"), None)
-    if args is None:
-        return None
-    flags, body = {}, args.body
-    for i, node in enumerate(body):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            doc = body[i + 1] if i + 1 < len(body) else None
-            has_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)
-            flags[node.target.id] = (ast.unparse(node.annotation), doc.value.value.strip() if has_doc else None)
+
+def args_class(script: str):
+    return importlib.import_module(script).Args
+
+
+def groups(script: str) -> list:
+    return [base for base in args_class(script).__bases__ if dataclasses.is_dataclass(base)]
+
+
+def own_flags(script: str) -> dict:
+    """{field: (annotation, help or None)} of the fields written in the script's `Args` body, read from source."""
+    with open(os.path.join(ROOT, f"{script}.py")) as f:
+        tree = ast.parse(f.read())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args")
+    flags = {}
+    for i, node in enumerate(cls.body):
+        if isinstance(node, ast.AnnAssign):
+            doc = cls.body[i + 1] if i + 1 < len(cls.body) else None
+            is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value,
+                                                                                                     str)
+            flags[node.target.id] = (ast.unparse(node.annotation), doc.value.value.strip() if is_doc else None)
     return flags
 
 
-SCRIPTS = {os.path.basename(p): flags for p in sorted(glob.glob(os.path.join(ROOT, "*.py")))
-           if (flags := script_flags(p)) is not None}
-
-
 def test_the_algorithm_scripts_are_all_found():
-    assert {"rloo.py", "ppo.py", "dpo.py", "kto.py"} <= set(SCRIPTS)
+    assert {"sft", "reward", "rloo", "ppo", "grpo", "dpo", "kto", "distill"} <= set(SCRIPTS)
 
 
-@pytest.mark.parametrize("script", sorted(SCRIPTS))
-def test_every_flag_has_a_help_line(script):
-    missing = [name for name, (_, doc) in SCRIPTS[script].items() if not doc]
-    assert not missing, f"{script}: fields without a docstring: {missing}"
+def test_every_group_flag_has_a_help_line():
+    for group in {group for script in SCRIPTS for group in groups(script)}:
+        assert group.__doc__, f"{group.__name__} has no docstring (its --help title)"
+        for cls in group.__mro__:
+            if dataclasses.is_dataclass(cls):
+                with open(importlib.import_module(cls.__module__).__file__) as f:
+                    tree = ast.parse(f.read())
+                body = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__).body
+                fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
+                documented = [n.target.id for i, n in enumerate(body) if isinstance(n, ast.AnnAssign)
+                              and i + 1 < len(body) and isinstance(body[i + 1], ast.Expr)]
+                assert fields == documented, f"{cls.__name__}: fields without a docstring {set(fields) - set(documented)}"
 
 
-def test_shared_flags_have_one_type_and_one_help_text():
-    """One type and one help text per flag. The one exception: a Literal whose choices are the algorithm's own (e.g.
-    --loss_type: DPO's losses, GRPO's aggregations) may list other choices per script, when the one help text names
-    every script whose choices differ."""
-    seen = defaultdict(dict)  # flag -> {(type, help): [scripts]}
-    for script, flags in SCRIPTS.items():
-        for name, (annotation, doc) in flags.items():
-            literal = annotation.startswith("Literal[")
-            seen[name].setdefault(("Literal" if literal else annotation, doc), []).append((script, annotation))
-    drift = {name: definitions for name, definitions in seen.items() if len(definitions) > 1}
-    for name, definitions in seen.items():
-        for (kind, doc), users in definitions.items():
-            choices = {annotation for _, annotation in users}
-            if kind == "Literal" and len(choices) > 1:
-                unnamed = [script for script, _ in users if script not in (doc or "")]
-                if unnamed:
-                    drift[name] = definitions
-    report = "\n".join(f"--{name}:\n" + "\n".join(f"    {users}: {t} {h!r}" for (t, h), users in d.items())
-                       for name, d in sorted(drift.items()))
-    assert not drift, f"shared flags that differ between scripts:\n{report}"
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_script_declares_its_own_flags_and_only_overrides_group_defaults(script):
+    grouped = {f.name: group for group in groups(script) for f in dataclasses.fields(group)}
+    for name, (_, doc) in own_flags(script).items():
+        if name in grouped:
+            assert doc is None, (f"{script}.py re-documents --{name}: its help is {grouped[name].__name__}'s; a script "
+                                 "may change a group flag's default only")
+        else:
+            assert doc, f"{script}.py: --{name} has no docstring"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_no_flag_is_in_two_groups(script):
+    seen = {}
+    for group in groups(script):
+        for f in dataclasses.fields(group):
+            assert f.name not in seen, f"--{f.name} is in {seen[f.name]} and {group.__name__}"
+            seen[f.name] = group.__name__
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_args_stay_a_knob_panel(script):
+    """A script's `Args` holds its own flags and the defaults it overrides: about 60 lines at most."""
+    with open(os.path.join(ROOT, f"{script}.py")) as f:
+        tree = ast.parse(f.read())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Args")
+    assert cls.end_lineno - cls.lineno + 1 <= 65, f"{script}.py's Args is {cls.end_lineno - cls.lineno + 1} lines"
+
+
+def test_algorithm_flags_shared_by_scripts_read_the_same():
+    """A flag several scripts declare themselves has one type (a Literal's choices may differ) and one help text,
+    except the flags whose meaning is each algorithm's own (PER_SCRIPT_MEANING: --beta is DPO's temperature of the
+    implicit reward, GRPO's KL weight, the distillation divergence's mix)."""
+    seen = defaultdict(lambda: defaultdict(list))  # flag -> (type, help) -> scripts
+    for script in SCRIPTS:
+        for name, (annotation, doc) in own_flags(script).items():
+            if doc is not None:
+                kind = "Literal" if annotation.startswith("Literal[") else annotation
+                seen[name][(kind, None if name in PER_SCRIPT_MEANING else doc)].append(script)
+    drift = {name: dict(d) for name, d in seen.items() if len(d) > 1}
+    assert not drift, f"flags that differ between scripts: {drift}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_lists_every_flag_once_grouped(script):
+    from plumbing import run_utils as ru
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        ru.parse_args(args_class(script), argv=["--help"])
+    text = out.getvalue()
+    for f in dataclasses.fields(args_class(script)):
+        assert len(re.findall(rf"--{f.name}\b(?![-_])", text)) >= 1, f"--{f.name} missing from {script}.py --help"
+    for group in groups(script):
+        assert f"{group.__name__} options" in text
+    assert f"{script}.py's own flags" in text

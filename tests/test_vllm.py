@@ -120,7 +120,7 @@ def test_importance_weights_equal_trl():
     sampler = trainer + torch.randn(6, 7, generator=generator) * 0.3  # token ratios ~ e^N(0, 0.3)
     lengths = torch.tensor([7, 1, 4, 3, 7, 5])
     mask = torch.arange(7)[None] < lengths[:, None]
-    trainer, sampler = trainer.masked_fill(~mask, pc.INVALID_LOGPROB), sampler.masked_fill(~mask, pc.INVALID_LOGPROB)
+    trainer, sampler = trainer.masked_fill(~mask, pc.PADDING_LOGPROB), sampler.masked_fill(~mask, pc.PADDING_LOGPROB)
     for mode in vg.IS_MODES:
         for clip_max, clip_min in ((3.0, None), (1.2, None), (1.2, 0.8), (None, 0.8)):
             ours, _ = vg.importance_weights(trainer, sampler, mask, vg.ImportanceSampling(mode, clip_max, clip_min))
@@ -314,7 +314,7 @@ def test_sampled_layout_and_log_probs_match_the_trainer(engine):
     assert torch.equal(query_responses[:, :queries.shape[1]], repeated)
     assert torch.equal(pc.truncate_after_eos(responses, eos, pad), responses)  # pad only after EOS / at the end
     assert mask[:, 0].all()
-    assert (sampler_logprobs[~mask] == pc.INVALID_LOGPROB).all()
+    assert (sampler_logprobs[~mask] == pc.PADDING_LOGPROB).all()
     trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1], pad, 0.7)
     # the same fp32 distribution (temperature 0.7, pad masked) from two implementations
     assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
