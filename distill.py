@@ -128,22 +128,15 @@ def teacher_outputs(teacher, query_responses, context_length: int, pad_token_id:
 
 
 def validate(args: Args) -> int:
-    """Check the flags before anything loads (one-line errors); returns the completions per process per step."""
+    """Check the distillation flags (each flag group checked its own in ru.parse_args); returns the completions per
+    process per step."""
     if not 0 <= args.beta <= 1 or not 0 <= args.lmbda <= 1:
         raise UserError(f"--beta and --lmbda must be in [0, 1], got {args.beta} and {args.lmbda}")
     if args.loss == "pg" and (args.lmbda < 1 or args.loss_top_k):
         raise UserError("--loss pg is on-policy REINFORCE on the sampled tokens: it needs --lmbda 1 and no "
                         "--loss_top_k")
-    if min(args.learning_rate, args.max_grad_norm, args.temperature, args.cliprange) <= 0 or args.loss_top_k < 0:
-        raise UserError("--learning_rate, --max_grad_norm, --temperature and --cliprange must be > 0, --loss_top_k >= 0")
-    vg.validate_args(args)
-    if args.local_rollout_forward_batch_size is None:
-        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
-    if min(args.per_device_train_batch_size, args.gradient_accumulation_steps, args.response_length,
-           args.total_episodes, args.num_eval_prompts, args.local_rollout_forward_batch_size,
-           1 if args.max_steps is None else args.max_steps) < 1:
-        raise UserError("batch sizes, --response_length, --total_episodes, --num_eval_prompts and --max_steps must "
-                        "be >= 1")
+    if args.cliprange <= 0 or args.loss_top_k < 0:
+        raise UserError("--cliprange must be > 0, --loss_top_k >= 0")
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
@@ -162,7 +155,7 @@ def load_teacher(args, tokenizer, positions_needed: int, accelerator):
         raise UserError(f"the teacher {name!r} has {positions} positions, fewer than a prompt + completion of "
                         f"{positions_needed} tokens (--max_prompt_length + --response_length): lower them")
     teacher = models.load_causal_lm(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
-    return pc.prepare_frozen(teacher, accelerator), name
+    return models.prepare_frozen(teacher, accelerator), name
 
 
 def dataset_completions(data, indices, tokenizer, response_length: int) -> List[List[int]]:
@@ -278,10 +271,14 @@ def main():
                 if args.loss == "gkd":
                     token_loss = divergence
                 else:
-                    is_weights, mb_is_stats = batch.importance_weights(batch.logprobs[mb], mb)  # vLLM sampled
-                    for key, value in mb_is_stats.items():
+                    micro = batch.subset(mb)  # sampled by vLLM: each token weighted by pi_old / pi_behaviour
+                    is_weights = pc.importance_weights(micro.old_logprobs, micro.behaviour_logprobs,
+                                                       micro.response_mask, micro.importance_sampling)
+                    for key, value in pc.importance_sampling_stats(micro.old_logprobs, micro.behaviour_logprobs,
+                                                                   micro.response_mask,
+                                                                   micro.importance_sampling).items():
                         is_stats.setdefault(key, []).append(value)
-                    token_loss = pg_token_loss(new_logprobs, batch.logprobs[mb], teacher_logprobs, args.cliprange,
+                    token_loss = pg_token_loss(new_logprobs, micro.old_logprobs, teacher_logprobs, args.cliprange,
                                                is_weights)
                 loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
                 accelerator.backward(loss)

@@ -1,35 +1,13 @@
-# Group Relative Policy Optimization (GRPO): Shao et al. 2024, "DeepSeekMath" (https://arxiv.org/abs/2402.03300), and
-# the variants that change one line of it: Dr. GRPO (Liu et al. 2025, --scale_rewards none --loss_type dr_grpo),
-# DAPO (Yu et al. 2025, --loss_type dapo --epsilon_high 0.28 --mask_truncated_completions), GSPO (Zheng et al. 2025,
-# --importance_sampling_level sequence). Flags of the algorithm follow TRL's GRPOConfig (defaults: TRL 1.16's).
-#   python grpo.py                                   # toy task, CPU, about a minute
-#   python grpo.py --reward_funcs gold               # the same on the toy task's verifiable reward, no reward model
-#   accelerate launch grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts> --reward_funcs file.py:fn
-# Per step: sample num_generations completions per prompt (rollout.py), score them (reward model and/or reward
-# functions, weighted: reward_sources.py), advantage = (reward - group mean) / (group std + 1e-4) (a group whose
-# rewards are all equal: exactly 0), then num_iterations optimizer steps on the clipped surrogate (+ beta x k3 KL to
-# the reference in the loss), token losses aggregated per --loss_type. DAPO's --dynamic_sampling samples more prompts
-# until the batch holds only groups whose rewards differ (dynamic_sampling/rounds, /frac_flat_sampled); its overlong
-# shaping, --overlong_buffer_length, is a reward source `overlong` (reward_sources.py).
-# Metrics (metrics.jsonl, a row per step): objective/scores (the weighted reward), objective/kl (sequence KL to the
-# reference, k1, when beta > 0), objective/beta, objective/entropy, objective/frac_reward_zero_std (groups whose
-# rewards are all equal: no signal), objective/advantage_std, reward/<source>/mean and /std, loss/policy,
-# policy/clipfrac (low, high), policy/approxkl (new vs old policy), val/num_eos_tokens, val/response_length,
-# val/truncated_fraction, nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy, held-out
-# prompts): scores, kl, response_length, eos_rate, reward/<source>/*, gold_score (when the task has one), and with
-# --num_eval_generations k and reward functions: pass@k and mean@k over k sampled completions per prompt.
-# --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
-# vllm/is_truncated_frac or vllm/is_masked_frac (importance weights on the policy loss, per
-# --vllm_importance_sampling_mode) and time/vllm_sync.
-# --max_staleness N samples ahead (run_ahead.py): step t trains on completions sampled by the weights after step
-# t - 1 - N (with --use_vllm the engine samples while the trainer trains), their loss weighted by pi_old / pi_sampler
-# (AReaL's decoupled objective, --vllm_importance_sampling_*); adds async/staleness_mean|max,
-# async/trainer_wait_seconds, async/sampler_wait_seconds (vLLM), async/is_weight_* (HF); time/generate_seconds at any N.
-# --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
-# appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
-# tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
-# episodes/truncated_fraction (ended by the --response_length budget), and eval/ the same.
-#   python grpo.py --model toy_tools                # the toy tool world: a lookup tool, gold reward, a few minutes
+"""Group Relative Policy Optimization (GRPO): Shao et al. 2024, "DeepSeekMath" (https://arxiv.org/abs/2402.03300),
+and the variants that change one line of it: Dr. GRPO (Liu et al. 2025), DAPO (Yu et al. 2025), GSPO (Zheng et al.
+2025); docs/grpo.md says which flags make each. Per step: sample num_generations completions per prompt, advantage =
+(reward - group mean) / (group std + 1e-4), then num_iterations steps on the clipped surrogate (+ beta x k3 KL to the
+reference). Flags and defaults: TRL 1.16's GRPOConfig; metrics: docs/metrics.md; options: --help and docs/.
+
+    python grpo.py                                  # the toy task on a CPU, about a minute
+    python grpo.py --model toy_tools                # the toy tool world: multi-turn episodes with a lookup tool
+    accelerate launch grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts> --reward_funcs file.py:fn
+"""
 import math
 import os
 import time
@@ -217,34 +195,22 @@ def aggregate_loss(token_loss, mask, loss_type: str, response_length: int, token
 
 
 def validate(args: Args):
-    """Check the flags before anything loads (one-line errors) and derive the per-process sizes once: returns
-    (local_batch_size, local_prompts): completions per process per step, and the prompts they sample (the
+    """Check GRPO's flags (each flag group checked its own in ru.parse_args) and derive the per-process sizes once:
+    returns (local_batch_size, local_prompts): completions per process per step, and the prompts they sample (the
     num_generations completions of a prompt stay on one process)."""
     if args.num_generations < 2:
         raise UserError(f"--num_generations must be >= 2 (a group needs others to compare with), got "
                         f"{args.num_generations}")
     args.epsilon_high = args.epsilon if args.epsilon_high is None else args.epsilon_high
-    if min(args.epsilon, args.epsilon_high, args.learning_rate, args.max_grad_norm, args.temperature) <= 0:
-        raise UserError("--epsilon, --epsilon_high, --learning_rate, --max_grad_norm and --temperature must be > 0")
-    if args.beta < 0 or (args.kl_target is not None and (args.kl_target <= 0 or args.beta == 0)):
-        raise UserError("--beta must be >= 0, and --kl_target (> 0) adapts a --beta that starts above 0")
+    if min(args.epsilon, args.epsilon_high) <= 0 or args.beta < 0 or (args.kl_target is not None and args.beta == 0):
+        raise UserError("--epsilon and --epsilon_high must be > 0, --beta >= 0, and --kl_target adapts a --beta that "
+                        "starts above 0")
+    if min(args.num_iterations, args.dynamic_sampling_max_rounds) < 1 or args.num_eval_generations < 0:
+        raise UserError("--num_iterations and --dynamic_sampling_max_rounds must be >= 1, --num_eval_generations >= 0")
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo" and os.environ.get("RANK", "0") == "0":
         print(f"warning: with --importance_sampling_level sequence the '{args.loss_type}' loss sums per-token "
               "contributions, which weights each sequence by its completion length instead of optimising the "
               "per-sequence objective (TRL 1.16 warns the same); GSPO's setup is --loss_type grpo", flush=True)
-    vg.validate_args(args)
-    ep.validate_args(args)
-    ra.validate_args(args)
-    if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
-        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
-    if min(args.num_iterations, args.per_device_train_batch_size, args.num_eval_prompts, args.kl_horizon,
-           args.dynamic_sampling_max_rounds,
-           args.gradient_accumulation_steps, args.response_length, args.total_episodes,
-           args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1 \
-            or args.num_eval_generations < 0:
-        raise UserError("batch sizes, --num_iterations, --num_eval_prompts, --response_length, --total_episodes, "
-                        "--kl_horizon, --dynamic_sampling_max_rounds and --max_steps must be >= 1, "
-                        "--num_eval_generations >= 0")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
     local_prompts = pc.exact_div(local_batch_size, args.num_generations, "local_batch_size "
                                  "(per_device_train_batch_size * gradient_accumulation_steps) / num_generations")
@@ -291,7 +257,8 @@ def main():
                          rows=data.train, samples_per_prompt=args.num_generations, prompts_per_process=local_prompts,
                          max_prompt_length=args.max_prompt_length, weights_version=state["step"], toolset=toolset,
                          context_limit=data.context_limit)
-    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)  # 0: rollouts.rollout = sampler.rollout
+    # --max_staleness N > 0: the sampler runs N steps ahead of the trainer (its pending batches go into checkpoints)
+    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from) if args.max_staleness else sampler
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(sampler.evaluate(data.held_out, logger, 0, pass_at_k=args.num_eval_generations), step=0)
@@ -300,10 +267,8 @@ def main():
     while state["step"] < num_total_batches:
         step, beta = state["step"] + 1, state["kl_coef"]
         # 5. rollout: this process's local_prompts prompts, num_generations completions each, scored; reference
-        #    log-probs when beta > 0; old log-probs only for reused batches (at one iteration the training forward's
-        #    own, detached: a ratio of exactly 1, as TRL)
-        #    (--dynamic_sampling: more prompts until the batch holds only groups whose rewards differ; --max_staleness:
-        #    sampled by the weights of max_staleness steps ago, their sampler's log-probs kept for importance weights)
+        #    log-probs when beta > 0; old log-probs only for reused batches (--dynamic_sampling: more prompts until
+        #    the batch holds only groups whose rewards differ)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             if args.dynamic_sampling:
                 batch, prompts_used, sampling_metrics = dynamic_sampling_rollout(
@@ -313,7 +278,7 @@ def main():
                 batch = rollouts.rollout(state["prompts_seen"], weights_version=state["step"],
                                          old_logprobs=args.num_iterations > 1)
                 prompts_used, sampling_metrics = local_prompts * accelerator.num_processes, {}
-        response_mask, truncated, ref_logprobs = batch.response_mask, batch.truncated, batch.ref_logprobs  # (B, R)...
+        response_mask, truncated = batch.response_mask, batch.truncated  # (B, R), (B,)
         scores = scored_rewards(batch)  # (B,): scored by no source: NaN, left out
 
         # 6. group-relative advantages; the loss mask and its token count over all processes (for dapo)
@@ -330,26 +295,31 @@ def main():
         losses, stats, entropy, kl = [], {}, [], []
         for iteration in range(args.num_iterations):
             for mb in batch.shuffled_rows().view(args.gradient_accumulation_steps, -1):  # per_device rows each
+                micro = batch.subset(mb)
                 with accelerator.accumulate(policy):
-                    new_logprobs, token_entropy = sampler.logprobs(policy, batch, mb, entropy=iteration == 0)
-                    old = new_logprobs.detach() if batch.logprobs is None else batch.logprobs[mb]
-                    # sampled by vLLM or by earlier weights: each token's surrogate weighted by pi_old / pi_sampler,
-                    # per token or per completion, truncated or masked (--vllm_importance_sampling_mode); else None
-                    is_weights, is_stats = batch.importance_weights(old, mb)
+                    new_logprobs, token_entropy = sampler.forward_logprobs(policy, micro, entropy=iteration == 0)
+                    # pi_old: the rollout's, or at one iteration this forward's own, detached (a ratio of 1, as TRL)
+                    old = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
+                    # sampled by another policy (vLLM, earlier weights: pi_behaviour): each token's surrogate weighted
+                    # by pi_old / pi_behaviour (per token or per completion); None when pi_old sampled them itself
+                    is_weights = pc.importance_weights(old, micro.behaviour_logprobs, micro.response_mask,
+                                                       micro.importance_sampling)
                     token_loss, mb_stats = per_token_loss(
-                        new_logprobs, old, None if ref_logprobs is None else ref_logprobs[mb], advantages[mb],
-                        loss_mask[mb], importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
+                        new_logprobs, old, micro.ref_logprobs, advantages[mb], loss_mask[mb],
+                        importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
                         epsilon_high=args.epsilon_high, beta=beta, is_weights=is_weights)
                     loss = aggregate_loss(token_loss, loss_mask[mb], args.loss_type, args.response_length,
                                           tokens_per_micro_batch)
                     accelerator.backward(loss)
                 losses.append(loss.detach())
-                for key, value in {**mb_stats, **(is_stats if iteration == 0 else {})}.items():
+                if iteration == 0:  # the importance weights, the sampling policy's entropy and KL to the reference
+                    mb_stats.update(pc.importance_sampling_stats(old, micro.behaviour_logprobs, micro.response_mask,
+                                                                 micro.importance_sampling))
+                    entropy.append((token_entropy * micro.response_mask).sum(1))
+                    if micro.ref_logprobs is not None:
+                        kl.append(((old - micro.ref_logprobs) * micro.response_mask).sum(1))
+                for key, value in mb_stats.items():
                     stats.setdefault(key, []).append(value)
-                if iteration == 0:  # the sampling policy's entropy and KL to the reference, per sequence
-                    entropy.append((token_entropy * response_mask[mb]).sum(1))
-                    if ref_logprobs is not None:
-                        kl.append(((old - ref_logprobs[mb]) * response_mask[mb]).sum(1))
             optimizer_step(torch.stack(losses[-args.gradient_accumulation_steps:]), state, step)
         state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
                      prompts_seen=state["prompts_seen"] + prompts_used)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -65,7 +66,7 @@ class Reference:
         if self.mode == "copy":
             yield self.model
         else:
-            policy = unwrap(self.policy)
+            policy = models.unwrap(self.policy)
             with policy.disable_adapter():
                 yield self.policy
 
@@ -105,48 +106,8 @@ def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_mode
     model = models.load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
     if accelerator is not None:
-        model = prepare_frozen(model, accelerator)
+        model = models.prepare_frozen(model, accelerator)
     return Reference("copy", model=model, chunk_tokens=chunk_tokens)
-
-
-def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
-    """Place a frozen model (reference, reward, value-free scorer) for inference. Under DeepSpeed ZeRO-3 it
-    becomes an inference engine sharded like the policy; otherwise it is moved to the device (no DDP
-    wrapper: it has no gradients to synchronise)."""
-    model.eval().requires_grad_(False)
-    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if ds_plugin is not None and ds_plugin.zero_stage == 3:
-        import deepspeed
-
-        config = {
-            "train_micro_batch_size_per_gpu": ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
-            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4},
-            "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
-        }
-        engine, *_ = deepspeed.initialize(model=model, config=config)
-        engine.eval()
-        return engine
-    return model.to(accelerator.device)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`); written in prompt_sharing (below)."""
-    return prompt_sharing.unwrap(model)
-
-
-@contextlib.contextmanager
-def unwrap_for_generation(model: nn.Module, accelerator=None):
-    """Yield a plain model that can `.generate`. Under DeepSpeed ZeRO-3 the sharded parameters are gathered
-    for the duration of the block (one all-gather per call, so generate in as few calls as possible)."""
-    unwrapped = unwrap(model)
-    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None) if accelerator is not None else None
-    if ds_plugin is not None and ds_plugin.zero_stage == 3:
-        import deepspeed
-
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            yield unwrapped
-    else:
-        yield unwrapped
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -206,14 +167,14 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     generation_config = copy.deepcopy(generation_config)
     generation_config.return_dict_in_generate = True
     responses, logprobs, entropies = [], [], []
-    with unwrap_for_generation(model, accelerator) as gen_model, _no_model_sampling_defaults(gen_model):
+    with models.unwrap_for_generation(model, accelerator) as gen_model, _no_model_sampling_defaults(gen_model):
         share_prompts = share_prompts and prompt_sharing.takes_cache(gen_model)
         for i in range(0, queries.shape[0], chunk_size):
             query = queries[i:i + chunk_size]
             attention_mask, position_ids = padding_inputs(query, pad_token_id)
             prefill = (prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids,
                                                        **_keep_last(gen_model, 1)) if share_prompts else {})
-            sampled = SampledTokenStats(generation_config, return_entropy)
+            sampled = chunked_head.SampledTokenStats(generation_config, return_entropy)
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
                                      generation_config=generation_config, logits_processor=[sampled], **prefill)
             response = out.sequences[:, query.shape[1]:]
@@ -228,48 +189,6 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
         return (torch.cat([queries, responses], 1), logprobs,
                 torch.cat(entropies).masked_fill(responses == pad_token_id, 0.0))
     return torch.cat([queries, responses], 1), logprobs
-
-
-class SampledTokenStats:
-    """A logits processor for `generate` keeping, of each step's sampling distribution, only the sampled token's
-    log-prob (and the entropy): (b,) numbers per step, not the (b, V) scores of `output_scores`. It runs before
-    generate's warpers, so it applies the config's itself (temperature, top-k, top-p, min-p, typical-p; others are
-    refused). The token sampled at step t is read from the inputs of step t + 1; `finish` takes the last one."""
-
-    def __init__(self, generation_config, entropy: bool = False):
-        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
-
-        c, self.warpers, self.temperature = generation_config, [], 1.0  # in generate's order
-        self.entropy, self.logprobs, self.entropies, self.last = entropy, [], [], None
-        if not c.do_sample:
-            return
-        if c.top_h is not None or (c.epsilon_cutoff or 0.0) > 0.0 or (c.eta_cutoff or 0.0) > 0.0:
-            raise ValueError("batch_generation does not take top_h, epsilon_cutoff or eta_cutoff")
-        self.temperature = 1.0 if c.temperature is None else c.temperature
-        self.warpers += [TopKLogitsWarper(c.top_k)] if c.top_k else []
-        self.warpers += [TopPLogitsWarper(c.top_p)] if (c.top_p or 1.0) < 1.0 else []
-        self.warpers += [MinPLogitsWarper(c.min_p)] if c.min_p is not None else []
-        self.warpers += [TypicalLogitsWarper(c.typical_p)] if (c.typical_p or 1.0) < 1.0 else []
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        self.logprobs.append(torch.gather(self.last, 1, tokens.unsqueeze(-1)).squeeze(-1))
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if self.last is not None:
-            self._take(input_ids[:, -1])
-        warped = scores / self.temperature if self.temperature != 1.0 else scores
-        for warper in self.warpers:
-            warped = warper(input_ids, warped)
-        logprob = warped.float().log_softmax(-1)
-        if self.entropy:
-            self.entropies.append(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1))
-        self.last = logprob
-        return scores
-
-    def finish(self, last_tokens: torch.Tensor):  # (b,) last step's tokens -> ((b, r) log-probs, (b, r) entropy)
-        self._take(last_tokens)
-        self.last = None
-        return torch.stack(self.logprobs, 1), torch.stack(self.entropies, 1) if self.entropy else None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -313,7 +232,7 @@ def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_le
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     R = query_responses.shape[1] - context_length
     split = grad_rows is not None and 0 < grad_rows < len(query_responses)
-    if share_prompts and R > 0 and prompt_sharing.takes_cache(unwrap(model)):
+    if share_prompts and R > 0 and prompt_sharing.takes_cache(models.unwrap(model)):
         logits = (prompt_sharing.split_logits(model, query_responses, attention_mask, position_ids, context_length,
                                               grad_rows, **_keep_last(model, 1)) if split else
                   prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
@@ -438,7 +357,7 @@ def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id
     Runs the backbone and the `score` head directly so that every position is read, padding-safe. With
     `share_prompts`, rows with identical queries (the first `context_length` tokens) encode the query once, as
     in `forward_logits`."""
-    base = unwrap(model)
+    base = models.unwrap(model)
     backbone = getattr(base, base.base_model_prefix)
     attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     hidden = None
@@ -457,6 +376,86 @@ def get_reward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: in
     values = scalar_forward(model, query_responses, pad_token_id, context_length, share_prompts)
     last = last_token_index(query_responses != pad_token_id)
     return values[torch.arange(values.shape[0], device=values.device), last]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Importance weights: completions another policy sampled (a vLLM engine, or earlier weights), reweighted in the loss
+# ---------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """How the loss of another policy's samples is reweighted (TRL 1.16's vllm_importance_sampling_*): `mode` is
+    token_* (a ratio per token) or sequence_* (one per completion, from its summed log-ratio), *_truncate (clamped
+    into [clip_min, clip_max]) or *_mask (0 outside them); None: no bound on that side. `sampler` names the metrics
+    (vllm/..., or async/... for HF samples of earlier weights: --max_staleness)."""
+    mode: str = "sequence_mask"
+    clip_max: Optional[float] = 3.0
+    clip_min: Optional[float] = None
+    sampler: str = "vllm"
+
+    @classmethod
+    def from_args(cls, args, sampler: str = "vllm") -> "ImportanceSampling":
+        """The scripts' --vllm_importance_sampling_* flags."""
+        return cls(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
+                   args.vllm_importance_sampling_clip_min, sampler)
+
+    @property
+    def per_sequence(self) -> bool:
+        return self.mode.startswith("sequence_")
+
+    def outside(self, ratio: torch.Tensor) -> torch.Tensor:
+        """Where a ratio lies outside [clip_min, clip_max]."""
+        low = -math.inf if self.clip_min is None else self.clip_min
+        high = math.inf if self.clip_max is None else self.clip_max
+        return (ratio < low) | (ratio > high)
+
+
+def importance_ratios(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                      per_sequence: bool) -> torch.Tensor:
+    """r = pi_old / pi_behaviour of each action, detached: (B, R) per token, or (B, 1) per completion (exp of its summed
+    log-ratio, as TRL; not GSPO's mean). A NaN log-ratio (a token the engine could not score) counts as 0, as TRL."""
+    mask = response_mask.to(old_logprobs.dtype)
+    log_ratio = torch.nan_to_num((old_logprobs - behaviour_logprobs).detach() * mask, nan=0.0)  # (B, R)
+    return torch.exp(log_ratio.sum(1, keepdim=True) if per_sequence else log_ratio)
+
+
+def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: Optional[torch.Tensor],
+                       response_mask: torch.Tensor, sampling: ImportanceSampling, sequence_loss: bool = False):
+    """The weight of each action's loss term for completions sampled by pi_behaviour (a vLLM engine, whose kernels
+    round otherwise: Yao et al. 2025; or earlier weights, --max_staleness: AReaL's decoupled objective, Fu et al. 2025)
+    when the loss is about pi_old (the policy at the start of the step): w = r truncated into [clip_min, clip_max]
+    (*_truncate) or r inside them and 0 outside (*_mask), r = `importance_ratios`. old/behaviour_logprobs,
+    response_mask: (b, R). Returns (b, R) weights, 0 on padding (sequence_*: the completion's weight on each of its
+    tokens), or with `sequence_loss` (a loss with one term per completion, RLOO's sequence view) (b,); None when
+    behaviour_logprobs is None (pi_old sampled them itself)."""
+    if behaviour_logprobs is None:
+        return None
+    if sequence_loss and not sampling.per_sequence:
+        raise UserError(f"--vllm_importance_sampling_mode {sampling.mode} weights tokens; this loss has one term per "
+                        "completion")
+    ratio = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, sampling.per_sequence)
+    if sampling.mode.endswith("_truncate"):
+        weights = torch.clamp(ratio, min=sampling.clip_min, max=sampling.clip_max)
+    else:
+        weights = ratio.masked_fill(sampling.outside(ratio), 0.0)
+    return weights.squeeze(1) if sequence_loss else weights * response_mask.to(weights.dtype)
+
+
+def importance_sampling_stats(old_logprobs: torch.Tensor, behaviour_logprobs: Optional[torch.Tensor],
+                              response_mask: torch.Tensor, sampling: ImportanceSampling) -> dict:
+    """A step's importance-sampling metrics under `sampling.sampler`'s name (vllm/, or async/ for HF samples of earlier
+    weights): logprob_diff (mean |log pi_old - log pi_behaviour| per token), is_weight_mean|min|max (of r, before
+    truncation or masking, over the actions: tokens, or completions for sequence_*) and the fraction of actions outside
+    the bounds, is_truncated_frac (*_truncate) or is_masked_frac (*_mask); {} when behaviour_logprobs is None."""
+    if behaviour_logprobs is None:
+        return {}
+    ratio = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, sampling.per_sequence)
+    actions = response_mask.bool().any(1, keepdim=True) if sampling.per_sequence else response_mask.bool()
+    name = sampling.sampler
+    return {f"{name}/logprob_diff": masked_mean((old_logprobs - behaviour_logprobs).abs().detach(), response_mask.bool()),
+            f"{name}/is_weight_mean": ratio[actions].mean(), f"{name}/is_weight_min": ratio[actions].min(),
+            f"{name}/is_weight_max": ratio[actions].max(),
+            f"{name}/is_truncated_frac" if sampling.mode.endswith("_truncate") else f"{name}/is_masked_frac":
+                sampling.outside(ratio)[actions].float().mean()}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from plumbing import rollout as ro
 from plumbing import run_utils as ru
 from plumbing import train_loop as tl
 from plumbing import vllm_generation as vg
-from plumbing.errors import RolloutError, UserError
+from plumbing.errors import RolloutError, UserError, require_positive
 from policy_common import masked_mean, masked_var, masked_whiten
 
 
@@ -80,30 +80,18 @@ ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10)
 
 
 def validate(args: Args, num_processes: int):
-    """Check hyper-parameters and derive every batch size once (local_ = per process): returns
-    (local_batch_size, batch_size, num_total_batches, num_optimizer_steps)."""
-    if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
-        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
-    for name in ("learning_rate", "per_device_train_batch_size", "gradient_accumulation_steps", "total_episodes",
-                 "response_length", "temperature", "num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value",
-                 "kl_horizon", "local_rollout_forward_batch_size", "num_eval_prompts", "max_grad_norm"):
-        if not getattr(args, name) > 0:
-            raise UserError(f"--{name} must be > 0, got {getattr(args, name)}")
-    for name in ("kl_coef", "vf_coef", "eval_steps", "save_steps"):
+    """Check PPO's flags (each flag group checked its own in ru.parse_args) and derive every batch size once (local_ =
+    per process): returns (local_batch_size, batch_size, num_total_batches, num_optimizer_steps)."""
+    require_positive(args, "num_ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value")
+    for name in ("kl_coef", "vf_coef"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name} must be >= 0, got {getattr(args, name)}")
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             raise UserError(f"--{name} must be in [0, 1], got {getattr(args, name)}")
-    for name in ("kl_target", "max_steps", "max_prompt_length"):
-        if getattr(args, name) is not None and not getattr(args, name) > 0:
-            raise UserError(f"--{name} must be > 0 when given, got {getattr(args, name)}")
-    vg.validate_args(args)
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     batch_size = local_batch_size * num_processes
-    num_total_batches = math.ceil(args.total_episodes / batch_size)
-    if args.max_steps is not None:
-        num_total_batches = min(num_total_batches, args.max_steps)
+    num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
     return local_batch_size, batch_size, num_total_batches, num_optimizer_steps
 
@@ -250,7 +238,7 @@ def main():
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode}, value model from {value_path} -> {output_dir}")
-    sampler = ro.Sampler(args, accelerator, tokenizer, pc.unwrap(model).policy, reward_sources, reference,
+    sampler = ro.Sampler(args, accelerator, tokenizer, models.unwrap(model).policy, reward_sources, reference,
                          prompts=data.train_prompts, rows=data.train, samples_per_prompt=1,
                          prompts_per_process=local_batch_size, max_prompt_length=args.max_prompt_length,
                          weights_version=state["step"])
@@ -269,10 +257,9 @@ def main():
         response_mask = batch.response_mask  # (B, R), True up to and including EOS
         with torch.no_grad():
             # 6. values before the update, a chunk of rows at a time
-            values = pc.unwrap(model).values(query_responses, context_length, pad, args.local_rollout_forward_batch_size)
-            # sampled by vLLM: each token's surrogate weighted by min(pi_trainer / pi_vllm, cap); else None
-            is_weights, is_stats = batch.importance_weights(batch.logprobs)
-            logprobs, values = batch.logprobs * response_mask, values * response_mask  # (B, R)
+            values = models.unwrap(model).values(query_responses, context_length, pad,
+                                                 args.local_rollout_forward_batch_size)
+            logprobs, values = batch.old_logprobs * response_mask, values * response_mask  # (B, R)
             ref_logprobs = batch.ref_logprobs * response_mask
 
             # 7. rewards: KL penalty on every token, the score (after the missing-EOS penalty) at the last real token
@@ -290,13 +277,16 @@ def main():
             for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
                 mini_losses = []
                 for mb in mini_batch:
+                    micro = batch.subset(mb)
                     with accelerator.accumulate(model):
-                        new_logprobs, entropy, vpred = model(query_responses[mb], context_length, pad,
+                        new_logprobs, entropy, vpred = model(micro.query_responses, context_length, pad,
                                                              args.temperature, args.logprob_chunk_tokens)
+                        # sampled by vLLM (pi_behaviour): each token's surrogate weighted by pi_old / pi_behaviour
+                        is_weights = pc.importance_weights(micro.old_logprobs, micro.behaviour_logprobs,
+                                                           micro.response_mask, micro.importance_sampling)
                         pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
                                                                 values[mb], returns[mb], response_mask[mb],
-                                                                args.cliprange, args.cliprange_value,
-                                                                None if is_weights is None else is_weights[mb])
+                                                                args.cliprange, args.cliprange_value, is_weights)
                         loss = pg_loss + args.vf_coef * vf_loss
                         accelerator.backward(loss)
                     mini_losses.append(loss.detach())
@@ -324,7 +314,8 @@ def main():
                 "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
                 "returns/mean": masked_mean(returns, response_mask),
                 "lr": optimizer_step.lr, "episode": state["episode"],
-                "nonfinite/skipped": state["nonfinite_skipped"], **is_stats,
+                "nonfinite/skipped": state["nonfinite_skipped"], **pc.importance_sampling_stats(
+                    batch.old_logprobs, batch.behaviour_logprobs, response_mask, batch.importance_sampling),
             })
             metrics.update(batch.metrics)
             metrics.update(reward_sources.metrics(batch.source_scores, accelerator))

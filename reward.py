@@ -366,7 +366,7 @@ def main() -> None:
 
     # 9. final save, with the input convention in config.json (reward_sources.py reads the model the same way by
     # default)
-    pc.unwrap(model).model.config.reward_model_input = args.reward_model_input
+    models.unwrap(model).model.config.reward_model_input = args.reward_model_input
     tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,
                   submodule="model")
     logger.close(os.path.join(output_dir, "model"))

@@ -1,32 +1,12 @@
-# REINFORCE Leave-One-Out (RLOO): Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization
-# for Learning from Human Feedback in LLMs" (https://arxiv.org/abs/2402.14740); defaults follow TRL's RLOO TL;DR run
-# (https://huggingface.co/docs/trl/rloo_trainer, "Benchmark experiments").
-#   python rloo.py                                  # toy task, CPU, about a minute
-#   accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
-# Per step: sample rloo_k completions per prompt (rollout.py), score them (reward model and/or reward functions,
-# weighted: reward_sources.py; minus missing_eos_penalty without EOS), subtract kl_coef * KL(policy || reference),
-# take advantage = reward - mean reward of the prompt's other k-1 completions, and step on the clipped REINFORCE
-# loss (one epoch, one mini-batch by default = plain REINFORCE). --kl_target adapts kl_coef (Ziegler et al. 2019) to hold the KL there.
-# Metrics (metrics.jsonl, a row per step): objective/scores (reward after the EOS penalty), objective/kl (sequence
-# KL to the reference, per the chosen estimator), objective/kl_coef, objective/non_score_reward (-kl_coef * kl),
-# objective/rlhf_reward (their sum: what is maximised), objective/entropy (summed over the response),
-# objective/advantage_std, loss/policy, policy/clipfrac, policy/approxkl (old vs new policy), val/ratio
-# (+ val/ratio_var), val/num_eos_tokens, val/response_length, reward/<source>/mean and /std (each reward source on
-# its own, before weights and penalty), nonfinite/skipped, lr, episode, time/episodes_per_second; eval/* (greedy,
-# held-out prompts): scores, kl, response_length, eos_rate, reward/<source>/*, gold_score (when the task has a
-# ground-truth scorer).
-# --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
-# vllm/is_truncated_frac or vllm/is_masked_frac (importance weights on the policy loss, per
-# --vllm_importance_sampling_mode) and time/vllm_sync.
-# --max_staleness N samples ahead (run_ahead.py): step t trains on completions sampled by the weights after step
-# t - 1 - N (with --use_vllm the engine samples while the trainer trains), their loss weighted by pi_old / pi_sampler
-# (AReaL's decoupled objective, --vllm_importance_sampling_*); adds async/staleness_mean|max,
-# async/trainer_wait_seconds, async/sampler_wait_seconds (vLLM), async/is_weight_* (HF); time/generate_seconds at any N.
-# --tools / --environment make each completion a multi-turn episode (episodes.py: sampled turns and tool results
-# appended token for token; the tool tokens are masked out of the loss, the KL and the entropy) and add
-# tools/call_frequency (calls per episode), tools/failure_frequency (failed calls / calls), episodes/turns and
-# episodes/truncated_fraction (ended by the --response_length budget), and eval/ the same.
-#   python rloo.py --model toy_tools                # the toy tool world: a lookup tool, gold reward, a few minutes
+"""REINFORCE Leave-One-Out (RLOO): Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+Learning from Human Feedback in LLMs" (https://arxiv.org/abs/2402.14740). Per step: sample rloo_k completions per
+prompt, reward minus kl_coef x KL to the reference, advantage = reward - the mean of the prompt's other k - 1, then
+the clipped REINFORCE loss. Defaults: TRL's RLOO TL;DR run; metrics: docs/metrics.md; options: --help and docs/.
+
+    python rloo.py                                  # the toy task on a CPU, about a minute
+    python rloo.py --model toy_tools                # the toy tool world: multi-turn episodes with a lookup tool
+    accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
+"""
 import math
 import os
 import time
@@ -183,30 +163,20 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
 
 
 def validate(args: Args):
-    """Check the flags before anything loads (one-line errors) and derive the per-process sizes once: returns
-    (local_batch_size, local_prompts): sequences per process per step, and the prompts they sample (the rloo_k
-    completions of a prompt stay on one process)."""
+    """Check RLOO's flags (each flag group checked its own in ru.parse_args) and derive the per-process sizes once:
+    returns (local_batch_size, local_prompts): sequences per process per step, and the prompts they sample (the
+    rloo_k completions of a prompt stay on one process)."""
     if args.rloo_k < 2:
         raise UserError(f"--rloo_k must be >= 2 (the leave-one-out baseline needs other samples), got {args.rloo_k}")
-    if args.kl_coef < 0 or args.cliprange <= 0 or args.learning_rate <= 0 or args.max_grad_norm <= 0:
-        raise UserError("--kl_coef must be >= 0 and --cliprange, --learning_rate, --max_grad_norm > 0")
-    if args.kl_target is not None and (args.kl_target <= 0 or args.kl_coef == 0 or args.kl_horizon < 1):
-        raise UserError("--kl_target (> 0) adapts a --kl_coef that starts above 0, with --kl_horizon >= 1")
-    vg.validate_args(args)
+    if args.kl_coef < 0 or args.cliprange <= 0 or min(args.num_ppo_epochs, args.num_mini_batches) < 1:
+        raise UserError("--kl_coef must be >= 0, --cliprange > 0, --num_ppo_epochs and --num_mini_batches >= 1")
+    if args.kl_target is not None and args.kl_coef == 0:
+        raise UserError("--kl_target adapts a --kl_coef that starts above 0")
     if (args.use_vllm or args.max_staleness) and not args.token_level_kl and \
             args.vllm_importance_sampling_mode.startswith("token_"):  # the sequence view: one action per completion
         raise UserError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights each token's "
                         "loss, but rloo.py's loss has one term per completion (its sequence view): use "
                         "sequence_truncate / sequence_mask, or --token_level_kl for a loss per token")
-    ep.validate_args(args)
-    ra.validate_args(args)
-    if args.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
-        args.local_rollout_forward_batch_size = args.per_device_train_batch_size
-    if min(args.num_ppo_epochs, args.num_mini_batches, args.per_device_train_batch_size, args.num_eval_prompts,
-           args.gradient_accumulation_steps, args.response_length, args.total_episodes,
-           args.local_rollout_forward_batch_size, 1 if args.max_steps is None else args.max_steps) < 1:
-        raise UserError("batch sizes, epochs, --num_eval_prompts, --response_length, --total_episodes and "
-                        "--max_steps must be >= 1")
     local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.num_mini_batches
     local_prompts = pc.exact_div(local_batch_size, args.rloo_k, "local_batch_size (per_device_train_batch_size * "
                                  "gradient_accumulation_steps * num_mini_batches) / rloo_k")
@@ -253,7 +223,8 @@ def main():
                          rows=data.train, samples_per_prompt=args.rloo_k, prompts_per_process=local_prompts,
                          max_prompt_length=args.max_prompt_length, weights_version=state["step"], toolset=toolset,
                          context_limit=data.context_limit)
-    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)  # 0: rollouts.rollout = sampler.rollout
+    # --max_staleness N > 0: the sampler runs N steps ahead of the trainer (its pending batches go into checkpoints)
+    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from) if args.max_staleness else sampler
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)
@@ -262,33 +233,33 @@ def main():
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
         # 5. rollout: this process's local_prompts prompts, rloo_k completions each, scored; old and reference
-        #    log-probs (a failure on any process first keeps the finished steps); --max_staleness: sampled by the
-        #    weights of max_staleness steps ago, their sampler's log-probs kept for the importance weights
+        #    log-probs (a failure on any process first keeps the finished steps)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             batch = rollouts.rollout(state["prompts_seen"], weights_version=state["step"], entropy=True)
         response_mask = batch.response_mask  # (B, R)
 
         # 6. KL-penalised rewards and leave-one-out advantages
         with torch.no_grad():
-            kl = per_token_kl(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
+            kl = per_token_kl(batch.old_logprobs, batch.ref_logprobs, args.kl_estimator) * response_mask  # (B, R)
             advantages, rlhf_reward, non_score_reward = rloo_advantages(
                 batch.scores, kl, response_mask, kl_coef, args.rloo_k, token_level_kl=args.token_level_kl,
                 normalize=args.normalize_advantage, accelerator=accelerator)
-            # sampled by vLLM or by earlier weights: each action's loss weighted by pi_old / pi_sampler, truncated or
-            # masked; the sequence view's action is the completion (one weight each, sequence_* modes), the token
-            # view's a token; else None
-            is_weights, is_stats = batch.importance_weights(batch.logprobs, sequence_loss=advantages.dim() == 1)
 
         # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         losses, stats = [], dict(clipfrac=[], approxkl=[], ratio=[])
         for _ in range(args.num_ppo_epochs):
             for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
                 for mb in mini_batch:  # micro-batches of per_device_train_batch_size rows
+                    micro = batch.subset(mb)
                     with accelerator.accumulate(policy):
-                        new_logprobs, _ = sampler.logprobs(policy, batch, mb)
-                        loss, mb_stats = clipped_policy_loss(new_logprobs, batch.logprobs[mb], advantages[mb],
-                                                             response_mask[mb], args.cliprange,
-                                                             None if is_weights is None else is_weights[mb])
+                        new_logprobs, _ = sampler.forward_logprobs(policy, micro)  # (b, R), with gradient
+                        # sampled by another policy (vLLM, earlier weights: pi_behaviour): each completion's loss
+                        # weighted by pi_old / pi_behaviour (the token view: each token's); None when pi_old sampled
+                        is_weights = pc.importance_weights(micro.old_logprobs, micro.behaviour_logprobs,
+                                                           micro.response_mask, micro.importance_sampling,
+                                                           sequence_loss=not args.token_level_kl)
+                        loss, mb_stats = clipped_policy_loss(new_logprobs, micro.old_logprobs, advantages[mb],
+                                                             micro.response_mask, args.cliprange, is_weights)
                         accelerator.backward(loss)
                     losses.append(loss.detach())
                     for key, value in mb_stats.items():
@@ -309,7 +280,8 @@ def main():
             "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
             "val/num_eos_tokens": (~batch.truncated).sum().float(),
             "val/response_length": response_mask.sum(1).float().mean(),
-            "nonfinite/skipped": float(state["nonfinite_skipped"]), **is_stats,
+            "nonfinite/skipped": float(state["nonfinite_skipped"]), **pc.importance_sampling_stats(
+                batch.old_logprobs, batch.behaviour_logprobs, response_mask, batch.importance_sampling),
         })
         metrics.update(batch.metrics)
         metrics.update(reward_sources.metrics(batch.source_scores, accelerator))

@@ -1,6 +1,7 @@
 """Does a change that should not change behaviour leave the runs as they were? Seeded toy runs of every script
 (and the variants named in RUNS) are recorded once before the change and once after; the two records are then
-compared: every metrics.jsonl row (time/* keys aside) and every tensor of the saved model, exactly.
+compared: every metrics.jsonl row (wall-clock keys aside: time/*, *_seconds) and every tensor of the saved model,
+exactly.
 
     python benchmark/same_runs.py record runs/same/before          # at the commit before the change
     python benchmark/same_runs.py record runs/same/after           # after it
@@ -99,7 +100,12 @@ def tensors(model_folder: str) -> dict:
 
 def metric_rows(run_folder: str) -> list:
     with open(os.path.join(run_folder, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")} for line in f]
+        return [{k: v for k, v in json.loads(line).items() if not is_wall_clock(k)} for line in f]
+
+
+def is_wall_clock(key: str) -> bool:
+    """time/* and the *_seconds metrics (async/trainer_wait_seconds, ...) measure the machine, not the run."""
+    return key.startswith("time/") or key.endswith("_seconds")
 
 
 def compare_run(before: str, after: str) -> tuple:
@@ -140,7 +146,7 @@ def compare(before: str, after: str) -> int:
             failed += 1
             print(f"{name}: {len(diffs)} difference(s){extra}\n    " + "\n    ".join(diffs[:8]))
         else:
-            print(f"{name}: identical metrics ({len(metric_rows(os.path.join(after, name)))} rows, time/* aside) "
+            print(f"{name}: identical metrics ({len(metric_rows(os.path.join(after, name)))} rows, wall clock aside) "
                   f"and weights ({n_tensors} tensors){extra}")
     return failed
 

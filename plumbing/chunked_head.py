@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from plumbing import models
 from plumbing.errors import UserError
 
 CHUNK_LOGITS_BYTES = 2**28  # the default chunk: as many positions as make 256 MiB of float32 logits
@@ -41,8 +42,7 @@ TRANSFORMING_CONFIG_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_
 
 def causal_lm(model: nn.Module) -> nn.Module:
     """The causal LM inside DDP / DeepSpeed / compile wrappers and a PEFT adapter."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
+    model = models.unwrap(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -176,3 +176,45 @@ def map_chunks(model: nn.Module, fn, hidden: torch.Tensor, extra, *, chunk_token
         else:
             outs.append(chunk_fn(hidden_chunk, *extra_chunks))
     return tuple(torch.cat(parts) for parts in zip(*outs))
+
+
+class SampledTokenStats:
+    """A logits processor for `generate` keeping, of each step's sampling distribution, only the sampled token's
+    log-prob (and the entropy): (b,) numbers per step, not the (b, V) scores of `output_scores`. It runs before
+    generate's warpers, so it applies the config's itself (temperature, top-k, top-p, min-p, typical-p; others are
+    refused). The token sampled at step t is read from the inputs of step t + 1; `finish` takes the last one."""
+
+    def __init__(self, generation_config, entropy: bool = False):
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+
+        c, self.warpers, self.temperature = generation_config, [], 1.0  # in generate's order
+        self.entropy, self.logprobs, self.entropies, self.last = entropy, [], [], None
+        if not c.do_sample:
+            return
+        if c.top_h is not None or (c.epsilon_cutoff or 0.0) > 0.0 or (c.eta_cutoff or 0.0) > 0.0:
+            raise ValueError("batch_generation does not take top_h, epsilon_cutoff or eta_cutoff")
+        self.temperature = 1.0 if c.temperature is None else c.temperature
+        self.warpers += [TopKLogitsWarper(c.top_k)] if c.top_k else []
+        self.warpers += [TopPLogitsWarper(c.top_p)] if (c.top_p or 1.0) < 1.0 else []
+        self.warpers += [MinPLogitsWarper(c.min_p)] if c.min_p is not None else []
+        self.warpers += [TypicalLogitsWarper(c.typical_p)] if (c.typical_p or 1.0) < 1.0 else []
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.logprobs.append(torch.gather(self.last, 1, tokens.unsqueeze(-1)).squeeze(-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self._take(input_ids[:, -1])
+        warped = scores / self.temperature if self.temperature != 1.0 else scores
+        for warper in self.warpers:
+            warped = warper(input_ids, warped)
+        logprob = warped.float().log_softmax(-1)
+        if self.entropy:
+            self.entropies.append(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1))
+        self.last = logprob
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor):  # (b,) last step's tokens -> ((b, r) log-probs, (b, r) entropy)
+        self._take(last_tokens)
+        self.last = None
+        return torch.stack(self.logprobs, 1), torch.stack(self.entropies, 1) if self.entropy else None

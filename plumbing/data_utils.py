@@ -14,7 +14,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import torch
 
 from plumbing import models
-from plumbing.errors import UserError
+from plumbing.errors import UserError, require_positive
 
 
 @dataclass
@@ -26,6 +26,9 @@ class DataFlags:
     """split of the dataset held out for evaluation"""
     max_prompt_length: Optional[int] = None
     """longest prompt in tokens (None = the longest in the data); RL refuses longer prompts, DPO/KTO cut them left"""
+
+    def check(self) -> None:
+        require_positive(self, "max_prompt_length")
 
 # Dataset aliases: the public TL;DR datasets behind the published RLOO/PPO/DPO runs (Huang et al. 2024; TRL's
 # documentation), and the toy task (built offline by toy_task.py the first time it is named).

@@ -67,6 +67,14 @@ class ToolFlags:
     tool_timeout: float = 30.0
     """seconds a tool call may run before it is cut off (the model then reads an error)"""
 
+    def check(self) -> None:
+        """One-line errors for the tool flags, before anything loads."""
+        if self.max_tool_calling_iterations is not None and self.max_tool_calling_iterations < 0:
+            raise UserError(f"--max_tool_calling_iterations must be >= 0 (None: no limit), got "
+                            f"{self.max_tool_calling_iterations}")
+        if self.tool_timeout <= 0:
+            raise UserError(f"--tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Start-up: the run's tools from --tools / --environment, and the chat template checks
@@ -80,15 +88,6 @@ def _schema(fn: Callable, flag: str) -> dict:
         raise UserError(f"{flag}: tool {getattr(fn, '__name__', fn)!r} cannot be shown to the model: "
                         f"{type(e).__name__}: {str(e).splitlines()[0]} (a tool needs type hints and a Google-style "
                         "docstring with an Args: section)") from None
-
-
-def validate_args(args) -> None:
-    """One-line errors for the tool flags, before anything loads."""
-    if args.max_tool_calling_iterations is not None and args.max_tool_calling_iterations < 0:
-        raise UserError(f"--max_tool_calling_iterations must be >= 0 (None: no limit), got "
-                        f"{args.max_tool_calling_iterations}")
-    if args.tool_timeout <= 0:
-        raise UserError(f"--tool_timeout must be > 0 seconds, got {args.tool_timeout}")
 
 
 def environment_tools(environment) -> List[Callable]:

@@ -6,6 +6,7 @@ checkpointing). Aliases such as `toy` are resolved by run_utils.resolve_model be
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -51,6 +52,10 @@ class PolicyFlags(ModelFlags):
     """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
     vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
     MiB of float32 logits (2**26 / vocabulary size), 0 = all at once"""
+
+    def check(self) -> None:
+        if (self.logprob_chunk_tokens or 0) < 0:
+            raise UserError(f"--logprob_chunk_tokens must be >= 0 (0 = all at once), got {self.logprob_chunk_tokens}")
 
 _HUB_REACHABLE: Optional[bool] = None
 
@@ -215,3 +220,48 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: Optional
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
                         target_modules=list(target_modules) if target_modules else None)
     return get_peft_model(model, config)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Wrappers and placement: the plain model inside DDP / DeepSpeed / compile, frozen models for inference
+# ---------------------------------------------------------------------------------------------------------
+def unwrap(model: nn.Module) -> nn.Module:
+    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`); a PEFT adapter stays."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+@contextlib.contextmanager
+def unwrap_for_generation(model: nn.Module, accelerator=None):
+    """Yield a plain model that can `.generate`. Under DeepSpeed ZeRO-3 the sharded parameters are gathered
+    for the duration of the block (one all-gather per call, so generate in as few calls as possible)."""
+    unwrapped = unwrap(model)
+    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None) if accelerator is not None else None
+    if ds_plugin is not None and ds_plugin.zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+            yield unwrapped
+    else:
+        yield unwrapped
+
+
+def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
+    """Place a frozen model (reference, reward, teacher) for inference. Under DeepSpeed ZeRO-3 it becomes an inference
+    engine sharded like the policy; otherwise it is moved to the device (no DDP wrapper: it has no gradients to
+    synchronise)."""
+    model.eval().requires_grad_(False)
+    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds_plugin is not None and ds_plugin.zero_stage == 3:
+        import deepspeed
+
+        config = {
+            "train_micro_batch_size_per_gpu": ds_plugin.deepspeed_config["train_micro_batch_size_per_gpu"],
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1e4},
+            "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
+        }
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+    return model.to(accelerator.device)

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from plumbing import models
+
 # Sharing costs one more model call: on small models that costs more than the prompt positions it saves.
 MIN_SAVED_FRACTION = 0.2  # of all input positions
 MIN_SAVED_POSITIONS = 128
@@ -50,13 +52,6 @@ def worth_sharing(rows: int, rows_per_prompt: int, prompt_length: int, response_
     return saved >= max(MIN_SAVED_FRACTION * rows * (prompt_length + response_length), MIN_SAVED_POSITIONS)
 
 
-def unwrap(model):
-    """Strip DDP / DeepSpeed / compile wrappers (`.module`, `._orig_mod`): policy_common.unwrap."""
-    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
-        model = getattr(model, "module", None) or model._orig_mod
-    return model
-
-
 @functools.lru_cache(maxsize=None)
 def _parameter_names(forward) -> frozenset:
     return frozenset(inspect.signature(forward).parameters)
@@ -65,7 +60,7 @@ def _parameter_names(forward) -> frozenset:
 def forward_parameters(model) -> frozenset:
     """Names of the arguments the model's own forward takes (wrappers and a PEFT adapter looked through); read once
     per forward function."""
-    inner = unwrap(model)
+    inner = models.unwrap(model)
     inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
     return _parameter_names(getattr(inner.forward, "__func__", inner.forward))
 

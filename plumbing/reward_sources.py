@@ -386,4 +386,4 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
     accelerator.print(f"reward model {path} reads {mode} ({why})")
-    return Rewards(tokenizer, pc.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights, path)
+    return Rewards(tokenizer, models.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights, path)

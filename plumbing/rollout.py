@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -48,7 +49,7 @@ from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
 from plumbing import vllm_generation as vg
-from plumbing.errors import RolloutError, UserError
+from plumbing.errors import RolloutError, UserError, require_positive
 
 LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant (the first rollout is checked)
 LOGPROB_CHECK_ROWS = 4  # rows scored again by a forward at each check
@@ -68,6 +69,13 @@ class RolloutFlags(ge.GenerationFlags):
     local_rollout_forward_batch_size: Optional[int] = None
     """rows per generation / no-grad forward chunk (None = per_device_train_batch_size: a no-grad pass needs less
     memory than the training pass over as many rows)"""
+
+    def check(self) -> None:
+        """One-line errors before anything loads; --local_rollout_forward_batch_size's None becomes its value."""
+        if self.local_rollout_forward_batch_size is None:  # the micro-batch the user sized for training
+            self.local_rollout_forward_batch_size = self.per_device_train_batch_size
+        require_positive(self, "response_length", "total_episodes", "num_eval_prompts",
+                         "local_rollout_forward_batch_size", "temperature")
 
 
 @dataclass
@@ -122,9 +130,9 @@ class Samples:
     context_length: int
     indices: List[int]  # (B / k,) the prompts' rows in the training data
     rows: List[dict]
-    logprobs: Optional[torch.Tensor]  # (B, R) HF generate: the sampled tokens' log-probs; None with vLLM
-    entropy: Optional[torch.Tensor]
-    sampler_logprobs: Optional[torch.Tensor]  # (B, R) vLLM's log-probs of its samples
+    behaviour_logprobs: torch.Tensor  # (B, R) the sampled tokens' log-probs under the policy that sampled them
+    by_engine: bool  # a vLLM engine sampled: its log-probs are not the trainer's, even at the same weights
+    entropy: Optional[torch.Tensor]  # (B, R) HF generate: the sampling distribution's entropy, when asked for
     action_mask: Optional[torch.Tensor]
     truncated: torch.Tensor  # (B,)
     episodes: Optional[list]
@@ -142,17 +150,19 @@ class Rollout:
     rows: List[dict]  # (B,) the dataset row of each completion (what reward functions read)
     scores: torch.Tensor  # (B,) the weighted reward, minus --missing_eos_penalty where a completion has no EOS
     source_scores: torch.Tensor  # (B, S) each reward source's own score, NaN where a function returned None
-    logprobs: Optional[torch.Tensor]  # (B, R) old log-probs: the policy's before this step's update; INVALID after EOS
+    old_logprobs: Optional[torch.Tensor]  # (B, R) pi_old: the policy before this step's update; PADDING after EOS
     ref_logprobs: Optional[torch.Tensor]  # (B, R) the reference's; meaningless after EOS (mask with response_mask)
     entropy: Optional[torch.Tensor]  # (B, R) entropy of the sampling distribution at each response position
-    sampler_logprobs: Optional[torch.Tensor]  # (B, R) vLLM's log-probs of its samples (None: HF generate sampled)
+    # (B, R) pi_behaviour: the log-probs of the policy that sampled (a vLLM engine, or earlier weights with
+    # --max_staleness), whose samples the loss reweights (pc.importance_weights); None: pi_old sampled them itself
+    behaviour_logprobs: Optional[torch.Tensor]
     metrics: dict  # rollout/logprob_check (at the steps checked), time/vllm_sync (vLLM)
     pad_token_id: int
     eos_token_id: int
     action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
     episode_truncated: Optional[torch.Tensor] = None  # (B,) multi-turn: the episode ended at the budget
-    # how the loss of vLLM's samples is reweighted (--vllm_importance_sampling_*; read only with sampler_logprobs)
-    importance_sampling: vg.ImportanceSampling = vg.ImportanceSampling()
+    # how the loss of another policy's samples is reweighted (--vllm_importance_sampling_*, with behaviour_logprobs)
+    importance_sampling: pc.ImportanceSampling = pc.ImportanceSampling()
 
     @property
     def responses(self) -> torch.Tensor:
@@ -183,20 +193,10 @@ class Rollout:
 
     def subset(self, rows: torch.Tensor) -> "Rollout":
         """The rows `rows` (whole groups of samples_per_prompt, in order) as a Rollout of their own."""
-        per_row = ("query_responses", "scores", "source_scores", "logprobs", "ref_logprobs", "entropy",
-                   "sampler_logprobs", "action_mask", "episode_truncated")
+        per_row = ("query_responses", "scores", "source_scores", "old_logprobs", "ref_logprobs", "entropy",
+                   "behaviour_logprobs", "action_mask", "episode_truncated")
         picked = {name: None if getattr(self, name) is None else getattr(self, name)[rows] for name in per_row}
         return dataclasses.replace(self, rows=[self.rows[i] for i in rows.tolist()], **picked)
-
-    def importance_weights(self, trainer_logprobs: torch.Tensor, rows=slice(None), sequence_loss: bool = False):
-        """Importance sampling for rows `rows` sampled by vLLM (`vg.importance_weights`, --vllm_importance_sampling_*):
-        (weights, stats) with weights pi_trainer / pi_vllm truncated or masked, detached, (b, R) (token_* modes: per
-        token; sequence_*: the completion's on each of its tokens) or (b,) with `sequence_loss` (a loss with one term
-        per completion); (None, {}) when the trainer's own policy sampled them (HF generate)."""
-        if self.sampler_logprobs is None:
-            return None, {}
-        return vg.importance_weights(trainer_logprobs, self.sampler_logprobs[rows], self.response_mask[rows],
-                                     self.importance_sampling, sequence_loss=sequence_loss)
 
 
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
@@ -226,8 +226,8 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
         first, query_responses=query_responses, context_length=context_length,
         rows=[row for r in rollouts for row in r.rows],
         scores=torch.cat([r.scores for r in rollouts]), source_scores=torch.cat([r.source_scores for r in rollouts]),
-        logprobs=response_side("logprobs", pc.PADDING_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
-        entropy=response_side("entropy", 0.0), sampler_logprobs=response_side("sampler_logprobs", 0.0),
+        old_logprobs=response_side("old_logprobs", pc.PADDING_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
+        entropy=response_side("entropy", 0.0), behaviour_logprobs=response_side("behaviour_logprobs", 0.0),
         action_mask=response_side("action_mask", False), metrics=metrics,
         episode_truncated=None if first.episode_truncated is None else torch.cat([r.episode_truncated
                                                                                    for r in rollouts]))
@@ -271,7 +271,8 @@ class Sampler:
         """This process's next prompts (positions prompts_seen + process index x prompts_per_process onward of the
         data stream, the same order on any number of processes), sampled, scored, with reference log-probs.
         weights_version: optimizer steps taken so far. old_logprobs=False: the caller takes them from its training
-        forward (GRPO at one iteration; Rollout.logprobs None). entropy: the sampling distribution's, per position."""
+        forward (GRPO at one iteration; Rollout.old_logprobs None). entropy: the sampling distribution's, per
+        position. Logs time/generate_seconds (the sampling)."""
         samples = self.generate(prompts_seen, weights_version, entropy=entropy)
         return self.score(samples, weights_version, old_logprobs=old_logprobs, entropy=entropy)
 
@@ -281,7 +282,7 @@ class Sampler:
         """`rollout`'s first half: the prompts at `prompts_seen` sampled by the weights of `weights_version`: HF
         generate with the policy as it is now (the old-log-probs check runs here), or the vLLM engine synced to that
         version (weights staged earlier when this runs on another thread: run_ahead.py). seeds: vLLM's, one per row."""
-        args, accelerator, k = self.args, self.accelerator, self.samples_per_prompt
+        start, args, accelerator, k = time.perf_counter(), self.args, self.accelerator, self.samples_per_prompt
         indices = du.data_positions(len(self.prompts), args.seed,
                                     prompts_seen + accelerator.process_index * self.prompts_per_process,
                                     self.prompts_per_process)
@@ -305,9 +306,7 @@ class Sampler:
             query_responses, context_length = tensors["query_responses"], tensors["context_length"]
             action_mask, truncated = tensors["action_mask"], tensors["truncated"]
             logprobs, entropies = tensors["logprobs"], tensors["entropy"] if entropy else None
-            sampler_logprobs = None
-            if self.vllm is not None:
-                sampler_logprobs, logprobs = tensors["sampler_logprobs"], None
+            sampler_logprobs = None if self.vllm is None else tensors["sampler_logprobs"]
             metrics.update(ep.episode_metrics(episodes, accelerator))
         response_mask = query_responses[:, context_length:] != self.pad  # (B, R)
         if action_mask is not None:
@@ -318,23 +317,27 @@ class Sampler:
         metrics.update({"time/vllm_sync": self.vllm.last_sync_seconds} if self.vllm is not None else {})
         if hf:
             self.policy.train(training)
-        return Samples(query_responses, context_length, indices, rows, logprobs, entropies, sampler_logprobs,
-                       action_mask, truncated, episodes, metrics, weights_version)
+        metrics["time/generate_seconds"] = time.perf_counter() - start
+        by_engine = self.vllm is not None
+        return Samples(query_responses, context_length, indices, rows, sampler_logprobs if by_engine else logprobs,
+                       by_engine, None if by_engine else entropies, action_mask, truncated, episodes, metrics,
+                       weights_version)
 
     @torch.no_grad()
     def score(self, samples: Samples, weights_version: int, *, old_logprobs: bool = True,
               entropy: bool = False) -> Rollout:
         """`rollout`'s second half, with the policy at `weights_version` (its optimizer steps now): old log-probs,
-        scores and reference log-probs of `samples`. Samples of other weights (vLLM's; HF's of an earlier version,
-        --max_staleness) keep theirs as `sampler_logprobs`; the old (proximal) log-probs come from a forward."""
+        scores and reference log-probs of `samples`. Samples the policy did not draw itself now (vLLM's; HF's of an
+        earlier version, --max_staleness) keep their log-probs as `behaviour_logprobs`; the old (proximal) log-probs
+        come from a forward."""
         args, query_responses, context_length = self.args, samples.query_responses, samples.context_length
-        logprobs, entropies, sampler_logprobs = samples.logprobs, samples.entropy, samples.sampler_logprobs
-        if sampler_logprobs is None and samples.weights_version != weights_version:  # HF, stale: the behaviour policy
-            sampler_logprobs, logprobs, entropies = logprobs, None, None
+        logprobs, entropies, behaviour_logprobs = samples.behaviour_logprobs, samples.entropy, None
+        if samples.by_engine or samples.weights_version != weights_version:  # another policy sampled them
+            behaviour_logprobs, logprobs, entropies = logprobs, None, None
         response_mask = query_responses[:, context_length:] != self.pad  # (B, R)
         if samples.action_mask is not None:
             response_mask &= samples.action_mask
-        if sampler_logprobs is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
+        if behaviour_logprobs is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
             training = self.policy.training
             self.policy.eval()
             logprobs = pc.response_logprobs_no_grad(self.policy, query_responses, context_length, self.pad,
@@ -359,12 +362,12 @@ class Sampler:
                                                    self.chunk, share_prompts=self.share)
         return Rollout(query_responses=query_responses, context_length=context_length,
                        samples_per_prompt=self.samples_per_prompt, rows=samples.rows, scores=scores,
-                       source_scores=source_scores, logprobs=logprobs if old_logprobs else None,
-                       ref_logprobs=ref_logprobs, entropy=entropies, sampler_logprobs=sampler_logprobs,
+                       source_scores=source_scores, old_logprobs=logprobs if old_logprobs else None,
+                       ref_logprobs=ref_logprobs, entropy=entropies, behaviour_logprobs=behaviour_logprobs,
                        metrics=dict(samples.metrics), pad_token_id=self.pad, eos_token_id=self.eos,
                        action_mask=samples.action_mask,
                        episode_truncated=None if samples.episodes is None else samples.truncated,
-                       importance_sampling=vg.ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"))
+                       importance_sampling=pc.ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"))
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
                first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True, seeds=None):
@@ -435,11 +438,12 @@ class Sampler:
                 "losses would use wrong old log-probs (rollout.py's docstring)")
         return largest
 
-    def logprobs(self, model: nn.Module, batch: Rollout, rows, *, entropy: bool = False):
-        """The training forward: ((b, R) log-probs of rows `rows` of `batch`'s responses under `model`, with gradient
-        unless called under no_grad; (b, R) entropy at each response position with `entropy`, else None), scored as
-        the rollout scored them (logits / temperature, pad masked, with the prompt sharing decided for it)."""
-        results = pc.response_logprobs(model, batch.query_responses[rows], batch.context_length, self.pad,
+    def forward_logprobs(self, model: nn.Module, batch: Rollout, *, entropy: bool = False):
+        """The training forward: ((b, R) log-probs of `batch`'s responses (a micro-batch: `Rollout.subset`) under
+        `model`, with gradient unless called under no_grad; (b, R) entropy at each response position with `entropy`,
+        else None), scored as the rollout scored them (logits / temperature, pad masked, the prompt sharing decided
+        for it)."""
+        results = pc.response_logprobs(model, batch.query_responses, batch.context_length, self.pad,
                                        self.args.temperature, share_prompts=self.share, return_entropy=entropy,
                                        chunk_tokens=self.args.logprob_chunk_tokens)
         return results if entropy else (results, None)
@@ -528,6 +532,9 @@ class Sampler:
         query_responses, context_length = tensors["query_responses"], tensors["context_length"]
         mask = (query_responses[:, context_length:] != self.pad) & tensors["action_mask"]
         return query_responses, context_length, mask, tensors["truncated"], episodes
+
+    def save(self, folder: str) -> None:
+        """Nothing to keep in a checkpoint: this sampler holds no batch between steps (run_ahead.RunAhead does)."""
 
     def close(self) -> None:
         """Stop the vLLM engine, if there is one."""

@@ -8,13 +8,14 @@ At N = 1, while the trainer takes step t on batch t, the sampler samples batch t
     sampler   | sample 2 (v0)| sample 3 (v1)| sample 4 (v2)| ...      (and batch 1 by v0 before step 1)
 
 The objective stays correct. Each completion keeps the weights version that sampled it and its sampler's log-probs
-(the behaviour policy, pi_behav); `Sampler.score` takes the old log-probs from the trainer's weights at the start of
+(the behaviour policy, pi_behav: `Rollout.behaviour_logprobs`); `Sampler.score` takes the old log-probs from the trainer's weights at the start of
 the step (the proximal policy, pi_prox), and the scripts' losses are then the decoupled objective of AReaL (Fu et al.
 2025) and Hilton et al. 2022 ("Batch size-invariance for policy optimization"):
     loss_t = -min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t) * w_t,   r_t = pi / pi_prox,   w_t = pi_prox / pi_behav
 with w truncated or masked as --vllm_importance_sampling_mode / _clip_max / _clip_min say (AReaL's truncation:
-token_truncate; vllm_generation.importance_weights). Reference log-probs and rewards are computed at training time,
-as in the synchronous loop. At N = 0 nothing changes: `RunAhead.rollout` is `Sampler.rollout` (timed).
+token_truncate; policy_common.importance_weights, computed by the scripts beside their loss). Reference log-probs and
+rewards are computed at training time, as in the synchronous loop. At N = 0 the scripts call `Sampler.rollout`
+directly and nothing here runs.
 
 Where generation runs:
 - --use_vllm: the engine lives in its own process already, and one worker thread here drives it (its calls wait on
@@ -34,8 +35,7 @@ missing batches sampled by the resumed weights, with a note.
 Metrics, per step: async/staleness_mean and async/staleness_max (versions behind of the batch's completions, the
 same for all of them here), async/trainer_wait_seconds (how long the trainer waited for its batch; HF: its sampling
 of the batches submitted at this step), async/sampler_wait_seconds (vLLM: how long the sampler waited for the
-trainer's weights before it), the importance weights under async/ (HF) or vllm/ (vLLM), and at any N
-time/generate_seconds (the batch's sampling).
+trainer's weights before it), the importance weights under async/ (HF) or vllm/ (vLLM).
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ from plumbing import rollout as ro
 from plumbing import vllm_generation as vg
 from plumbing.errors import UserError
 
-SAVED = ("query_responses", "logprobs", "entropy", "sampler_logprobs", "truncated")  # a Samples' tensors
+# a Samples' tensors, by their names in a checkpoint's pending-<process>.safetensors; the behaviour log-probs are
+# `sampler_logprobs` when an engine sampled them, `logprobs` when HF generate did
+SAVED = ("query_responses", "entropy", "truncated")
 
 
 @dataclass
@@ -65,18 +67,16 @@ class AsyncFlags:
     after step t - 1 - N (with --use_vllm, while it trains); the loss then weights them by pi_old / pi_sampler as
     --vllm_importance_sampling_* say (AReaL's decoupled objective); 0 = synchronous"""
 
-
-def validate_args(args) -> None:
-    """--max_staleness against the other flags: one-line errors before anything loads."""
-    staleness = getattr(args, "max_staleness", 0)
-    if staleness < 0:
-        raise UserError(f"--max_staleness must be >= 0 (0: synchronous), got {staleness}")
-    if staleness and (getattr(args, "tools", None) or getattr(args, "environment", None)):
-        raise UserError("--max_staleness with --tools / --environment is not supported yet: multi-turn episodes "
-                        "agree between processes turn by turn, which a sampler running ahead cannot do")
-    if staleness and getattr(args, "dynamic_sampling", False):
-        raise UserError("--max_staleness with --dynamic_sampling is not supported: the rounds a step needs depend on "
-                        "its rewards, which a sampler running ahead does not know")
+    def check(self) -> None:
+        """--max_staleness against the other flags: one-line errors before anything loads."""
+        if self.max_staleness < 0:
+            raise UserError(f"--max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
+        if self.max_staleness and (getattr(self, "tools", None) or getattr(self, "environment", None)):
+            raise UserError("--max_staleness with --tools / --environment is not supported yet: multi-turn episodes "
+                            "agree between processes turn by turn, which a sampler running ahead cannot do")
+        if self.max_staleness and getattr(self, "dynamic_sampling", False):
+            raise UserError("--max_staleness with --dynamic_sampling is not supported: the rounds a step needs depend "
+                            "on its rewards, which a sampler running ahead does not know")
 
 
 class RunAhead:
@@ -102,9 +102,6 @@ class RunAhead:
         """The batch of the step after `weights_version` optimizer steps, its prompts at `prompts_seen` (as
         `Sampler.rollout`), sampled by the weights of version max(0, weights_version - max_staleness) and scored with
         the weights now; first the batches up to max_staleness steps ahead are submitted, sampled by the weights now."""
-        if not self.max_staleness:  # Sampler.rollout, timed
-            samples = self.generate(prompts_seen, weights_version, entropy)
-            return self.sampler.score(samples, weights_version, old_logprobs=old_logprobs, entropy=entropy)
         start = time.perf_counter()
         # 1. keep this batch and the next max_staleness ones sampled or being sampled
         position = self.pending[-1][0] + self.prompts_per_step if self.pending else prompts_seen
@@ -138,12 +135,11 @@ class RunAhead:
         self.pending.append((position, weights_version, job))
 
     def generate(self, position: int, weights_version: int, entropy: bool, seeds=None) -> ro.Samples:
-        """`Sampler.generate`, timed (time/generate_seconds); as the worker thread's job (vLLM, seeds drawn by
-        `submit`), also how long the worker waited for it (async/sampler_wait_seconds)."""
+        """`Sampler.generate`; as the worker thread's job (vLLM, seeds drawn by `submit`), also how long the worker
+        waited for it (async/sampler_wait_seconds)."""
         start = time.perf_counter()
         samples = self.sampler.generate(position, weights_version, entropy=entropy, seeds=seeds)
         end = time.perf_counter()
-        samples.metrics["time/generate_seconds"] = end - start
         if self.worker is not None:
             samples.metrics["async/sampler_wait_seconds"] = start - self.idle_since
             self.idle_since = end
@@ -152,15 +148,14 @@ class RunAhead:
     def save(self, folder: str) -> None:
         """Write this process's pending batches into checkpoint `folder` (waiting for those being sampled):
         pending-<process>.safetensors (their tensors) and pending-<process>.json (positions, versions, metrics)."""
-        if not self.max_staleness:
-            return
         tensors, batches = {}, []
         for i, (position, version, job) in enumerate(self.pending):
             samples = job.result() if isinstance(job, Future) else job
             self.pending[i] = (position, version, samples)
-            for name in SAVED:
-                if getattr(samples, name) is not None:
-                    tensors[f"{i}.{name}"] = getattr(samples, name).detach().cpu().contiguous()
+            saved = {name: getattr(samples, name) for name in SAVED}
+            saved["sampler_logprobs" if samples.by_engine else "logprobs"] = samples.behaviour_logprobs
+            tensors.update({f"{i}.{name}": value.detach().cpu().contiguous() for name, value in saved.items()
+                            if value is not None})
             batches.append(dict(position=position, version=version, context_length=samples.context_length,
                                 indices=list(samples.indices), metrics=samples.metrics))
         safetensors.torch.save_file(tensors, os.path.join(folder, self.file + ".safetensors"))
@@ -181,9 +176,11 @@ class RunAhead:
         k = sampler.samples_per_prompt
         for i, saved in enumerate(batches):
             values = {name: tensors.get(f"{i}.{name}") for name in SAVED}
+            by_engine = f"{i}.sampler_logprobs" in tensors
             rows = [sampler.rows[j] for j in saved["indices"] for _ in range(k)]
-            samples = ro.Samples(**values, context_length=saved["context_length"], indices=saved["indices"],
-                                 rows=rows, action_mask=None, episodes=None, metrics=saved["metrics"],
+            samples = ro.Samples(**values, context_length=saved["context_length"], indices=saved["indices"], rows=rows,
+                                 behaviour_logprobs=tensors[f"{i}.sampler_logprobs" if by_engine else f"{i}.logprobs"],
+                                 by_engine=by_engine, action_mask=None, episodes=None, metrics=saved["metrics"],
                                  weights_version=saved["version"])
             self.pending.append((saved["position"], saved["version"], samples))
 

@@ -129,7 +129,8 @@ def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv:
     `alias_defaults` maps a `--model` alias (e.g. "toy") to tuned defaults for that alias; each applies only where the
     flag was not given on the command line, so the dataclass defaults stay those of the real-scale path. The flags
     given on the command line are kept in `args.given_flags` (not a field: not saved with the config) for
-    `fit_length`. --exp_name defaults to the script's file name."""
+    `fit_length`. --exp_name defaults to the script's file name. Each flag group's `check` then runs: one-line
+    UserErrors for bad values, before anything loads."""
     import tyro
 
     argv = sys.argv[1:] if argv is None else argv
@@ -146,8 +147,9 @@ def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv:
     args.given_flags = frozenset(given)
     if getattr(args, "exp_name", "") is None:
         args.exp_name = os.path.splitext(os.path.basename(sys.modules[args_cls.__module__].__file__))[0]
-    if (getattr(args, "logprob_chunk_tokens", None) or 0) < 0:  # a flag of every script that computes log-probs
-        raise UserError(f"--logprob_chunk_tokens must be >= 0 (0 = all at once), got {args.logprob_chunk_tokens}")
+    for group in args_cls.__mro__[1:]:  # each flag group checks its own flags (the script then checks its own)
+        if "check" in vars(group):
+            group.check(args)
     quiet_libraries(getattr(args, "verbose", True))
     return args
 

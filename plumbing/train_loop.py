@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 
 from plumbing import metrics_log as ml
-import policy_common as pc
+from plumbing import models
 from plumbing import run_utils as ru
-from plumbing.errors import UserError
+from plumbing.errors import UserError, require_positive
 
 
 @dataclass
@@ -65,6 +65,14 @@ class TrainFlags:
     resume_from: Optional[str] = None
     """checkpoint folder to resume from, exactly (data order, RNG, optimizer, schedule)"""
 
+    def check(self) -> None:
+        """One-line errors before anything loads."""
+        require_positive(self, "learning_rate", "max_grad_norm", "per_device_train_batch_size",
+                         "gradient_accumulation_steps", "max_steps")
+        for name in ("eval_steps", "save_steps"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
+
 
 @dataclass
 class EpochFlags:
@@ -88,6 +96,9 @@ class KLControlFlags:
     """adaptive KL controller target (sequence KL to the reference, nats); None = a fixed coefficient"""
     kl_horizon: int = 10_000
     """adaptive KL controller horizon in episodes"""
+
+    def check(self) -> None:
+        require_positive(self, "kl_target", "kl_horizon")
 
 
 @contextlib.contextmanager
@@ -124,7 +135,7 @@ def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: 
         state_dict, is_main = None, True
     if not is_main:
         return
-    base = pc.unwrap(model)
+    base = models.unwrap(model)
     if submodule is not None:
         base = getattr(base, submodule)
         if state_dict is not None:

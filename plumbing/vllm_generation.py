@@ -78,55 +78,33 @@ class VLLMFlags:
     vllm_importance_sampling_clip_min: Optional[float] = None
     """lower bound of the importance weight (None = none)"""
 
+    def check(self) -> None:
+        """One-line errors before anything loads; the importance-sampling flags also weight samples of earlier
+        weights (--max_staleness), so they are checked then too."""
+        if self.use_vllm or getattr(self, "max_staleness", 0):
+            self.check_importance_sampling()
+        if not self.use_vllm:
+            return
+        require_vllm()
+        if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
+            raise UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
+        if getattr(self, "load_in_4bit", False):
+            raise UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
 
-@dataclass(frozen=True)
-class ImportanceSampling:
-    """How the policy loss of vLLM's samples is reweighted (TRL 1.16's vllm_importance_sampling_*): `mode` is
-    token_* (a ratio per token) or sequence_* (one per completion, from its summed log-ratio), *_truncate (clamped
-    into [clip_min, clip_max]) or *_mask (0 outside them); None: no bound on that side. `sampler` names the metrics
-    (vllm/..., or async/... for HF samples of earlier weights: --max_staleness)."""
-    mode: str = "sequence_mask"
-    clip_max: Optional[float] = 3.0
-    clip_min: Optional[float] = None
-    sampler: str = "vllm"
-
-    @classmethod
-    def from_args(cls, args, sampler: str = "vllm") -> "ImportanceSampling":
-        """The scripts' --vllm_importance_sampling_* flags."""
-        return cls(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
-                   args.vllm_importance_sampling_clip_min, sampler)
-
-
-def validate_args(args) -> None:
-    """The --vllm_* flags shared by rloo.py, grpo.py, ppo.py and distill.py: a clear error before anything loads (the
-    importance-sampling flags also weight samples of earlier weights: --max_staleness)."""
-    if not args.use_vllm:
-        if getattr(args, "max_staleness", 0):
-            validate_importance_sampling(args)
-        return
-    require_vllm()
-    validate_importance_sampling(args)
-    if not 0 < args.vllm_gpu_memory_utilization <= 1 or args.vllm_tensor_parallel_size < 1:
-        raise UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
-    if getattr(args, "load_in_4bit", False):
-        raise UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
-
-
-def validate_importance_sampling(args) -> None:
-    """--vllm_importance_sampling_mode / _clip_max / _clip_min: UserErrors for bad values."""
-    mode, low, high = (args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_min,
-                       args.vllm_importance_sampling_clip_max)
-    if mode not in IS_MODES:
-        raise UserError(f"--vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
-    if (high is not None and high < 1) or (low is not None and not 0 <= low <= 1):
-        raise UserError(f"--vllm_importance_sampling_clip_max must be >= 1 and --vllm_importance_sampling_clip_min "
-                        f"in [0, 1] (the weight of an action both engines agree on is 1), got {high} and {low}")
-    if low is not None and high is not None and low >= high:  # TRL's GRPOConfig check
-        raise UserError(f"--vllm_importance_sampling_clip_min ({low}) must be less than "
-                        f"--vllm_importance_sampling_clip_max ({high})")
-    if mode.endswith("_truncate") and low is None and high is None:
-        raise UserError(f"--vllm_importance_sampling_mode {mode} clamps the weights: set "
-                        "--vllm_importance_sampling_clip_max and/or --vllm_importance_sampling_clip_min")
+    def check_importance_sampling(self) -> None:
+        mode, low, high = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
+                           self.vllm_importance_sampling_clip_max)
+        if mode not in IS_MODES:
+            raise UserError(f"--vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
+        if (high is not None and high < 1) or (low is not None and not 0 <= low <= 1):
+            raise UserError(f"--vllm_importance_sampling_clip_max must be >= 1 and --vllm_importance_sampling_clip_min "
+                            f"in [0, 1] (the weight of an action both engines agree on is 1), got {high} and {low}")
+        if low is not None and high is not None and low >= high:  # TRL's GRPOConfig check
+            raise UserError(f"--vllm_importance_sampling_clip_min ({low}) must be less than "
+                            f"--vllm_importance_sampling_clip_max ({high})")
+        if mode.endswith("_truncate") and low is None and high is None:
+            raise UserError(f"--vllm_importance_sampling_mode {mode} clamps the weights: set "
+                            "--vllm_importance_sampling_clip_max and/or --vllm_importance_sampling_clip_min")
 
 
 def merged_state_dict(model: nn.Module) -> dict:
@@ -197,7 +175,7 @@ class VLLMGenerator:
         atexit.register(shutil.rmtree, self.folder, True)  # a crashed run leaves no weights behind in /dev/shm
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
-        config = pc.unwrap(policy).config  # no gather needed for it
+        config = models.unwrap(policy).config  # no gather needed for it
         dtype = "bfloat16" if bf16 else "float32"
         saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")}
         if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
@@ -231,7 +209,7 @@ class VLLMGenerator:
     def save_weights(self, policy: nn.Module, folder: Optional[str] = None) -> None:
         """Write the policy's current (merged) weights and config into `folder` (None: the engine's own; ZeRO-3
         shards gathered for the copy)."""
-        with pc.unwrap_for_generation(policy, self.accelerator) as model:
+        with models.unwrap_for_generation(policy, self.accelerator) as model:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
             state = {k: v.detach().to("cpu").contiguous() for k, v in merged_state_dict(model).items()}
             base.save_pretrained(folder or self.folder, state_dict=state, safe_serialization=True)
@@ -347,51 +325,3 @@ def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len:
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_mode=args.vllm_sleep_mode,
                          verbose=args.verbose, weights_version=weights_version)
-
-
-def importance_weights(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                       sampling: ImportanceSampling, sequence_loss: bool = False):
-    """Importance sampling of vLLM's samples (TRL 1.16's GRPOTrainer._generate_and_score_completions, its
-    vllm_importance_sampling_mode; Yao et al. 2025): completions were sampled by the engine (pi_vllm), the loss is
-    about the trainer's policy (pi_trainer), so each sampled action's loss term is weighted by the ratio
-    r = pi_trainer / pi_vllm, detached. trainer/sampler_logprobs, response_mask: (B, R). The same weights serve
-    samples of earlier weights (--max_staleness; AReaL's decoupled objective, Fu et al. 2025): pi_vllm is then the
-    behaviour policy that sampled, pi_trainer the proximal policy (the weights at the start of the step).
-      token_*     r_t = exp(log pi_trainer(y_t) - log pi_vllm(y_t)), one per token
-      sequence_*  r = exp(sum over the completion's actions of that log-ratio), one per completion
-      *_truncate  w = clamp(r, clip_min, clip_max)
-      *_mask      w = r inside [clip_min, clip_max], else 0
-    (a clip_* of None: no bound on that side). Returns (weights, stats): weights (B, R), 0 on padding (sequence_*:
-    the completion's weight on each of its tokens), or with `sequence_loss` (the loss has one term per completion,
-    RLOO's sequence view; sequence_* only) (B,). stats, under `sampling.sampler`'s name (vllm/, or async/ for HF
-    samples of earlier weights): logprob_diff (mean |log pi_trainer - log pi_vllm| per token), is_weight_mean|min|max
-    (of r, before truncation or masking, over the actions: tokens or completions) and the fraction of actions outside
-    the bounds, is_truncated_frac (*_truncate) or is_masked_frac (*_mask)."""
-    per_sequence = sampling.mode.startswith("sequence_")
-    if sequence_loss and not per_sequence:
-        raise UserError(f"--vllm_importance_sampling_mode {sampling.mode} weights tokens; this loss has one term per "
-                        "completion")
-    mask = response_mask.to(trainer_logprobs.dtype)
-    # TRL sets a NaN log-ratio (a token vLLM could not score) to 0: ratio 1, no correction
-    log_ratio = torch.nan_to_num((trainer_logprobs - sampler_logprobs).detach() * mask, nan=0.0)  # (B, R)
-    if per_sequence:
-        log_ratio = log_ratio.sum(1, keepdim=True)  # (B, 1): the summed log-ratio, as TRL (not GSPO's mean)
-    ratio = torch.exp(log_ratio)
-    low = -math.inf if sampling.clip_min is None else sampling.clip_min
-    high = math.inf if sampling.clip_max is None else sampling.clip_max
-    outside = (ratio < low) | (ratio > high)
-    if sampling.mode.endswith("_truncate"):
-        weights = torch.clamp(ratio, min=sampling.clip_min, max=sampling.clip_max)
-    else:
-        weights = ratio.masked_fill(outside, 0.0)
-    actions = response_mask.bool() if not per_sequence else response_mask.bool().any(1, keepdim=True)
-    name = sampling.sampler
-    stats = {f"{name}/logprob_diff": pc.masked_mean((trainer_logprobs - sampler_logprobs).abs().detach(),
-                                                    response_mask.bool()),
-             f"{name}/is_weight_mean": ratio[actions].mean(), f"{name}/is_weight_min": ratio[actions].min(),
-             f"{name}/is_weight_max": ratio[actions].max(),
-             f"{name}/is_truncated_frac" if sampling.mode.endswith("_truncate") else f"{name}/is_masked_frac":
-                 outside[actions].float().mean()}
-    if sequence_loss:
-        return weights.squeeze(1), stats  # (B,)
-    return weights * mask, stats  # (B, R), 0 on padding

@@ -29,9 +29,9 @@ def make_rollout(tokenizer, policy, prompts, k, seed):
     mask = query_responses[:, queries.shape[1]:] != pad
     return ro.Rollout(query_responses=query_responses, context_length=queries.shape[1], samples_per_prompt=k,
                       rows=[{"prompt": i, "seed": seed} for i in range(B)], scores=torch.arange(B) + seed / 10,
-                      source_scores=(torch.arange(B) + seed / 10)[:, None], logprobs=logprobs.masked_fill(
+                      source_scores=(torch.arange(B) + seed / 10)[:, None], old_logprobs=logprobs.masked_fill(
                           ~mask, pc.PADDING_LOGPROB), ref_logprobs=torch.randn(B, R), entropy=torch.rand(B, R),
-                      sampler_logprobs=None, metrics={"m": float(seed)}, pad_token_id=pad,
+                      behaviour_logprobs=None, metrics={"m": float(seed)}, pad_token_id=pad,
                       eos_token_id=eos)
 
 
@@ -57,7 +57,7 @@ def test_concatenated_rounds_keep_every_row_and_its_log_probs(toy):
             assert torch.equal(joined.response_mask[j, :width], part.response_mask[i])
             assert not joined.response_mask[j, width:].any()
             mask = part.response_mask[i]
-            torch.testing.assert_close(joined.logprobs[j, :width][mask], part.logprobs[i][mask])
+            torch.testing.assert_close(joined.old_logprobs[j, :width][mask], part.old_logprobs[i][mask])
             torch.testing.assert_close(joined.ref_logprobs[j, :width][mask], part.ref_logprobs[i][mask])
     # the model scores every joined row as it scored it in its own round (re-padding changes nothing)
     joined_logprobs = pc.response_logprobs(policy, joined.query_responses, joined.context_length,
@@ -67,7 +67,7 @@ def test_concatenated_rounds_keep_every_row_and_its_log_probs(toy):
         width, mask = own.shape[1], part.response_mask
         torch.testing.assert_close(joined_logprobs[offset:offset + len(own), :width][mask], own[mask],
                                    atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(own[mask], part.logprobs[mask], atol=1e-4, rtol=1e-4)  # the sampled ones
+        torch.testing.assert_close(own[mask], part.old_logprobs[mask], atol=1e-4, rtol=1e-4)  # the sampled ones
     # a subset of whole groups: rows in the order asked
     picked = joined.subset(torch.tensor([6, 7, 0, 1]))
     assert [r["seed"] for r in picked.rows] == [2, 2, 1, 1]

@@ -67,11 +67,12 @@ def test_rollout_layout_scores_and_old_logprobs(toy_sampler_parts):
     expected = torch.tensor(letters_reward([row["prompt"] for row in batch.rows], texts)) - batch.truncated.float()
     assert torch.equal(batch.scores, expected)
     assert torch.equal(batch.source_scores[:, 0], expected + batch.truncated.float())
-    # old log-probs: a forward's, to float rounding; INVALID after EOS
+    # old log-probs: a forward's, to float rounding; PADDING_LOGPROB after EOS; the policy sampled them itself
     mask = batch.response_mask
     forward = pc.response_logprobs(policy, batch.query_responses, ctx, pad, 1.0)
-    torch.testing.assert_close(batch.logprobs[mask], forward[mask], atol=1e-5, rtol=0)
-    assert (batch.logprobs[~mask] == pc.PADDING_LOGPROB).all()
+    torch.testing.assert_close(batch.old_logprobs[mask], forward[mask], atol=1e-5, rtol=0)
+    assert (batch.old_logprobs[~mask] == pc.PADDING_LOGPROB).all() and batch.behaviour_logprobs is None
+    assert batch.metrics["time/generate_seconds"] > 0
     ref = pc.response_logprobs(reference.model, batch.query_responses, ctx, pad, 1.0)
     torch.testing.assert_close(batch.ref_logprobs[mask], ref[mask], atol=1e-5, rtol=0)
     assert batch.entropy.shape == mask.shape and (batch.entropy[mask] > 0).all()
@@ -114,7 +115,7 @@ def test_a_changed_sampler_keeps_the_invariant_or_fails_loudly(toy_sampler_parts
 
 
 def test_training_forward_scores_as_the_rollout_did(toy_sampler_parts):
-    """Sampler.logprobs, prompt sharing on (forced: at toy sizes it does not save enough to be chosen), gives the
+    """Sampler.forward_logprobs on a micro-batch (Rollout.subset), prompt sharing on (forced: at toy sizes it does not save enough to be chosen), gives the
     plain forward's log-probs and entropy for any rows."""
     parts = toy_sampler_parts
     sampler = make_sampler(parts)
@@ -123,7 +124,7 @@ def test_training_forward_scores_as_the_rollout_did(toy_sampler_parts):
     torch.manual_seed(2)
     batch = sampler.rollout(prompts_seen=0, weights_version=3)
     rows = batch.shuffled_rows()[:4]
-    logprobs, entropy = sampler.logprobs(parts["policy"], batch, rows, entropy=True)
+    logprobs, entropy = sampler.forward_logprobs(parts["policy"], batch.subset(rows), entropy=True)
     logits = pc.forward_logits(parts["policy"], batch.query_responses[rows], batch.context_length,
                                parts["tokenizer"].pad_token_id)
     mask = batch.response_mask[rows]
@@ -131,7 +132,7 @@ def test_training_forward_scores_as_the_rollout_did(toy_sampler_parts):
                                atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[mask], pc.entropy_from_logits(logits)[mask], atol=1e-5, rtol=0)
     assert logprobs.requires_grad and not entropy.requires_grad
-    assert sampler.logprobs(parts["policy"], batch, rows)[1] is None
+    assert sampler.forward_logprobs(parts["policy"], batch.subset(rows))[1] is None
 
 
 @pytest.mark.parametrize("k, rows", [(1, 6), (2, 8), (4, 12)])

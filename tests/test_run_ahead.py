@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import policy_common as pc
+
 import grpo
 import rloo
 from plumbing import run_ahead as ra
@@ -19,6 +21,12 @@ from plumbing.errors import UserError
 from test_scale import run_distributed
 
 
+def importance(old, behaviour, mask, sampling, sequence_loss=False):
+    """(weights, stats) of policy_common's importance-sampling functions, as the scripts use them."""
+    return (pc.importance_weights(old, behaviour, mask, sampling, sequence_loss=sequence_loss),
+            pc.importance_sampling_stats(old, behaviour, mask, sampling))
+
+
 def test_decoupled_grpo_loss_hand_worked():
     # one completion of two tokens, advantage +1, epsilon 0.2; the behaviour policy sampled them, the proximal policy
     # is the trainer's at the start of the step, the current one has moved on since
@@ -26,8 +34,8 @@ def test_decoupled_grpo_loss_hand_worked():
     prox = torch.tensor([[-0.5, -2.5]])
     new = torch.tensor([[-0.4, -2.5]], requires_grad=True)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    sampling = vg.ImportanceSampling("token_truncate", clip_max=1.5, clip_min=None, sampler="async")
-    weights, stats = vg.importance_weights(prox, behav, mask, sampling)
+    sampling = pc.ImportanceSampling("token_truncate", clip_max=1.5, clip_min=None, sampler="async")
+    weights, stats = importance(prox, behav, mask, sampling)
     # w_t = min(pi_prox / pi_behav, 1.5): e^0.5 = 1.6487 -> 1.5; e^-0.5 = 0.6065
     assert weights[0].tolist() == pytest.approx([1.5, math.exp(-0.5)], rel=1e-6)
     assert stats["async/is_truncated_frac"].item() == pytest.approx(0.5)
@@ -50,8 +58,8 @@ def test_decoupled_rloo_loss_hand_worked():
     prox = torch.tensor([[-0.5, -2.0], [-1.5, -1.5]])  # summed log-ratio to behav: +0.5, -1.0
     new = torch.tensor([[-0.45, -2.0], [-1.5, -1.5]])
     mask = torch.tensor([[True, True], [True, False]])  # second completion: one token
-    sampling = vg.ImportanceSampling("sequence_truncate", clip_max=3.0, clip_min=None, sampler="async")
-    weights, _ = vg.importance_weights(prox, behav, mask, sampling, sequence_loss=True)
+    sampling = pc.ImportanceSampling("sequence_truncate", clip_max=3.0, clip_min=None, sampler="async")
+    weights, _ = importance(prox, behav, mask, sampling, sequence_loss=True)
     assert weights.tolist() == pytest.approx([math.exp(0.5), math.exp(-0.5)], rel=1e-6)  # 2nd: only its 1st token
     advantages = torch.tensor([2.0, -1.0])
     loss, _ = rloo.clipped_policy_loss(new, prox, advantages, mask, cliprange=0.2, is_weights=weights)
@@ -68,7 +76,7 @@ def test_nothing_stale_is_the_plain_loss():
     mask = torch.rand(4, 5) > 0.2
     advantages = torch.randn(4)
     for mode in vg.IS_MODES:
-        weights, stats = vg.importance_weights(old, old.clone(), mask, vg.ImportanceSampling(mode, 2.0, 0.5))
+        weights, stats = importance(old, old.clone(), mask, pc.ImportanceSampling(mode, 2.0, 0.5))
         assert torch.equal(weights, mask.float())
         plain, _ = grpo.per_token_loss(new, old, None, advantages, mask, importance_sampling_level="token",
                                        epsilon=0.2, epsilon_high=0.28, beta=0.0, is_weights=None)
@@ -79,17 +87,18 @@ def test_nothing_stale_is_the_plain_loss():
 
 def test_flag_checks():
     base = dict(max_staleness=1, tools=None, environment=None, dynamic_sampling=False)
-    ra.validate_args(SimpleNamespace(**base))
+    ra.AsyncFlags.check(SimpleNamespace(**base))
     for bad, words in ((dict(max_staleness=-1), ">= 0"), (dict(tools=["toy_worlds.toy_tools:lookup"]), "--tools"),
                        (dict(dynamic_sampling=True), "--dynamic_sampling")):
         with pytest.raises(UserError, match=words):
-            ra.validate_args(SimpleNamespace(**{**base, **bad}))
+            ra.AsyncFlags.check(SimpleNamespace(**{**base, **bad}))
     # the importance-sampling flags are checked without vLLM too once samples can be stale
-    args = SimpleNamespace(use_vllm=False, max_staleness=1, vllm_importance_sampling_mode="token_mask",
-                           vllm_importance_sampling_clip_max=0.5, vllm_importance_sampling_clip_min=None)
+    args = vg.VLLMFlags(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=0.5)
+    args.max_staleness = 1  # the AsyncFlags beside it in a script's Args
     with pytest.raises(UserError, match="clip_max must be >= 1"):
-        vg.validate_args(args)
-    vg.validate_args(SimpleNamespace(**{**vars(args), "max_staleness": 0}))  # synchronous: no samplers to weigh
+        args.check()
+    args.max_staleness = 0
+    args.check()  # synchronous: no samplers to weigh
     # rloo.py's sequence view weighs a completion, not its tokens
     proc = run_script_in_process("rloo.py", "--max_staleness", "1", "--vllm_importance_sampling_mode", "token_mask")
     assert proc.returncode == 2 and "sequence view" in proc.stderr

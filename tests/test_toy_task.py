@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from toy_worlds import toy_task
 
@@ -196,3 +197,21 @@ def test_toy_hard_world_and_scripts_on_it(toy_hard, tmp_path):
         assert args["response_length"] == toy_task.SETTINGS["toy_hard"].max_new_tokens
         if script == "kto.py":  # n_undesirable / n_desirable, not the toy world's fixed 3.0
             assert args["desirable_weight"] > 5 and "loss weights: desirable" in proc.stdout + proc.stderr
+
+
+def test_a_build_leaves_the_callers_generator_as_it_was(tmp_path):
+    """A seeded run that builds a toy world on first use (in its own process, after seeding) must then sample as a
+    run that finds the world cached: the build draws from a forked torch generator."""
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+
+    def build_into(folder):
+        torch.manual_seed(0)  # as the builders do
+        torch.rand(100)
+        with open(os.path.join(folder, "report.json"), "w") as f:
+            f.write("{}")
+
+    toy_task.cached_build(str(tmp_path / "world"), build_into)
+    assert os.path.exists(tmp_path / "world" / "report.json")
+    assert torch.equal(torch.rand(4), expected)

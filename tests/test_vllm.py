@@ -16,6 +16,12 @@ from plumbing import vllm_generation as vg
 from conftest import read_metrics, run_script
 from plumbing.errors import UserError
 
+
+def importance(old, behaviour, mask, sampling, sequence_loss=False):
+    """(weights, stats) of policy_common's importance-sampling functions, as the scripts use them."""
+    return (pc.importance_weights(old, behaviour, mask, sampling, sequence_loss=sequence_loss),
+            pc.importance_sampling_stats(old, behaviour, mask, sampling))
+
 try:
     import vllm  # noqa: F401
 except ImportError:
@@ -35,7 +41,7 @@ IS_MASK = torch.tensor([[True, True, True], [True, False, False]])
 
 
 def is_weights(mode, clip_max, clip_min=None, sequence_loss=False):
-    return vg.importance_weights(IS_TRAINER, IS_SAMPLER, IS_MASK, vg.ImportanceSampling(mode, clip_max, clip_min),
+    return importance(IS_TRAINER, IS_SAMPLER, IS_MASK, pc.ImportanceSampling(mode, clip_max, clip_min),
                                  sequence_loss=sequence_loss)
 
 
@@ -123,11 +129,11 @@ def test_importance_weights_equal_trl():
     trainer, sampler = trainer.masked_fill(~mask, pc.PADDING_LOGPROB), sampler.masked_fill(~mask, pc.PADDING_LOGPROB)
     for mode in vg.IS_MODES:
         for clip_max, clip_min in ((3.0, None), (1.2, None), (1.2, 0.8), (None, 0.8)):
-            ours, _ = vg.importance_weights(trainer, sampler, mask, vg.ImportanceSampling(mode, clip_max, clip_min))
+            ours, _ = importance(trainer, sampler, mask, pc.ImportanceSampling(mode, clip_max, clip_min))
             theirs = trl_importance_sampling_ratio(trainer, sampler, mask.float(), mode, clip_max, clip_min)
             assert torch.allclose(ours, theirs * mask, atol=1e-6), (mode, clip_max, clip_min)  # ours: 0 on padding
             if mode.startswith("sequence"):
-                ours, _ = vg.importance_weights(trainer, sampler, mask, vg.ImportanceSampling(mode, clip_max, clip_min),
+                ours, _ = importance(trainer, sampler, mask, pc.ImportanceSampling(mode, clip_max, clip_min),
                                                 sequence_loss=True)
                 assert torch.allclose(ours, theirs[:, 0], atol=1e-6)
 
@@ -152,13 +158,18 @@ def test_importance_sampling_flags_are_trls():
             assert ours[name] == trl_defaults[name], (script.__name__, name)
         assert "vllm_is_cap" not in ours
     assert trl_defaults["vllm_importance_sampling_mode"] == "sequence_mask"
+    import ppo  # ppo.py truncates per token at 2.0, and takes its older --vllm_is_cap for the upper bound
+
+    args = ru.parse_args(ppo.Args, argv=["--vllm_is_cap", "1.5"])
+    assert (args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max) == ("token_truncate", 1.5)
+    assert ru.parse_args(ppo.Args, argv=[]).vllm_importance_sampling_clip_max == 2.0
     argv = ["--use_vllm", "--vllm_importance_sampling_mode", "token_mask"]
     assert ru.parse_args(grpo.Args, argv=argv + ["--vllm_importance_sampling_cap", "1.5"]
                          ).vllm_importance_sampling_clip_max == 1.5
     args = ru.parse_args(grpo.Args, argv=argv + ["--vllm_importance_sampling_clip_max", "None",
                                                  "--vllm_importance_sampling_clip_min", "0.5"])
     assert (args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min) == (None, 0.5)
-    vg.validate_args(args)  # a lower bound alone is a valid mask
+    vg.VLLMFlags.check(args)  # a lower bound alone is a valid mask
     with pytest.raises(SystemExit):  # not a mode
         ru.parse_args(grpo.Args, argv=["--vllm_importance_sampling_mode", "token"])
     bad = [(grpo, ["--vllm_importance_sampling_clip_max", "0.5"], "clip_max must be >= 1"),
@@ -168,15 +179,15 @@ def test_importance_sampling_flags_are_trls():
            (grpo, ["--vllm_importance_sampling_mode", "sequence_truncate", "--vllm_importance_sampling_clip_max",
                    "None"], "set --vllm_importance_sampling_clip_max and/or"),
            (rloo, ["--vllm_importance_sampling_mode", "token_truncate"], "rloo.py's loss has one term per completion")]
-    for script, flags, message in bad:
+    for script, flags, message in bad:  # the flag groups' checks (in parse_args), then the script's own
         with pytest.raises(UserError, match=message):
-            vg.validate_args(ru.parse_args(script.Args, argv=["--use_vllm", *flags]))
+            script.validate(ru.parse_args(script.Args, argv=["--use_vllm", *flags]))
     args = ru.parse_args(grpo.Args, argv=["--use_vllm"])
     args.vllm_importance_sampling_mode = "token"  # as a caller without tyro could pass it
     with pytest.raises(UserError, match="must be one of token_truncate, token_mask"):
-        vg.validate_args(args)
+        vg.VLLMFlags.check(args)
     # rloo.py's token view takes a weight per token
-    vg.validate_args(ru.parse_args(rloo.Args, argv=["--use_vllm", "--token_level_kl",
+    rloo.validate(ru.parse_args(rloo.Args, argv=["--use_vllm", "--token_level_kl",
                                                     "--vllm_importance_sampling_mode", "token_truncate"]))
 
 

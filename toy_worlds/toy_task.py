@@ -415,7 +415,9 @@ def folder_name(seed: int, setting: str = "toy") -> str:
 def cached_build(root: str, build_into) -> None:
     """Make the cache folder `root` once: `build_into(tmp)` writes a temporary folder (report.json last), which is
     renamed into place whole, so a half-written cache is never used; concurrent builders (several processes of one
-    run) wait on a file lock. Builds are deterministic with a fixed thread count: it is pinned for the build only."""
+    run) wait on a file lock. Builds are deterministic with a fixed thread count: it is pinned for the build only. The
+    caller's torch generator is left as it was (a seeded run that builds a world on first use then samples as one that
+    finds it cached)."""
     from filelock import FileLock
 
     if os.path.exists(os.path.join(root, "report.json")):
@@ -429,7 +431,8 @@ def cached_build(root: str, build_into) -> None:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
-                build_into(tmp)
+                with torch.random.fork_rng(devices=[]):
+                    build_into(tmp)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
