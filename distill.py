@@ -1,33 +1,14 @@
-# On-policy distillation (GKD): Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
-# Self-Generated Mistakes" (https://arxiv.org/abs/2306.13649), and its policy-gradient form (verl, Thinking Machines
-# 2025 "On-Policy Distillation"). Flags follow TRL's DistillationConfig / GKDConfig where TRL has them.
-#   python distill.py                                # the toy teacher into the toy SFT policy, CPU, a few minutes
-#   accelerate launch distill.py --model <student> --teacher_model <teacher> --dataset <prompts>
-# Per step: with probability --lmbda the student samples the batch's completions (on-policy; rollout.py), else they
-# come from the dataset's `completion` column, or from the teacher with --seq_kd (off-policy); the teacher scores
-# every token of them (no grad); the student steps on a per-token divergence to the teacher on the completion tokens:
-#   --loss gkd: the generalized Jensen-Shannon divergence of the two next-token distributions (logits / temperature),
-#     JSD_beta = beta KL(T || M) + (1 - beta) KL(S || M), M = beta T + (1 - beta) S: beta 0 = forward KL(T || S)
-#     (mode covering, what SFT on teacher samples minimises), 1 = reverse KL(S || T) (mode seeking), 0.5 = JSD;
-#     --loss_top_k k: over the teacher's k most likely tokens, both renormalised there (memory at real vocabularies).
-#   --loss pg: REINFORCE on the per-token advantage log p_T(y_t) - log p_S(y_t) of each sampled token (detached:
-#     the reverse KL's gradient estimate from the sample alone), with the RL scripts' ratio clipping (--cliprange).
-# Token losses are summed and divided by the step's completion tokens over all processes (a token mean over the
-# global batch, as sft.py and TRL's num_items_in_batch).
-# Default --beta 1 (reverse KL), as TRL's DistillationConfig: on the toy (benchmark/results/toy_distill.md, 3 seeds)
-# reverse KL and JSD tie (held-out gold 0.978 / 0.977 after 8 steps) and both beat forward KL (0.927) and pg (0.932).
-# Metrics (metrics.jsonl, a row per step): loss/distill, objective/teacher_kl (on-policy steps: mean over sampled
-# tokens of log p_S - log p_T, the reverse KL per token), objective/entropy (student, per token), objective/scores
-# (the reward functions on the student's samples: logged, never trained on), val/on_policy, val/response_length,
-# lr, episode, time/*; eval/* (greedy, held-out prompts): gold_score (when the task has one), scores, eos_rate.
-# --use_vllm samples with a colocated vLLM engine (vllm_generation.py; time/vllm_sync); with --loss pg the importance
-# weights pi_trainer / pi_vllm, truncated or masked, per token or per completion (--vllm_importance_sampling_mode),
-# weight each token's loss (vllm/logprob_diff, vllm/is_weight_*, vllm/is_truncated_frac or vllm/is_masked_frac).
-# With --loss gkd the engine's samples are used as they are, without importance correction: the divergence is taken
-# over the whole next-token distribution at each position, the sample only chooses the positions (states), and a
-# state distribution off by the engine's rounding is the same small bias as TRL's DistillationTrainer with vLLM.
-# Memory: the teacher runs without gradients in chunks of --local_rollout_forward_batch_size rows, its output layer
-# on the completion positions only; with one completion per prompt there are no repeated prompts to share.
+"""On-policy distillation (GKD): Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes" (https://arxiv.org/abs/2306.13649), and its policy-gradient form (verl; Thinking Machines 2025,
+"On-Policy Distillation"). Per step: the student samples the completions (with probability --lmbda; else the dataset's
+or the teacher's), the teacher scores every token, and the student steps on a per-token divergence to it (--loss gkd:
+generalized JSD, --beta 0 forward KL .. 1 reverse KL; --loss pg: REINFORCE on log p_teacher - log p_student). Flags:
+TRL's DistillationConfig / GKDConfig; details: docs/distillation.md; metrics: docs/metrics.md.
+
+    python distill.py                               # the toy teacher into the toy SFT policy, on a CPU
+    accelerate launch distill.py --model <student> --teacher_model <teacher> --dataset <prompts>
+"""
+import functools
 import math
 import os
 import random
@@ -40,6 +21,7 @@ import torch.nn.functional as F
 
 from plumbing import chunked_head
 from plumbing import data_utils as du
+from plumbing import evaluation as ev
 from plumbing import models
 import policy_common as pc
 from plumbing import reward_sources as rs
@@ -117,6 +99,25 @@ def pg_token_loss(new_logprobs, old_logprobs, teacher_logprobs, epsilon: float, 
     return loss if is_weights is None else loss * is_weights
 
 
+def token_terms(student_logits, teacher_chunk, tokens, *, teacher, teacher_hidden: bool, args, pad_token_id: int):
+    """A chunk of n completion positions (pc.map_response_logits' fn): the student's (n, V) logits / temperature, the
+    teacher's logits there (or its hidden states, `teacher_hidden`: its output layer then runs on this chunk only) and
+    the (n,) tokens -> (divergence (gkd; zeros for pg), the student's log-prob of each token, the teacher's, the
+    student's entropy), each (n,). Only the divergence (gkd) or the student's log-probs (pg) carry a gradient."""
+    teacher_logits = (chunked_head.head_logits(teacher, teacher_chunk, args.temperature, pad_token_id)
+                      if teacher_hidden else teacher_chunk)
+    divergence = (generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
+                  if args.loss == "gkd" else torch.zeros_like(tokens, dtype=torch.float))
+    with torch.no_grad():
+        teacher_logprobs = pc.selective_logprobs(teacher_logits, tokens)
+        student_entropy = pc.entropy_from_logits(student_logits.detach())
+    # the sampled tokens' log-probs: pg's loss; gkd's metrics only, so no graph (a graph the loss does not use would
+    # keep each chunk's recomputed logits alive until the backward ends)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and args.loss == "pg"):
+        new_logprobs = pc.selective_logprobs(student_logits, tokens)
+    return divergence, new_logprobs, teacher_logprobs, student_entropy
+
+
 def teacher_outputs(teacher, query_responses, context_length: int, pad_token_id: int, temperature: float,
                     hidden: bool) -> torch.Tensor:
     """(b, T) -> the teacher's (b, R, V) logits / temperature at the response positions (pad masked), or with
@@ -158,6 +159,24 @@ def load_teacher(args, tokenizer, positions_needed: int, accelerator):
     return models.prepare_frozen(teacher, accelerator), name
 
 
+def off_policy_completions(args, data, tokenizer, teacher, prompts_seen: int, local_batch_size: int, accelerator):
+    """An off-policy step's batch: this process's next local_batch_size prompts of the data stream with the teacher's
+    samples (--seq_kd) or their `completion` column (`dataset_completions`). Returns (query_responses (B, Lq + R),
+    Lq)."""
+    pad = tokenizer.pad_token_id
+    indices = du.data_positions(len(data.train_prompts), args.seed,
+                                prompts_seen + accelerator.process_index * local_batch_size, local_batch_size)
+    queries = pc.pad_sequences([data.train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
+    if args.seq_kd:
+        config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+        query_responses, _ = pc.batch_generation(teacher, queries, pad, tokenizer.eos_token_id, config,
+                                                 args.local_rollout_forward_batch_size, accelerator)
+        return query_responses, queries.shape[1]
+    completions = dataset_completions(data.train, indices, tokenizer, args.response_length)
+    completions = pc.pad_sequences(completions, pad, "right").to(accelerator.device)
+    return torch.cat([queries, completions], 1), queries.shape[1]
+
+
 def dataset_completions(data, indices, tokenizer, response_length: int) -> List[List[int]]:
     """Off-policy completions of the training rows `indices`: their `completion` column (text, or messages rendered
     after the prompt) ending with one EOS (du.tokenize_completion), cut to response_length tokens."""
@@ -192,9 +211,7 @@ def main():
                                 required=False)
 
     # 4. optimizer, linear decay per step, checkpointable state, the sampler
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_total_batches))
+    optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_total_batches)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
@@ -204,10 +221,9 @@ def main():
                          rows=data.train, samples_per_prompt=1, prompts_per_process=local_batch_size,
                          max_prompt_length=args.max_prompt_length, weights_version=state["step"])
     pad, chunk = tokenizer.pad_token_id, args.local_rollout_forward_batch_size
-    teacher_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
     stop = tl.StopSignal()
     if state["step"] == 0:
-        logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)
+        logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
@@ -222,18 +238,8 @@ def main():
             query_responses, context_length, response_mask = batch.query_responses, batch.context_length, \
                 batch.response_mask
         else:
-            indices = du.data_positions(len(data.train_prompts), args.seed,
-                                        state["prompts_seen"] + accelerator.process_index * local_batch_size,
-                                        local_batch_size)
-            queries = pc.pad_sequences([data.train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
-            if args.seq_kd:
-                query_responses, _ = pc.batch_generation(teacher, queries, pad, tokenizer.eos_token_id,
-                                                         teacher_config, chunk, accelerator)
-            else:
-                completions = pc.pad_sequences(dataset_completions(data.train, indices, tokenizer,
-                                                                   args.response_length), pad, "right")
-                query_responses = torch.cat([queries, completions.to(accelerator.device)], 1)
-            context_length = queries.shape[1]
+            query_responses, context_length = off_policy_completions(
+                args, data, tokenizer, teacher, state["prompts_seen"], local_batch_size, accelerator)
             response_mask = query_responses[:, context_length:] != pad
         global_tokens = ru.global_sum(accelerator, response_mask.sum().item())
         tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
@@ -249,24 +255,12 @@ def main():
             with torch.no_grad():
                 teacher_out = torch.cat([teacher_outputs(teacher, query_responses[rows], context_length, pad,
                                                          args.temperature, teacher_hidden) for rows in mb.split(chunk)])
-
-            def token_terms(student_logits, teacher_chunk, token_chunk):  # (n, V), (n, V or H), (n,) -> 4 x (n,)
-                teacher_logits = (chunked_head.head_logits(teacher, teacher_chunk, args.temperature, pad)
-                                  if teacher_hidden else teacher_chunk)
-                divergence = (generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
-                              if args.loss == "gkd" else torch.zeros_like(token_chunk, dtype=torch.float))
-                with torch.no_grad():
-                    teacher_logprobs = pc.selective_logprobs(teacher_logits, token_chunk)
-                    student_entropy = pc.entropy_from_logits(student_logits.detach())
-                # the sampled tokens' log-probs: pg's loss; gkd's metrics only, so no graph (a graph the loss does not
-                # use would keep each chunk's recomputed logits alive until the backward ends)
-                with torch.set_grad_enabled(torch.is_grad_enabled() and args.loss == "pg"):
-                    new_logprobs = pc.selective_logprobs(student_logits, token_chunk)
-                return divergence, new_logprobs, teacher_logprobs, student_entropy
+            terms = functools.partial(token_terms, teacher=teacher, teacher_hidden=teacher_hidden, args=args,
+                                      pad_token_id=pad)
 
             with accelerator.accumulate(policy):
                 divergence, new_logprobs, teacher_logprobs, token_entropy = pc.map_response_logits(
-                    policy, query_responses[mb], context_length, pad, token_terms, teacher_out, tokens,
+                    policy, query_responses[mb], context_length, pad, terms, teacher_out, tokens,
                     temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)  # (b, R) each
                 if args.loss == "gkd":
                     token_loss = divergence
@@ -305,7 +299,7 @@ def main():
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(sampler.evaluate(data.held_out, logger, step))
+            metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)
 
         # 8. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)

@@ -18,6 +18,7 @@ import torch
 
 from plumbing import data_utils as du
 from plumbing import episodes as ep
+from plumbing import evaluation as ev
 from plumbing import models
 from plumbing import prompt_sharing as ps
 import policy_common as pc
@@ -149,8 +150,9 @@ def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *
                    epsilon: float, epsilon_high: float, beta: float, is_weights=None):
     """The clipped surrogate (+ beta x k3 KL to the reference) per token. new/old/ref_logprobs, mask: (b, R);
     advantages (b,). Token level: ratio_t = exp(new_t - old_t); sequence level (GSPO): one ratio per sequence,
-    exp(mean over its tokens of new - old). is_weights (b, R): the surrogate of each token times its weight (vLLM's
-    importance sampling, --vllm_importance_sampling_mode; the KL term is not reweighted, as TRL). Returns (loss (b, R), stats)."""
+    exp(mean over its tokens of new - old). is_weights (b, R): the surrogate of each token times its weight
+    (pc.importance_weights: samples of another policy; the KL term is not reweighted, as TRL). Returns (loss (b, R),
+    stats)."""
     mask = mask.to(new_logprobs.dtype)
     log_ratio = new_logprobs - old_logprobs  # (b, R)
     if importance_sampling_level == "sequence":
@@ -244,11 +246,8 @@ def main():
                                      accelerator, environment=toolset and toolset.environment)
 
     # 4. optimizer, linear decay per optimizer step, checkpointable state (kl_coef: beta), the sampler
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
+    optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_optimizer_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.beta)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
@@ -261,14 +260,13 @@ def main():
     rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from) if args.max_staleness else sampler
     stop = tl.StopSignal()
     if state["step"] == 0:
-        logger.log(sampler.evaluate(data.held_out, logger, 0, pass_at_k=args.num_eval_generations), step=0)
+        logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0, pass_at_k=args.num_eval_generations), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, beta = state["step"] + 1, state["kl_coef"]
-        # 5. rollout: this process's local_prompts prompts, num_generations completions each, scored; reference
-        #    log-probs when beta > 0; old log-probs only for reused batches (--dynamic_sampling: more prompts until
-        #    the batch holds only groups whose rewards differ)
+        # 5. rollout: local_prompts prompts x num_generations completions, scored; reference log-probs when beta > 0;
+        #    old log-probs for reused batches only (--dynamic_sampling: more prompts until groups' rewards differ)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             if args.dynamic_sampling:
                 batch, prompts_used, sampling_metrics = dynamic_sampling_rollout(
@@ -283,11 +281,8 @@ def main():
 
         # 6. group-relative advantages; the loss mask and its token count over all processes (for dapo)
         advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, accelerator)
-        loss_mask = response_mask.clone()
-        if args.mask_truncated_completions:
-            loss_mask &= ~truncated[:, None]
-        if args.skip_zero_std_groups:
-            loss_mask &= ~zero_std[:, None]
+        loss_mask = response_mask & ~(truncated[:, None] & args.mask_truncated_completions)  # DAPO: no cut ones
+        loss_mask &= ~(zero_std[:, None] & args.skip_zero_std_groups)  # flat groups: no signal
         global_tokens = ru.global_sum(accelerator, loss_mask.sum().item())
         tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
 
@@ -345,7 +340,8 @@ def main():
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(sampler.evaluate(data.held_out, logger, step, pass_at_k=args.num_eval_generations))
+            metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step,
+                                              pass_at_k=args.num_eval_generations))
         logger.log(metrics, step=step)
 
         # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)

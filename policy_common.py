@@ -40,9 +40,7 @@ class ReferenceFlags:
     """frozen reference policy; None = the starting policy (the adapter-off base with --use_peft)"""
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Reference model: one interface for the three modes
-# ---------------------------------------------------------------------------------------------------------
+# ---- Reference model: one interface for the three modes
 class Reference:
     """The frozen reference policy pi_ref, in one of three modes:
 
@@ -110,9 +108,7 @@ def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_mode
     return Reference("copy", model=model, chunk_tokens=chunk_tokens)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Generation
-# ---------------------------------------------------------------------------------------------------------
+# ---- Generation
 def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
                            min_new_tokens: Optional[int] = None):
     """Sampling config for training (pure temperature sampling: top_k=0, top_p=1.0) or, with `greedy=True`,
@@ -153,7 +149,8 @@ def _no_model_sampling_defaults(model: nn.Module):
 def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
                      generation_config, chunk_size: int, accelerator=None, share_prompts: bool = False,
                      return_entropy: bool = False):
-    """Generate responses for a batch of queries (B, Lq), LEFT-padded, `chunk_size` rows at a time. Returns (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
+    """Generate responses for a batch of queries (B, Lq), LEFT-padded, `chunk_size` rows at a time. Returns
+    (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
       query_responses (B, Lq + max_new_tokens): query then response, pad after the first EOS (kept) and to the end.
       logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (logits /
         temperature, pad suppressed), PADDING_LOGPROB after EOS: a fresh `response_logprobs` to float rounding, so
@@ -191,9 +188,7 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     return torch.cat([queries, responses], 1), logprobs
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Forward passes: logits and log-probs of response tokens, padding-safe
-# ---------------------------------------------------------------------------------------------------------
+# ---- Forward passes: logits and log-probs of response tokens, padding-safe
 def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
     """attention_mask and position_ids for rows with left-padded queries and right-padded responses:
     positions count real tokens only, so a row's logits do not depend on how much padding surrounds it."""
@@ -215,7 +210,8 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
     query_responses[:, context_length:], the pad token masked (`mask_pad_`): the distribution sampling draws from.
     Temperature is applied here and only here. Only the response positions go through the output layer. With
     `share_prompts`, rows with identical queries encode the query once (prompt_sharing.py; the same numbers to
-    float rounding), decided from sizes the same on every process (prompt_sharing.worth_sharing). `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary).
+    float rounding), decided from sizes the same on every process (prompt_sharing.worth_sharing). `mask_pad=False`
+    keeps the full softmax (SFT's maximum likelihood over the vocabulary).
     `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept for the backward (with
     `share_prompts`, they run on a no-grad fork of the shared queries' cache: prompt_sharing.split_logits; else,
     or where the cache cannot be forked, rows 0..n-1 in one plain call and the others in a second, no-grad one)."""
@@ -256,7 +252,8 @@ def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_le
 
 def map_response_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                         fn, *extra: torch.Tensor, temperature: float = 1.0, mask_pad: bool = True,
-                        share_prompts: bool = False, grad_rows: Optional[int] = None, chunk_tokens: Optional[int] = 0) -> tuple:
+                        share_prompts: bool = False, grad_rows: Optional[int] = None,
+                        chunk_tokens: Optional[int] = 0) -> tuple:
     """fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) per-token results, for `forward_logits`' logits at
     the B x R response positions and `extra` (B, R, ...) tensors taken alongside (the tokens, say): returns the tuple
     shaped (B, R, ...). With chunking on (`chunk_tokens` None: the default for the vocabulary; 0: off) and more
@@ -299,7 +296,7 @@ def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: 
         logsumexp = torch.cat([torch.logsumexp(logits[i:i + rows], dim=-1) for i in range(0, len(logits), rows)])
         return token_logits - logsumexp
     # low precision: logsumexp in bf16 is inaccurate, so compute the log-softmax in float32
-    return torch.cat([torch.gather(logits[i:i + rows].float().log_softmax(-1), -1, tokens[i:i + rows].unsqueeze(-1)).squeeze(-1)
+    return torch.cat([torch.gather(logits[i:i + rows].float().log_softmax(-1), -1, tokens[i:i + rows, :, None])[..., 0]
                       for i in range(0, len(logits), rows)])
 
 
@@ -351,36 +348,7 @@ def response_logprobs_no_grad(model: nn.Module, query_responses: torch.Tensor, c
     return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
 
 
-def scalar_forward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
-                   share_prompts: bool = False) -> torch.Tensor:
-    """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
-    Runs the backbone and the `score` head directly so that every position is read, padding-safe. With
-    `share_prompts`, rows with identical queries (the first `context_length` tokens) encode the query once, as
-    in `forward_logits`."""
-    base = models.unwrap(model)
-    backbone = getattr(base, base.base_model_prefix)
-    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
-    hidden = None
-    if share_prompts and 0 < context_length < query_responses.shape[1] and prompt_sharing.takes_cache(backbone):
-        hidden = prompt_sharing.shared_hidden(backbone, query_responses, attention_mask, position_ids, context_length)
-    if hidden is None:
-        hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
-                          position_ids=position_ids, use_cache=False).last_hidden_state
-    return base.score(hidden).squeeze(-1)
-
-
-def get_reward(model: nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
-               share_prompts: bool = False) -> torch.Tensor:
-    """(B, T) -> (B,) reward-model score read at the last non-pad token of each row (`context_length`,
-    `share_prompts`: as in `scalar_forward`)."""
-    values = scalar_forward(model, query_responses, pad_token_id, context_length, share_prompts)
-    last = last_token_index(query_responses != pad_token_id)
-    return values[torch.arange(values.shape[0], device=values.device), last]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Importance weights: completions another policy sampled (a vLLM engine, or earlier weights), reweighted in the loss
-# ---------------------------------------------------------------------------------------------------------
+# ---- Importance weights: completions another policy sampled (vLLM, earlier weights), reweighted in the loss
 @dataclass(frozen=True)
 class ImportanceSampling:
     """How the loss of another policy's samples is reweighted (TRL 1.16's vllm_importance_sampling_*): `mode` is
@@ -450,17 +418,15 @@ def importance_sampling_stats(old_logprobs: torch.Tensor, behaviour_logprobs: Op
         return {}
     ratio = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, sampling.per_sequence)
     actions = response_mask.bool().any(1, keepdim=True) if sampling.per_sequence else response_mask.bool()
-    name = sampling.sampler
-    return {f"{name}/logprob_diff": masked_mean((old_logprobs - behaviour_logprobs).abs().detach(), response_mask.bool()),
+    name, log_ratio = sampling.sampler, (old_logprobs - behaviour_logprobs).detach()
+    return {f"{name}/logprob_diff": masked_mean(log_ratio.abs(), response_mask.bool()),
             f"{name}/is_weight_mean": ratio[actions].mean(), f"{name}/is_weight_min": ratio[actions].min(),
             f"{name}/is_weight_max": ratio[actions].max(),
             f"{name}/is_truncated_frac" if sampling.mode.endswith("_truncate") else f"{name}/is_masked_frac":
                 sampling.outside(ratio)[actions].float().mean()}
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Small tensor utilities
-# ---------------------------------------------------------------------------------------------------------
+# ---- Small tensor utilities
 def first_true_indices(bools: torch.Tensor, dtype=torch.long) -> torch.Tensor:
     """(B, L) bool -> (B,) index of the first True in each row, or L when a row has none."""
     row_len = bools.size(-1)
@@ -521,6 +487,3 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad_token_id: int, side: str) -
         cols = slice(width - len(s), width) if side == "left" else slice(0, len(s))
         out[i, cols] = torch.as_tensor(s, dtype=torch.long)
     return out
-
-
-# ---------------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from plumbing import data_utils as du
+from plumbing import evaluation as ev
 from plumbing import models
 import policy_common as pc
 from plumbing import reward_sources as rs
@@ -196,7 +197,7 @@ class PolicyAndValue(nn.Module):
         """(B, T) -> (B, R) values alone, `chunk_size` rows per forward (all at once by default): the rollout's
         no-grad pass (its log-probs come from the sampler)."""
         chunk_size = chunk_size or len(query_responses)
-        return torch.cat([pc.scalar_forward(self.value_model, query_responses[i:i + chunk_size], pad_token_id)
+        return torch.cat([rs.scalar_forward(self.value_model, query_responses[i:i + chunk_size], pad_token_id)
                           [:, context_length - 1:-1] for i in range(0, len(query_responses), chunk_size)])
 
 
@@ -227,11 +228,10 @@ def main():
 
     # 4. one optimizer over policy + value, linear decay per optimizer step, checkpointable state, the sampler
     model = PolicyAndValue(policy, value_model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
+    optimizer, scheduler = tl.adamw_linear_decay(model, args.learning_rate, num_optimizer_steps,
+                                                 weight_decay=0.01)  # torch's default, as Huang et al.
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
-    # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, model, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
@@ -244,7 +244,7 @@ def main():
                          weights_version=state["step"])
     stop = tl.StopSignal()
     if state["step"] == 0:
-        logger.log({**sampler.evaluate(data.held_out, logger, 0), "episode": 0}, step=0)
+        logger.log({**ev.evaluate_policy(sampler, data.held_out, logger, 0), "episode": 0}, step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
@@ -323,7 +323,7 @@ def main():
                                                args.kl_horizon)
         metrics["time/episodes_per_second"] = (state["episode"] - start_episode) / (time.time() - start_time)
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(sampler.evaluate(data.held_out, logger, step))
+            metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)
 
         # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)

@@ -17,6 +17,7 @@ import torch
 
 from plumbing import data_utils as du
 from plumbing import episodes as ep
+from plumbing import evaluation as ev
 from plumbing import models
 from plumbing import prompt_sharing as ps
 import policy_common as pc
@@ -143,7 +144,8 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     """Clipped-ratio REINFORCE loss. new/old_logprobs, response_mask: (B, R).
     advantages (B,): the completion is one action, ratio = exp(sum_t new - old) (RLOO's sequence view).
     advantages (B, R): every token is an action with its own ratio; token losses are summed per sequence.
-    is_weights (shaped as advantages): each action's loss times its weight (vLLM's importance sampling, --vllm_importance_sampling_mode).
+    is_weights (shaped as advantages): each action's loss times its weight (pc.importance_weights: samples of another
+    policy, vLLM's or earlier weights').
     Returns (loss, stats) with stats = clipfrac, ratio (per action, for logging), approxkl."""
     mask = response_mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask  # (B, R)
@@ -210,11 +212,8 @@ def main():
                                      accelerator, environment=toolset and toolset.environment)
 
     # 4. optimizer, linear decay per optimizer step, checkpointable state, the sampler
-    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
-                                  eps=1e-5, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_optimizer_steps))
+    optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_optimizer_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    # the scheduler is not prepared (accelerate would step it once per process); checkpoints carry it as JSON
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
@@ -227,7 +226,7 @@ def main():
     rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from) if args.max_staleness else sampler
     stop = tl.StopSignal()
     if state["step"] == 0:
-        logger.log(sampler.evaluate(data.held_out, logger, 0), step=0)
+        logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0), step=0)
 
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
@@ -291,7 +290,7 @@ def main():
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
-            metrics.update(sampler.evaluate(data.held_out, logger, step))
+            metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)
 
         # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)

@@ -101,8 +101,8 @@ def wanted(model: nn.Module, tokens: int, chunk_tokens) -> bool:
 @contextlib.contextmanager
 def hidden_instead_of_logits(model: nn.Module):
     """Within the block, the model's forward returns its last hidden states (B, T', H) where it would return logits:
-    the output layer hands back its input. Each forward is checked to return that tensor (its storage and shape) (a model that
-    transforms the output layer's result would otherwise hand out transformed hidden states)."""
+    the output layer hands back its input. Each forward is checked to return that tensor (its storage and shape): a
+    model that transforms the output layer's result would otherwise hand out transformed hidden states."""
     base, head = causal_lm(model), output_layer(model)
     returned = []
 
@@ -114,8 +114,8 @@ def hidden_instead_of_logits(model: nn.Module):
         logits = output.logits if hasattr(output, "logits") else output[0]
         # the same storage and shape (DeepSpeed ZeRO-3's module hooks hand back a new tensor object on it)
         if not any(logits.data_ptr() == r.data_ptr() and logits.shape == r.shape for r in returned):
-            raise UserError(f"{type(base).__name__}'s forward changes its output layer's result, so log-probs cannot be "
-                            "computed in chunks from its hidden states: pass --logprob_chunk_tokens 0")
+            raise UserError(f"{type(base).__name__}'s forward changes its output layer's result, so log-probs cannot "
+                            "be computed in chunks from its hidden states: pass --logprob_chunk_tokens 0")
         returned.clear()
 
     saved = head.__dict__.get("forward")  # an instance-level forward (accelerate's offload hooks) is restored

@@ -132,7 +132,8 @@ def load_toolset(args, tokenizer) -> Optional[Toolset]:
     for spec in specs:
         fn = ru.load_object(spec, "--tools")
         if not callable(fn) or inspect.isclass(fn):
-            raise UserError(f"--tools {spec!r}: {spec.rpartition(':')[0]!r} has no function {spec.rpartition(':')[2]!r}")
+            where, _, name = spec.rpartition(":")
+            raise UserError(f"--tools {spec!r}: {where!r} has no function {name!r}")
         functions.append(fn)
     environment, methods = None, []
     if args.environment:

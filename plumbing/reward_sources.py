@@ -41,6 +41,7 @@ import torch
 from plumbing import data_utils as du
 from plumbing import models
 import policy_common as pc
+from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing.errors import RolloutError, UserError
 
@@ -255,7 +256,7 @@ class Rewards:
         pad = self.tokenizer.pad_token_id
         chunk = chunk_size or query_responses.shape[0]
         if self.mode == "tokens":
-            return torch.cat([pc.get_reward(self.reward_model, query_responses[i:i + chunk], pad, context_length,
+            return torch.cat([get_reward(self.reward_model, query_responses[i:i + chunk], pad, context_length,
                                             share_prompts) for i in range(0, query_responses.shape[0], chunk)])
         texts = [self._text(query_response, context_length, row["prompt"])
                  for query_response, row in zip(query_responses, rows)]
@@ -263,7 +264,7 @@ class Rewards:
         for i in range(0, len(texts), chunk):
             ids = [self.reward_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts[i:i + chunk]]
             batch = pc.pad_sequences(ids, reward_pad, "right").to(query_responses.device)
-            scores.append(pc.get_reward(self.reward_model, batch, reward_pad))
+            scores.append(get_reward(self.reward_model, batch, reward_pad))
         return torch.cat(scores)
 
     def _text(self, query_response: torch.Tensor, context_length: int, prompt) -> str:
@@ -319,6 +320,33 @@ class Rewards:
                 out[f"{prefix}{name}/mean"] = mean
                 out[f"{prefix}{name}/std"] = math.sqrt(max(squares / count - mean ** 2, 0.0))
         return out
+
+
+def scalar_forward(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
+                   share_prompts: bool = False) -> torch.Tensor:
+    """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
+    Runs the backbone and the `score` head directly so that every position is read, padding-safe. With
+    `share_prompts`, rows with identical queries (the first `context_length` tokens) encode the query once, as
+    in `forward_logits`."""
+    base = models.unwrap(model)
+    backbone = getattr(base, base.base_model_prefix)
+    attention_mask, position_ids = pc.padding_inputs(query_responses, pad_token_id)
+    hidden = None
+    if share_prompts and 0 < context_length < query_responses.shape[1] and ps.takes_cache(backbone):
+        hidden = ps.shared_hidden(backbone, query_responses, attention_mask, position_ids, context_length)
+    if hidden is None:
+        hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
+                          position_ids=position_ids, use_cache=False).last_hidden_state
+    return base.score(hidden).squeeze(-1)
+
+
+def get_reward(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
+               share_prompts: bool = False) -> torch.Tensor:
+    """(B, T) -> (B,) reward-model score read at the last non-pad token of each row (`context_length`,
+    `share_prompts`: as in `scalar_forward`)."""
+    values = scalar_forward(model, query_responses, pad_token_id, context_length, share_prompts)
+    last = pc.last_token_index(query_responses != pad_token_id)
+    return values[torch.arange(values.shape[0], device=values.device), last]
 
 
 def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
@@ -386,4 +414,5 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
     accelerator.print(f"reward model {path} reads {mode} ({why})")
-    return Rewards(tokenizer, models.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights, path)
+    return Rewards(tokenizer, models.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights,
+                   path)

@@ -5,7 +5,7 @@ the data stream, `samples_per_prompt` completions of each, sampled by HF `genera
 or by a vLLM engine (vllm_generation.py, --use_vllm) and truncated after their first EOS; the old log-probs; the
 reference model's log-probs; each reward source's score and their weighted sum, minus the missing-EOS penalty: a
 `Rollout` of tensors, from which the script computes its advantages and loss. It is `generate` then `score`: samples
-may come from earlier weights (run_ahead.py). Evaluation: `Sampler.evaluate` (offline scripts: greedy_eval.py).
+may come from earlier weights (run_ahead.py). Evaluation: evaluation.py (offline scripts: greedy_eval.py).
 
 The sampler owns the choices that change speed, never the numbers an algorithm computes:
 - prompt sharing (prompt_sharing.py): a prompt repeated over rows is encoded once in generation, scoring and the
@@ -434,8 +434,8 @@ class Sampler:
             raise RolloutError(
                 f"at step {step} the sampler's log-probs are not the trainer's (max |sampled - recomputed| "
                 f"{largest:.3g}, mean {mean:.3g} per token): generation no longer samples the distribution every "
-                "forward scores (a top-p, top-k, repetition penalty or logits processor in the generation config?); the "
-                "losses would use wrong old log-probs (rollout.py's docstring)")
+                "forward scores (a top-p, top-k, repetition penalty or logits processor in the generation config?); "
+                "the losses would use wrong old log-probs (rollout.py's docstring)")
         return largest
 
     def forward_logprobs(self, model: nn.Module, batch: Rollout, *, entropy: bool = False):
@@ -447,76 +447,6 @@ class Sampler:
                                        self.args.temperature, share_prompts=self.share, return_entropy=entropy,
                                        chunk_tokens=self.args.logprob_chunk_tokens)
         return results if entropy else (results, None)
-
-    @torch.no_grad()
-    def evaluate(self, held_out: du.HeldOut, logger, step: int, *, pass_at_k: int = 0) -> dict:
-        """Greedy completions of the held-out prompts: eval/scores (the weighted reward), eval/kl (sequence KL to the
-        reference at the training temperature, like objective/kl; when there is a reference), eval/response_length,
-        eval/eos_rate, eval/gold_score (when the task has a gold scorer) and eval/reward/<source>/*; with
-        `pass_at_k` = k > 0 and reward functions, k sampled completions per prompt: eval/mean@k (the mean of their
-        weighted function rewards) and eval/pass@k (a prompt passes when one of its k completions scores >= 1 by every
-        reward function that scores it: a verifier's "correct"). Every process runs an equal share (padded: only its
-        first n_real rows count), so all make the same model calls. Logs a few rows as eval/samples; returns means
-        over all processes' prompts. Sampling stays on HF generate with --use_vllm: greedy decoding is the ground
-        truth it is compared with."""
-        args, accelerator, tokenizer = self.args, self.accelerator, self.tokenizer
-        pad, chunk = self.pad, self.chunk
-        greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
-        functions = self.reward_sources.functions
-        k = pass_at_k if functions else 0
-        verifiers = rs.Rewards(tokenizer, functions=functions, weights=self.reward_sources.weights[-len(functions):]
-                               .tolist()) if k else None  # the reward functions without the reward model
-        indices, n_real = ru.even_share(range(len(held_out.prompts)), accelerator)  # this process's prompts
-        sums, samples, source_scores, tool_sums = dict(scores=0.0, response_length=0.0, eos_rate=0.0), [], [], []
-        sums.update({**({"kl": 0.0} if self.reference is not None else {}),
-                     **({"gold_score": 0.0} if held_out.gold is not None else {}),
-                     **({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})})
-        training = self.policy.training
-        self.policy.eval()
-        for i in range(0, len(indices), chunk):
-            real = max(0, min(chunk, n_real - i))  # rows of this chunk that count; the rest only pad the share
-            chunk_indices = indices[i:i + chunk]
-            queries = pc.pad_sequences([held_out.prompts[j] for j in chunk_indices], pad, "left").to(accelerator.device)
-            rows = [held_out.rows[j] for j in chunk_indices]
-            query_responses, context_length, mask, truncated, episodes = self.complete(queries, rows, greedy)
-            queries, responses = query_responses[:, :context_length], query_responses[:, context_length:]  # (b, R)
-            scores, per_source = self.reward_sources(query_responses, context_length, rows, accelerator,
-                                                     episodes=episodes)
-            if episodes is not None:
-                tool_sums.append(episodes[:real])  # only the real rows count
-            source_scores.append(per_source[:real])
-            sums["scores"] += scores[:real].sum().item()
-            if self.reference is not None:
-                logprobs = pc.response_logprobs(self.policy, query_responses, context_length, pad, args.temperature,
-                                                chunk_tokens=args.logprob_chunk_tokens)
-                ref_logprobs = self.reference.logprobs(query_responses, context_length, pad, args.temperature)
-                sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
-            sums["response_length"] += mask[:real].sum().item()
-            sums["eos_rate"] += (~truncated)[:real].sum().item()
-            for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
-                row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
-                           completion=tokenizer.decode(response, skip_special_tokens=True), score=score)
-                if held_out.gold is not None:
-                    row["gold"] = held_out.gold(row["prompt"], row["completion"])
-                    sums["gold_score"] += row["gold"]
-                samples.append(row)
-            if k:  # k sampled completions per prompt, scored by the reward functions only
-                rows = [row for row in rows for _ in range(k)]
-                query_responses, context_length, _, _, episodes = self.complete(queries.repeat_interleave(k, 0), rows,
-                                                                                self.generation_config)
-                function_reward, verdicts = verifiers(query_responses, context_length, rows, accelerator,
-                                                      episodes=episodes)
-                correct = ((verdicts >= 1.0) | verdicts.isnan()).all(1) & ~verdicts.isnan().all(1)  # (b * k,)
-                sums[f"pass@{k}"] += correct.view(-1, k).any(1)[:real].sum().item()
-                sums[f"mean@{k}"] += function_reward.view(-1, k).mean(1)[:real].sum().item()
-        self.policy.train(training)
-        means = ru.global_means(accelerator, sums, n_real)
-        means = {key: means[key] for key in sums}
-        if self.toolset is not None:  # tools/call_frequency, ... of the greedy episodes
-            means.update(ep.episode_metrics([e for chunk_episodes in tool_sums for e in chunk_episodes], accelerator))
-        logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
-        return {**{f"eval/{key}": value for key, value in means.items()},
-                **self.reward_sources.metrics(torch.cat(source_scores), accelerator, prefix="eval/reward/")}
 
     def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config):
         """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq), or with

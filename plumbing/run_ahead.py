@@ -8,9 +8,10 @@ At N = 1, while the trainer takes step t on batch t, the sampler samples batch t
     sampler   | sample 2 (v0)| sample 3 (v1)| sample 4 (v2)| ...      (and batch 1 by v0 before step 1)
 
 The objective stays correct. Each completion keeps the weights version that sampled it and its sampler's log-probs
-(the behaviour policy, pi_behav: `Rollout.behaviour_logprobs`); `Sampler.score` takes the old log-probs from the trainer's weights at the start of
-the step (the proximal policy, pi_prox), and the scripts' losses are then the decoupled objective of AReaL (Fu et al.
-2025) and Hilton et al. 2022 ("Batch size-invariance for policy optimization"):
+(the behaviour policy, pi_behav: `Rollout.behaviour_logprobs`); `Sampler.score` takes the old log-probs from the
+trainer's weights at the start of the step (the proximal policy, pi_prox), and the scripts' losses are then the
+decoupled objective of AReaL (Fu et al. 2025) and Hilton et al. 2022 ("Batch size-invariance for policy
+optimization"):
     loss_t = -min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t) * w_t,   r_t = pi / pi_prox,   w_t = pi_prox / pi_behav
 with w truncated or masked as --vllm_importance_sampling_mode / _clip_max / _clip_min say (AReaL's truncation:
 token_truncate; policy_common.importance_weights, computed by the scripts beside their loss). Reference log-probs and
