@@ -295,6 +295,16 @@ class OptimizerStep:
         return grad_norm
 
 
+def adamw_linear_decay(model: nn.Module, learning_rate: float, num_steps: int, eps: float = 1e-5,
+                       weight_decay: float = 0.0):
+    """The RL scripts' optimizer and schedule: AdamW over `model`'s trainable parameters, its rate decaying linearly
+    from learning_rate to 0 over num_steps optimizer steps. Returns (optimizer, scheduler); give the optimizer to
+    accelerate.prepare, not the scheduler (accelerate would step it once per process; checkpoints carry it as JSON)."""
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learning_rate, eps=eps,
+                                  weight_decay=weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / num_steps))
+
+
 def adaptive_kl_coef(kl_coef: float, current_kl: float, n_episodes: int, target: Optional[float], horizon: int):
     """The next KL coefficient (Ziegler et al. 2019), the same controller for every RL script: unchanged when
     `target` is None, else kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n_episodes / horizon). Each step moves it
