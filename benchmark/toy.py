@@ -22,8 +22,9 @@ reward.py (no policy) is scored by its own held-out pairwise accuracy.
 
 Expected values (RESULTS/toy_expected.json, written by a full run: every setting, the default algorithms, 3 or more
 seeds, no --max_steps): per setting and script, the mean of the script's own final metric over seeds (eval/gold_score,
-reward.py's eval/accuracy) and a band of +- max(3 x the seed std, 0.03). tests/test_learning.py runs each script once
-(seed 1, default budget, standard toy) and fails when its metric leaves the band (`check_learning`).
+reward.py's eval/accuracy) and the seed std. tests/test_learning.py runs each script once (seed 1, default budget,
+standard toy) and fails when it gains less than GAIN_FRACTION of the expected gain over its own step-0 value
+(`check_learning`): a margin over the run's start, which other CPUs (other kernels, other rounding) keep.
 Finished runs are reused unless --force; checkpoints are deleted after evaluation unless --keep_checkpoints.
 """
 
@@ -67,10 +68,12 @@ SAVE_STEPS = {"sft": 8, "rloo": 16, "ppo": 8, "grpo": 16, "dpo": 10, "kto": 32, 
 UNIT = {"sft": "demonstrations", "reward": "pairs", "rloo": "episodes", "ppo": "episodes", "grpo": "episodes",
         "dpo": "pairs", "kto": "examples", "distill": "episodes"}
 EXPECTED = os.path.join(HERE, "results", "toy_expected.json")
-# The band: mean +- max(3 x seed std, 0.03). The floor covers CPUs of other kinds, which round differently: the same
-# seeded run ended up to 0.013 gold apart on two machines (ppo seed 2: 0.980 in 2026-12-01's table, 0.993 in
-# 2026-12-04's)
-TOLERANCE_STDS, TOLERANCE_FLOOR = 3.0, 0.03
+# The learning check: final >= first + GAIN_FRACTION x (expected mean - first), first = the run's own step-0 value. A
+# band around one machine's seeds does not hold on another: the same seeded grpo.py run ended at gold 0.935 on one CPU
+# and 0.984 on another (std 0.003 over seeds there); 1 - GAIN_FRACTION of the gain (~0.13 gold on the toy) covers
+# that, and a loss that does not learn (or unlearns: dpo.py with its sign flipped ends at 0.16) fails by far.
+GAIN_FRACTION = 0.75
+MIN_EXPECTED_GAIN = 0.1  # below this the benchmark's gain is no signal to check against
 
 
 def metric_of(algo: str) -> str:
@@ -81,38 +84,47 @@ def metric_of(algo: str) -> str:
 
 def final_metric(run_dir: str, algo: str):
     """The last logged value of `metric_of(algo)` in a run folder's metrics.jsonl (None if never logged)."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        values = [row[metric_of(algo)] for row in map(json.loads, f) if metric_of(algo) in row]
+    values = metric_values(run_dir, algo)
     return values[-1] if values else None
 
 
 def expected_values(results: dict, argv: list) -> dict:
     """{setting: {algo: record}} of a full benchmark -> the expected-values file's contents: per script, its metric's
-    mean over seeds, the seed std, and the band the learning check accepts."""
+    mean over seeds, the seed std and each seed's value."""
     out = {"written_by": f"python benchmark/{' '.join(['toy.py', *argv])}", "date": datetime.date.today().isoformat(),
-           "band": f"mean +- max({TOLERANCE_STDS:g} x seed std, {TOLERANCE_FLOOR:g})"}
+           "check": f"final >= first + {GAIN_FRACTION:g} x (mean - first), first = the run's step-0 value"}
     for setting, by_algo in results.items():
         out[setting] = {}
         for algo, runs in by_algo.items():
             values = [r["script_metric"] for r in runs]
-            mean, std = float(np.mean(values)), float(np.std(values))
-            tol = max(TOLERANCE_STDS * std, TOLERANCE_FLOOR)
-            out[setting][algo] = dict(metric=metric_of(algo), mean=round(mean, 4), std=round(std, 4),
-                                      low=round(mean - tol, 4), high=round(mean + tol, 4),
+            out[setting][algo] = dict(metric=metric_of(algo), mean=round(float(np.mean(values)), 4),
+                                      std=round(float(np.std(values)), 4),
                                       per_seed={str(r["seed"]): round(r["script_metric"], 4) for r in runs})
     return out
 
 
-def check_learning(algo: str, value: float, setting: str = "toy", path: str = EXPECTED) -> str:
-    """'' when `value` (the script's final `metric_of(algo)`, one seed at its default budget) lies in the expected
-    band, else a message saying where it fell; a script the file does not hold is an error."""
+def check_learning(algo: str, first: float, final: float, setting: str = "toy", path: str = EXPECTED) -> str:
+    """'' when a run of `algo` (one seed at its default budget) learned: its final `metric_of(algo)` gained at least
+    GAIN_FRACTION of the benchmark's expected gain over the run's own step-0 value `first`; else a message saying by how
+    much it fell short. A script the file does not hold is an error."""
     with open(path) as f:
         expected = json.load(f)[setting][algo]
-    if expected["low"] <= value <= expected["high"]:
+    gain = expected["mean"] - first
+    if gain < MIN_EXPECTED_GAIN:
+        return (f"{algo} on {setting}: the expected final {expected['metric']} {expected['mean']:.4f} is not "
+                f"{MIN_EXPECTED_GAIN} above this run's start {first:.4f}: nothing to check learning against ({path})")
+    needed = first + GAIN_FRACTION * gain
+    if final >= needed:
         return ""
-    return (f"{algo} on {setting}: final {expected['metric']} {value:.4f} is outside the expected band "
-            f"[{expected['low']:.4f}, {expected['high']:.4f}] (mean {expected['mean']:.4f} +- seed std "
-            f"{expected['std']:.4f} over seeds {', '.join(expected['per_seed'])}; {path})")
+    return (f"{algo} on {setting} did not learn enough: {expected['metric']} went from {first:.4f} to {final:.4f}, "
+            f"below {needed:.4f} (the start + {GAIN_FRACTION:g} x the expected gain to {expected['mean']:.4f}, the "
+            f"mean of seeds {', '.join(expected['per_seed'])}; {path})")
+
+
+def metric_values(run_dir: str, algo: str) -> list:
+    """Every logged value of `metric_of(algo)` in a run folder's metrics.jsonl, in step order."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [row[metric_of(algo)] for row in map(json.loads, f) if metric_of(algo) in row]
 
 
 def child_env(threads: int) -> dict:
@@ -237,8 +249,8 @@ def setting_lines(setting: str, results: dict, sft: dict, budget_note: str) -> l
         f"Before = the SFT policy (the same model for every seed, so its std is 0): gold {sft['gold_score']:.3f}, "
         f"RM score {num(sft['rm_score'])}. Budget: {budget_note}",
         "",
-        "| algorithm | seeds | budget | gold before | gold after | RM score before | RM score after | KL to SFT after | "
-        "wall time (s) | peak memory (MiB) |",
+        "| algorithm | seeds | budget | gold before | gold after | RM score before | RM score after | "
+        "KL to SFT after | wall time (s) | peak memory (MiB) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for algo, runs in policies.items():

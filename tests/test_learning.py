@@ -1,9 +1,10 @@
 """The CI learning check: every script, run once as a user runs it (seed 1, its default budget on the standard toy
-world), must end inside the band that benchmark/toy.py measured over three seeds (benchmark/results/toy_expected.json:
-mean +- max(3 x seed std, 0.03) of the script's own final eval/gold_score, reward.py's eval/accuracy). A change that
-quietly hurts learning fails here, not only one that breaks the code; a change that legitimately moves the numbers
-regenerates the file with one command (`python benchmark/toy.py`, README "Results"). The check itself is shown to fail
-on a copy of dpo.py whose loss has its sign flipped, and its band arithmetic is checked by hand."""
+world), must gain at least GAIN_FRACTION (0.75) of the gain benchmark/toy.py measured over three seeds
+(benchmark/results/toy_expected.json: the mean of the script's own final eval/gold_score, reward.py's eval/accuracy)
+above the run's own step-0 value. A margin over the run's start, not a band around one machine's seeds: training is not
+bit-stable across CPUs (the same seeded grpo.py ended at 0.935 on one machine, 0.984 on another), but a change that
+stops learning fails here. The check is shown to fail on a copy of dpo.py whose loss has its sign flipped, and its
+arithmetic is checked by hand."""
 
 import json
 import os
@@ -26,38 +27,40 @@ def test_expected_values_cover_every_script_on_every_setting():
     for setting in toy_bench.SETTINGS:
         assert set(toy_bench.SETTING_ALGOS.get(setting, CHECKED)) <= set(expected[setting]), setting
         for algo, e in expected[setting].items():
-            assert len(e["per_seed"]) >= 3 and e["low"] < e["mean"] < e["high"], (setting, algo)
+            assert len(e["per_seed"]) >= 3 and min(e["per_seed"].values()) <= e["mean"] <= max(
+                e["per_seed"].values()), (setting, algo)
 
 
-def test_band_and_check_by_hand(tmp_path):
-    # seeds 0.90, 0.92, 0.97: mean 0.93, population std sqrt((0.03^2 + 0.01^2 + 0.04^2) / 3) = 0.02944, band +- 0.0883;
-    # seeds 0.50, 0.51, 0.50: std 0.0047, 3 x std = 0.014 < the 0.03 floor, band +- 0.03
+def test_expected_values_and_check_by_hand(tmp_path):
+    # seeds 0.90, 0.92, 0.97: mean 0.93, population std sqrt((0.03^2 + 0.01^2 + 0.04^2) / 3) = 0.02944
     runs = {"rloo": [dict(seed=s, script_metric=v) for s, v in ((1, 0.90), (2, 0.92), (3, 0.97))],
             "reward": [dict(seed=s, script_metric=v) for s, v in ((1, 0.50), (2, 0.51), (3, 0.50))]}
     expected = toy_bench.expected_values({"toy": runs}, ["--seeds", "1", "2", "3"])
     rloo, reward = expected["toy"]["rloo"], expected["toy"]["reward"]
     assert rloo["metric"] == "eval/gold_score" and reward["metric"] == "eval/accuracy"
     assert rloo["mean"] == pytest.approx(0.93, abs=1e-4) and rloo["std"] == pytest.approx(0.0294, abs=1e-4)
-    assert rloo["low"] == pytest.approx(0.93 - 0.0883, abs=2e-4)
-    assert rloo["high"] == pytest.approx(0.93 + 0.0883, abs=2e-4)
-    assert reward["low"] == pytest.approx(0.5033 - 0.03, abs=1e-4) and reward["high"] == pytest.approx(0.5333, abs=1e-4)
+    assert rloo["per_seed"] == {"1": 0.9, "2": 0.92, "3": 0.97}
     path = tmp_path / "expected.json"
     path.write_text(json.dumps(expected))
-    assert toy_bench.check_learning("rloo", 0.85, path=str(path)) == ""
-    assert toy_bench.check_learning("rloo", 1.0, path=str(path)) == ""
-    message = toy_bench.check_learning("rloo", 0.84, path=str(path))
-    assert "rloo on toy" in message and "0.8400" in message and "outside" in message
-    assert "outside" in toy_bench.check_learning("reward", 0.54, path=str(path))
-    assert toy_bench.check_learning("reward", 0.53, path=str(path)) == ""
+    # from 0.45: the expected gain is 0.48, the run needs 0.45 + 0.75 x 0.48 = 0.81
+    assert toy_bench.check_learning("rloo", 0.45, 0.811, path=str(path)) == ""
+    assert toy_bench.check_learning("rloo", 0.45, 1.0, path=str(path)) == ""
+    message = toy_bench.check_learning("rloo", 0.45, 0.809, path=str(path))
+    assert "rloo on toy did not learn enough" in message and "0.4500 to 0.8090, below 0.8100" in message
+    # a start another machine rounds otherwise moves the bar with it: from 0.40 the run needs 0.40 + 0.75 x 0.53
+    assert toy_bench.check_learning("rloo", 0.40, 0.798, path=str(path)) == ""
+    assert "did not learn" in toy_bench.check_learning("rloo", 0.40, 0.797, path=str(path))
+    # an expected gain under MIN_EXPECTED_GAIN (reward 0.5033 from 0.45) gives no learning check: an error
+    assert "nothing to check learning against" in toy_bench.check_learning("reward", 0.45, 0.6, path=str(path))
 
 
 @pytest.mark.parametrize("algo", CHECKED)
 def test_learning_at_the_default_budget(algo, toy, toy_teacher, tmp_path):
     out = str(tmp_path / algo)
     run_script(f"{algo}.py", "--output_dir", out, "--seed", "1")
-    value = toy_bench.final_metric(out, algo)
-    assert value is not None, f"{algo}.py logged no {toy_bench.metric_of(algo)}"
-    message = toy_bench.check_learning(algo, value)
+    values = toy_bench.metric_values(out, algo)
+    assert len(values) >= 2, f"{algo}.py logged {toy_bench.metric_of(algo)} {len(values)} time(s)"
+    message = toy_bench.check_learning(algo, values[0], values[-1])
     assert message == "", message
 
 
@@ -72,8 +75,6 @@ def test_the_check_fails_on_a_flipped_loss_sign(toy, tmp_path):
     copy.write_text(source.replace(loss, "losses = (1 - label_smoothing) * F.logsigmoid(beta * h)"))
     out = str(tmp_path / "run")
     run_script(str(copy), "--output_dir", out, "--seed", "1", env={"PYTHONPATH": ROOT})
-    value = toy_bench.final_metric(out, "dpo")
-    with open(toy_bench.EXPECTED) as f:
-        low = json.load(f)["toy"]["dpo"]["low"]
-    assert value < low
-    assert "outside the expected band" in toy_bench.check_learning("dpo", value)
+    first, *_, final = toy_bench.metric_values(out, "dpo")
+    assert final < first  # it unlearns
+    assert "did not learn enough" in toy_bench.check_learning("dpo", first, final)
