@@ -70,6 +70,7 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     import kto
     from plumbing import models
     import policy_common as pc
+    from plumbing import reward_sources as rs
     from plumbing import prompt_sharing as ps
 
     torch.manual_seed(0)
@@ -108,7 +109,7 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
                 query_responses, ctx, pad, temperature, chunk, share_prompts=share), repeats)
         reward = models.load_scalar_model(paths["reward"], tokenizer)
         with torch.no_grad():
-            passes["reward"] = timed(lambda: pc.get_reward(reward, query_responses, pad, ctx, share_prompts=share),
+            passes["reward"] = timed(lambda: rs.get_reward(reward, query_responses, pad, ctx, share_prompts=share),
                                      repeats)
         responses = query_responses[:, ctx:]
         update(lambda: (pc.selective_logprobs(pc.forward_logits(policy, query_responses, ctx, pad, temperature,
@@ -212,7 +213,9 @@ def main():
         return
     lines = ["# The floor under a step: model work of the passes that remain", "",
              f"Written by `python benchmark/floor.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}"
-             f"; {args.threads} threads, median of {args.repeats or ' / '.join(f'{n} ({setting})' for setting, n in REPEATS.items())} timings after a warm-up. "
+             f"; {args.threads} threads, median of "
+             f"{args.repeats or ' / '.join(f'{n} ({setting})' for setting, n in REPEATS.items())}"
+             " timings after a warm-up. "
              "Each pass timed bare, "
              "alone (benchmark/floor.py's docstring). 'floor / TRL' divides the sum by TRL's step from the speed "
              "report named (a different process and minute: an estimate, good to the machine's ~10-20% noise).", ""]

@@ -7,7 +7,8 @@ OpenAI-compatible chat endpoint; without a judge, a reward-model comparison inst
     # no judge available: reward-model scores of policy and reference summaries
     python benchmark/judge.py --model runs/rloo_tldr/model --reward_model pythia-1b
     # judge summaries generated elsewhere (e.g. with vLLM): a .jsonl with prompt, completion, reference
-    python benchmark/judge.py --completions_file summaries.jsonl --judge_base_url http://localhost:8000/v1 --judge_model M
+    python benchmark/judge.py --completions_file summaries.jsonl --judge_base_url http://localhost:8000/v1 \
+        --judge_model M
 
 Published numbers to compare with (TRL documentation, RLOO and PPO trainer pages, "Benchmark experiments": 1000
 examples of trl-lib/tldr validation, greedy summaries, GPT-4o-mini judge): Pythia-1B SFT 33.0%, RLOO 51.2%,
@@ -65,7 +66,8 @@ def parse_args(argv=None):
     judge.add_argument("--judge_base_url", help="e.g. https://api.openai.com/v1 or http://localhost:8000/v1; "
                                                 "none = reward-model fallback")
     judge.add_argument("--judge_model", default="gpt-4o-mini")
-    judge.add_argument("--api_key_env", default="OPENAI_API_KEY", help="name of the environment variable holding the key")
+    judge.add_argument("--api_key_env", default="OPENAI_API_KEY",
+                       help="name of the environment variable holding the key")
     judge.add_argument("--max_retries", type=int, default=5)
     judge.add_argument("--timeout", type=float, default=60.0)
     fallback = parser.add_argument_group("reward-model fallback (and extra report when a judge is used)")
@@ -168,6 +170,7 @@ def reward_model_report(args, examples: list) -> dict:
 
     from plumbing import models
     import policy_common as pc
+    from plumbing import reward_sources as rs
     from plumbing import run_utils as ru
 
     name = args.reward_model or (ru.default_reward_model(args.model) if args.model else None)
@@ -190,7 +193,7 @@ def reward_model_report(args, examples: list) -> dict:
                 rows.append((q, r + [tokenizer.eos_token_id]))
             queries = pc.pad_sequences([q for q, _ in rows], tokenizer.pad_token_id, "left")
             responses = pc.pad_sequences([r for _, r in rows], tokenizer.pad_token_id, "right")
-            out += pc.get_reward(model, torch.cat([queries, responses], 1).to(device), tokenizer.pad_token_id).tolist()
+            out += rs.get_reward(model, torch.cat([queries, responses], 1).to(device), tokenizer.pad_token_id).tolist()
         return out
 
     policy, reference = scores("completion"), scores("reference")

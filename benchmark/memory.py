@@ -84,7 +84,8 @@ def report(results: dict, args) -> list:
         return f"{ra[key] / rb[key]:.2f}x" if ok else "-"
 
     lines = ["# Memory at long completions", "",
-             f"Written by `python benchmark/memory.py {' '.join(sys.argv[1:])}` on {datetime.date.today().isoformat()}.",
+             f"Written by `python benchmark/memory.py {' '.join(sys.argv[1:])}` "
+             f"on {datetime.date.today().isoformat()}.",
              f"Machine: {speed.machine()}. Each measurement in its own process, one at a time, {args.threads} "
              f"threads; step time = the mean over {args.steps} step(s) after {args.warmup} warm-up step(s)"
              + (f", the median of {args.rounds} rounds" if args.rounds > 1 else "") + ".", "",
@@ -98,8 +99,8 @@ def report(results: dict, args) -> list:
              "peak resident set size of the process (Python, libraries, models, optimizer, activations). ours = the "
              "default (`--logprob_chunk_tokens` None: the output layer on 2**26 / 50,304 = 1,334 positions at a "
              "time); unchunked = `--logprob_chunk_tokens 0`.", "",
-             "| algorithm | completion tokens | ours (MiB) | unchunked (MiB) | TRL (MiB) | ours / TRL | ours / unchunked "
-             "| ours step (s) | unchunked step (s) | TRL step (s) | step ours / unchunked |",
+             "| algorithm | completion tokens | ours (MiB) | unchunked (MiB) | TRL (MiB) | ours / TRL | "
+             "ours / unchunked | ours step (s) | unchunked step (s) | TRL step (s) | step ours / unchunked |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for algo in args.algos:
         for L in args.lengths:
@@ -141,7 +142,8 @@ def main():
     parser.add_argument("--algos", nargs="+", choices=ALGOS, default=list(ALGOS))
     parser.add_argument("--lengths", nargs="+", type=int, choices=LONG["lengths"], default=list(LONG["lengths"]))
     parser.add_argument("--timed_lengths", nargs="+", type=int, default=[1024],
-                        help="lengths with step times (ours, unchunked and TRL); the others: peak memory of ours and TRL")
+                        help="lengths with step times (ours, unchunked and TRL); "
+                             "the others: peak memory of ours and TRL")
     parser.add_argument("--steps", type=int, default=1, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=1, help="steps run before measuring (at least 1)")
     parser.add_argument("--rounds", type=int, default=1, help="runs of every measurement; the median step is kept")

@@ -63,8 +63,9 @@ def main(argv=None):
             run_dir = os.path.join(args.runs_dir, args.setting, args.script, name, f"seed{seed}")
             shutil.rmtree(run_dir, ignore_errors=True)
             os.makedirs(os.path.dirname(run_dir), exist_ok=True)
-            cmd = [sys.executable, os.path.join(ROOT, f"{args.script}.py"), "--output_dir", run_dir, "--seed", str(seed),
-                   "--model", args.setting, "--total_episodes", str(episodes), "--eval_steps", str(eval_steps), *flags]
+            cmd = [sys.executable, os.path.join(ROOT, f"{args.script}.py"), "--output_dir", run_dir,
+                   "--seed", str(seed), "--model", args.setting, "--total_episodes", str(episodes),
+                   "--eval_steps", str(eval_steps), *flags]
             print(f"[overopt] {' '.join(cmd[1:])}", flush=True)
             result = run_child(cmd, run_dir + ".log", args.threads)
             if result["returncode"] != 0:
@@ -85,13 +86,15 @@ def main(argv=None):
              f"Written by `python benchmark/overoptimisation.py {' '.join(sys.argv[1:] if argv is None else argv)}`; "
              f"machine: {machine()}.", "",
              f"`{args.script}.py --model {args.setting}` with its defaults there, {episodes} episodes ({steps} steps "
-             f"of 64, {args.scale:g}x the default budget), seeds {args.seeds}; held-out evaluation every {eval_steps} steps "
+             f"of 64, {args.scale:g}x the default budget), seeds {args.seeds}; "
+             f"held-out evaluation every {eval_steps} steps "
              "(the script's own: 256 prompts, greedy). Adaptive: "
              f"`--kl_target {args.kl_target} --kl_horizon {args.kl_horizon}` from the same starting coefficient.", "",
              "| KL coefficient | gold peak | gold at the end | RM score at the end | KL at the end | wall (s) |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name in settings:
-        lines.append(f"| {name} | {stat(name, 'eval/gold_score', max)} | {stat(name, 'eval/gold_score', lambda v: v[-1])}"
+        lines.append(f"| {name} | {stat(name, 'eval/gold_score', max)} | "
+                     f"{stat(name, 'eval/gold_score', lambda v: v[-1])}"
                      f" | {stat(name, 'eval/scores', lambda v: v[-1])} | {stat(name, 'eval/kl', lambda v: v[-1])} | "
                      f"{np.mean(usage[name]):.0f} |")
     lines += ["", f"![gold, reward-model score and KL against steps](overoptimisation{suffix}.png)", ""]

@@ -58,8 +58,8 @@ def load_run(path: str) -> dict:
         with open(os.path.join(path, "bench_eval.json")) as f:
             bench = json.load(f)
     algo = args.get("exp_name") or os.path.basename(os.path.dirname(path.rstrip("/")))
-    return dict(path=path, algo=algo, seed=args.get("seed"), args=args, rows=read_jsonl(os.path.join(path, "metrics.jsonl")),
-                bench=bench)
+    return dict(path=path, algo=algo, seed=args.get("seed"), args=args,
+                rows=read_jsonl(os.path.join(path, "metrics.jsonl")), bench=bench)
 
 
 def samples_per_step(run: dict):
@@ -134,7 +134,8 @@ def plot_curves(by_algo: dict, path: str, title: str = "toy task") -> None:
         sources |= {p["source"] for p in points}
         unit = OFFLINE_UNIT.get(algo, "episodes")
         for ax, key in zip(axes, ("gold", "rm")):
-            curves = [(p["x"], p[key]) for p in points if len(p["x"]) and not np.all(np.isnan(np.asarray(p[key], float)))]
+            curves = [(p["x"], p[key]) for p in points
+                      if len(p["x"]) and not np.all(np.isnan(np.asarray(p[key], float)))]
             if not curves:
                 continue
             x, mean, std = mean_std(curves)

@@ -46,7 +46,8 @@ RUNS = {  # name -> (script, flags): a few steps each, branches the default runs
     "ppo_variant": ("ppo.py", [*SHORT, "--max_steps", "2", "--whiten_rewards", "--kl_target", "1.0",
                                "--kl_horizon", "512", "--num_ppo_epochs", "2", "--skip_nonfinite"]),
     "distill": ("distill.py", [*SHORT, "--max_steps", "4"]),
-    "distill_variant": ("distill.py", [*SHORT, "--max_steps", "3", "--loss", "pg", "--gradient_accumulation_steps", "2"]),
+    "distill_variant": ("distill.py", [*SHORT, "--max_steps", "3", "--loss", "pg",
+                                       "--gradient_accumulation_steps", "2"]),
     "rloo_peft": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_peft", "--lora_r", "4"]),
     "rloo_async": ("rloo.py", [*SHORT, "--max_steps", "4", "--max_staleness", "1"]),
     "grpo_async": ("grpo.py", [*SHORT, "--max_steps", "4", "--max_staleness", "1", "--num_iterations", "2"]),
@@ -127,15 +128,16 @@ def compare_run(before: str, after: str) -> tuple:
         diffs.append(f"saved tensors differ in names: {sorted(set(tb) ^ set(ta))[:5]}")
     for key in sorted(set(tb) & set(ta)):
         if tb[key].shape != ta[key].shape or not torch.equal(tb[key], ta[key]):
-            diffs.append(f"weight {key} differs (max |diff| "
-                         f"{(tb[key].float() - ta[key].float()).abs().max().item() if tb[key].shape == ta[key].shape else 'shape'})")
+            gap = (tb[key].float() - ta[key].float()).abs().max().item() if tb[key].shape == ta[key].shape else "shape"
+            diffs.append(f"weight {key} differs (max |diff| {gap})")
     return diffs, only_before, only_after
 
 
 def compare(before: str, after: str) -> int:
     failed = 0
     for name in sorted(os.listdir(before)):
-        if not os.path.exists(os.path.join(after, name, "model")) or not os.path.exists(os.path.join(before, name, "model")):
+        if (not os.path.exists(os.path.join(after, name, "model"))
+                or not os.path.exists(os.path.join(before, name, "model"))):
             print(f"{name}: not recorded on both sides")
             continue
         diffs, only_before, only_after = compare_run(os.path.join(before, name), os.path.join(after, name))

@@ -248,9 +248,11 @@ def baseline_lines(results: dict) -> list:
         b, n = gen["batch_generation"], gen["naive_loop"]
         lines += [f"Generation ({gen['batch']}):", "",
                   "| method | tokens / s | s per batch | speed-up |", "| --- | --- | --- | --- |",
-                  f"| `pc.batch_generation` (one batched call) | {b['tokens_per_s']:.0f} | {b['seconds_per_batch']:.3f} | "
+                  f"| `pc.batch_generation` (one batched call) | {b['tokens_per_s']:.0f} | "
+                  f"{b['seconds_per_batch']:.3f} | "
                   f"{b['tokens_per_s'] / n['tokens_per_s']:.1f}x |",
-                  f"| naive per-example `model.generate` loop | {n['tokens_per_s']:.0f} | {n['seconds_per_batch']:.3f} | "
+                  f"| naive per-example `model.generate` loop | {n['tokens_per_s']:.0f} | "
+                  f"{n['seconds_per_batch']:.3f} | "
                   "1.0x |", ""]
     for shape in ("toy", "tldr"):
         share = results.get(f"sharing:{shape}")
@@ -259,7 +261,8 @@ def baseline_lines(results: dict) -> list:
                       f"`worth_sharing` says {'yes' if share['worth_sharing'] else 'no'}):", "",
                       "| pass | share_prompts=True (ms) | share_prompts=False (ms) | time ratio |",
                       "| --- | --- | --- | --- |"]
-            lines += [f"| {name} | {1000 * t['shared']:.1f} | {1000 * t['plain']:.1f} | {t['shared'] / t['plain']:.2f}x |"
+            lines += [f"| {name} | {1000 * t['shared']:.1f} | {1000 * t['plain']:.1f} | "
+                      f"{t['shared'] / t['plain']:.2f}x |"
                       for name, t in share["passes"].items()] + [""]
     for shape in ("toy", "pythia"):
         sel, full = results.get(f"logprobs:selective:{shape}"), results.get(f"logprobs:full:{shape}")
@@ -269,8 +272,10 @@ def baseline_lines(results: dict) -> list:
                       "| --- | --- | --- | --- | --- |",
                       f"| `pc.{'response_logprobs' if shape == 'toy' else 'selective_logprobs'}` (logsumexp in row "
                       f"chunks) | {1000 * sel['seconds']:.1f} | {sel['peak_extra_mib']:.0f} | "
-                      f"{sel['seconds'] / full['seconds']:.2f}x | {ratio(sel['peak_extra_mib'], full['peak_extra_mib'])} |",
-                      f"| plain full `log_softmax` + gather | {1000 * full['seconds']:.1f} | {full['peak_extra_mib']:.0f} | "
+                      f"{sel['seconds'] / full['seconds']:.2f}x | "
+                      f"{ratio(sel['peak_extra_mib'], full['peak_extra_mib'])} |",
+                      f"| plain full `log_softmax` + gather | {1000 * full['seconds']:.1f} | "
+                      f"{full['peak_extra_mib']:.0f} | "
                       "1.00x | 1.00x |", ""]
     return lines
 
@@ -306,12 +311,14 @@ def main():
                         help="toy: each script's toy defaults; tldr: TL;DR shapes on random-weight stand-ins "
                              "(rloo dpo kto grpo distill)")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating runs of every step measurement (ours, TRL, ours, ...); the median is reported")
+                        help="alternating runs of every step measurement (ours, TRL, ours, ...); "
+                             "the median is reported")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of every measuring process")
     parser.add_argument("--no_trl", action="store_true", help="skip TRL even when it is installed")
     parser.add_argument("--floor", action="store_true",
                         help="also time the floor (benchmark/floor.py) in every round, after ours and TRL")
-    parser.add_argument("--no_baselines", action="store_true", help="skip the generation / sharing / log-prob baselines")
+    parser.add_argument("--no_baselines", action="store_true",
+                        help="skip the generation / sharing / log-prob baselines")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "speed.md"))
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1 or args.rounds < 1:

@@ -40,6 +40,7 @@ from plumbing import prompt_sharing as ps  # noqa: E402
 import speed_settings as settings  # noqa: E402
 from toy import vm_hwm_mib  # noqa: E402
 
+
 def mean_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     start = time.perf_counter()
@@ -56,7 +57,8 @@ def toy_rloo_batch():
     paths = settings.setting_paths("toy")
     tok = models.load_tokenizer(paths["policy"])
     model = models.load_causal_lm(paths["policy"], tok)
-    prompts = du.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][:d["per_device_train_batch_size"] // d["rloo_k"]]
+    prompts = du.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][
+        :d["per_device_train_batch_size"] // d["rloo_k"]]
     return model, tok, pc.pad_sequences(du.tokenize_prompts(tok, prompts), tok.pad_token_id, "left"), d
 
 

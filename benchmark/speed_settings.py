@@ -50,7 +50,12 @@ def build_tldr_shaped(root: str) -> dict:
 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        GPTNeoXForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
 
     from toy_worlds.toy_task import save_dataset
 
@@ -104,7 +109,12 @@ def build_long_shaped(root: str, length: int) -> dict:
 
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, PreTrainedTokenizerFast
+    from transformers import (
+        GPTNeoXConfig,
+        GPTNeoXForCausalLM,
+        GPTNeoXForSequenceClassification,
+        PreTrainedTokenizerFast,
+    )
 
     from toy_worlds.toy_task import save_dataset
 

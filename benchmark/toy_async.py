@@ -87,7 +87,8 @@ def learn(args) -> list:
              "difference: paired with N = 0 of the same backend and seed (mean over seeds; largest |difference|). "
              "Importance weights pi_old / pi_sampler over the stale steps' actions (default "
              "--vllm_importance_sampling_mode sequence_mask, clip_max 3).", "",
-             "| script | backend | N | final gold | gold - N=0 (mean) | largest \\|gold - N=0\\| | weights min .. max |",
+             "| script | backend | N | final gold | gold - N=0 (mean) | largest \\|gold - N=0\\| | "
+             "weights min .. max |",
              "|---|---|---|---|---|---|---|"]
     for algo, backend in pairs:
         for n in args.staleness:

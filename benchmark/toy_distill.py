@@ -42,8 +42,9 @@ def main() -> None:
                                f"seed{seed}")
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(os.path.dirname(out), exist_ok=True)
-            timing = run_child([sys.executable, os.path.join(ROOT, "distill.py"), "--seed", str(seed), "--total_episodes",
-                                str(args.total_episodes), "--eval_steps", "2", "--output_dir", out, *flags],
+            timing = run_child([sys.executable, os.path.join(ROOT, "distill.py"), "--seed", str(seed),
+                                "--total_episodes", str(args.total_episodes), "--eval_steps", "2",
+                                "--output_dir", out, *flags],
                                out + ".log", threads=2)
             if timing["returncode"] != 0:
                 raise SystemExit(f"{name} seed {seed} failed: see {out}.log")

@@ -1,7 +1,8 @@
 """Toy tool world benchmark: grpo.py and rloo.py on `--model toy_tools` (multi-turn episodes with a lookup tool,
 toy_tools.py), 1 and 2 processes x seeds, one table.
 
-    python benchmark/toy_tool_world.py                     # grpo, rloo x 1, 2 processes x seeds 1 2 3, ~11 min on 2 cores
+    python benchmark/toy_tool_world.py                     # grpo, rloo x 1, 2 processes x seeds 1 2 3,
+                                                           # ~11 min on 2 cores
     python benchmark/toy_tool_world.py --algos grpo --procs 1 --seeds 1 --max_steps 2    # a smoke run
 
 Each run is `python <algo>.py --model toy_tools --seed S` (2 processes: torch.distributed.run, one thread each, and
@@ -42,7 +43,8 @@ def summarise(run_dir: str) -> dict:
     def mean(key, rs):
         return sum(r[key] for r in rs) / len(rs)
 
-    return dict(steps=train[-1]["step"], gold_before=evals[0]["eval/gold_score"], gold_after=evals[-1]["eval/gold_score"],
+    return dict(steps=train[-1]["step"], gold_before=evals[0]["eval/gold_score"],
+                gold_after=evals[-1]["eval/gold_score"],
                 calls_before=train[0]["tools/call_frequency"], calls_after=mean("tools/call_frequency", tail),
                 sampled_gold_before=train[0]["objective/scores"], sampled_gold_after=mean("objective/scores", tail),
                 failures=mean("tools/failure_frequency", train),

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
 import policy_common as pc  # noqa: E402
+from plumbing import reward_sources as rs  # noqa: E402
 from plumbing import prompt_sharing as ps  # noqa: E402
 from toy_worlds import toy_task  # noqa: E402
 
@@ -82,7 +83,7 @@ class ToyEvaluator:
         responses = query_responses[:, context_length:]
         completions = [tok.decode(r, skip_special_tokens=True) for r in responses]
         gold = [toy_task.gold_score(p, c) for p, c in zip(self.prompts, completions)]
-        rm = pc.get_reward(self.reward_model, query_responses, pad)
+        rm = rs.get_reward(self.reward_model, query_responses, pad)
 
         # sampled sequence KL to the SFT policy (fixed seed: the same draw for every policy evaluated)
         torch.manual_seed(self.seed)

@@ -2,9 +2,9 @@
 process for runs that stop early with a usage error), and the fast tier.
 
 The fast tier (`python -m pytest -m "not slow"`) leaves out every test that starts a process (a script run, a
-2-process launch, a benchmark, a vLLM engine) or uses a fixture or helper that does, found from their source at collection time (so a new
-test lands in the right tier without a marker); `tests/test_smoke.py`'s one tiny run per script is kept in
-(`@pytest.mark.fast`). `@pytest.mark.slow` marks any other test as slow by hand."""
+2-process launch, a benchmark, a vLLM engine) or uses a fixture or helper that does, found from their source at
+collection time (so a new test lands in the right tier without a marker); `tests/test_smoke.py`'s one tiny run per
+script is kept in (`@pytest.mark.fast`). `@pytest.mark.slow` marks any other test as slow by hand."""
 
 import inspect
 import json

@@ -194,7 +194,8 @@ def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters
 
     from plumbing import run_utils as ru
 
-    paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset", "unpaired_dataset")}
+    paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset",
+                                          "unpaired_dataset")}
     for algo, module in (("rloo", rloo), ("dpo", dpo), ("kto", kto), ("grpo", grpo)):
         args = ru.parse_args(module.Args, module.ALIAS_DEFAULTS, argv=settings.ours_flags("tldr", algo, paths))
         assert args.model == paths["policy"]
@@ -229,11 +230,13 @@ def test_memory_long_settings_and_report(tmp_path):
             assert args.response_length == length
     assert settings.long_length("long2048") == 2048 and settings.long_length("tldr") is None
 
-    results = {"ours:grpo:512": dict(step=None, peak_rss_mib=1000.0), "trl:grpo:512": dict(step=None, peak_rss_mib=3000.0),
-               "ours:grpo:1024": dict(step=10.0, peak_rss_mib=1600.0), "trl:grpo:1024": dict(step=12.0, peak_rss_mib=4000.0),
+    results = {"ours:grpo:512": dict(step=None, peak_rss_mib=1000.0),
+               "trl:grpo:512": dict(step=None, peak_rss_mib=3000.0),
+               "ours:grpo:1024": dict(step=10.0, peak_rss_mib=1600.0),
+               "trl:grpo:1024": dict(step=12.0, peak_rss_mib=4000.0),
                "unchunked:grpo:1024": dict(step=9.5, peak_rss_mib=2600.0),
-               "ours:grpo:2048": dict(step=None, peak_rss_mib=2000.0), "trl:grpo:2048": dict(step=None, peak_rss_mib=6000.0,
-                                                                                       unmatched=["z"])}
+               "ours:grpo:2048": dict(step=None, peak_rss_mib=2000.0),
+               "trl:grpo:2048": dict(step=None, peak_rss_mib=6000.0, unmatched=["z"])}
     args = argparse.Namespace(algos=["grpo"], lengths=[512, 1024, 2048], timed_lengths=[1024], steps=1, warmup=1,
                               rounds=1, threads=2)
     text = "\n".join(memory.report(results, args))
@@ -291,8 +294,8 @@ def test_speed_and_toy_help():
 
 
 def test_toy_tools_summary_hand_worked(tmp_path):
-    """benchmark/toy_tool_world.py's before/after numbers from a hand-written metrics.jsonl: gold from the first and last
-    evaluation, sampled numbers from step 1 and the mean of the last 10% of the training steps."""
+    """benchmark/toy_tool_world.py's before/after numbers from a hand-written metrics.jsonl: gold from the first and
+    last evaluation, sampled numbers from step 1 and the mean of the last 10% of the training steps."""
     import importlib
 
     sys.path.insert(0, BENCH)

@@ -150,7 +150,8 @@ MODEL_FOR_HYPOTHESIS = neox().eval()
 
 class LargestLogits(TorchDispatchMode):
     """Records the most rows any op output of shape (..., V) had: the logits and everything computed from them. A
-    (V, H) matrix seen transposed (the output layer's weight, its gradient) is (H, V) with stride 1 along H: left out."""
+    (V, H) matrix seen transposed (the output layer's weight, its gradient) is (H, V) with stride 1 along H:
+    left out."""
 
     def __init__(self, vocab: int):
         super().__init__()
@@ -225,7 +226,8 @@ def test_generation_keeps_the_sampled_tokens_log_probs_as_full_scores_give_them(
     model = neox().eval()
     queries = torch.tensor([[PAD, 5, 6, 7], [8, 9, 10, 11], [PAD, PAD, 12, 13]])
     config = GenerationConfig(do_sample=not greedy, temperature=temperature if not greedy else None,
-                              **dict(dict(top_k=0, top_p=1.0), **warpers), max_new_tokens=7, min_new_tokens=3, pad_token_id=PAD, eos_token_id=EOS,
+                              **dict(dict(top_k=0, top_p=1.0), **warpers), max_new_tokens=7, min_new_tokens=3,
+                              pad_token_id=PAD, eos_token_id=EOS,
                               suppress_tokens=[PAD])
     torch.manual_seed(11)
     query_responses, logprobs, entropy = pc.batch_generation(model, queries, PAD, EOS, config, 2, return_entropy=True)

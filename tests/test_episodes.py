@@ -21,6 +21,7 @@ from plumbing import reward_sources as rs
 from conftest import QWEN_TEMPLATE
 from plumbing.errors import UserError
 
+
 def lookup(box: str) -> str:
     """Look up the letters kept in a box.
 
@@ -94,7 +95,8 @@ def test_episode_is_the_rendered_conversation_qwen_template(qwen_tokenizer):
     sampled = [t for t, a in zip(episode.response_ids, episode.action_mask) if a]
     assert sampled == encode(qwen_tokenizer, CALL) + encode(qwen_tokenizer, "c f k<|im_end|>")
     tool_text = qwen_tokenizer.decode([t for t, a in zip(episode.response_ids, episode.action_mask) if not a])
-    assert tool_text == "\n<|im_start|>user\n<tool_response>\nk c f\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert tool_text == ("\n<|im_start|>user\n<tool_response>\nk c f\n</tool_response><|im_end|>\n"
+                         "<|im_start|>assistant\n")
     # the log-probs are the sampler's, on its tokens; 0 on the tool tokens
     turn = len(encode(qwen_tokenizer, CALL))
     assert episode.logprobs[:turn] == [-(j + 1.0) for j in range(turn)]
@@ -151,7 +153,8 @@ def test_budget_turn_limit_and_no_call_end_episodes(qwen_tokenizer):
     assert e.truncated and e.turns == 2 and sum(e.action_mask) == budget
     assert len(e.response_ids) > budget  # the tool tokens are not counted in it
     # the context limit: no room for the tool result -> ended by the budget, the result not appended
-    [e] = play(qwen_tokenizer, toolset, [[CALL]], context_limit=len(scripted.prompts[0]) + len(encode(qwen_tokenizer, CALL)) + 5)
+    [e] = play(qwen_tokenizer, toolset, [[CALL]],
+               context_limit=len(scripted.prompts[0]) + len(encode(qwen_tokenizer, CALL)) + 5)
     assert e.truncated and e.tool_calls == 1 and all(e.action_mask)
 
 

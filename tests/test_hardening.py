@@ -20,7 +20,7 @@ FEW_STEPS = {
 
 
 def one_line_error(proc) -> str:
-    lines = [l for l in proc.stderr.strip().splitlines() if l.startswith("error:")]
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return lines[0]
 

@@ -10,6 +10,7 @@ from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceC
 
 from plumbing import models
 import policy_common as pc
+from plumbing import reward_sources as rs
 from plumbing import prompt_sharing as ps
 from plumbing.errors import UserError
 
@@ -121,7 +122,8 @@ def grouped_batch(gen, group_sizes, max_query=6, max_response=5):
     rows = []
     for size in group_sizes:
         query = random_queries(gen, [int(torch.randint(1, max_query + 1, (1,), generator=gen))])[0]
-        rows += [(query, r) for r in random_queries(gen, torch.randint(1, max_response + 1, (size,), generator=gen).tolist())]
+        rows += [(query, r)
+                 for r in random_queries(gen, torch.randint(1, max_response + 1, (size,), generator=gen).tolist())]
     rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
     q = pc.pad_sequences([a for a, _ in rows], PAD, "left")
     r = pc.pad_sequences([b for _, b in rows], PAD, "right")
@@ -256,7 +258,8 @@ def test_selective_logprobs_equals_full_log_softmax():
     torch.testing.assert_close(pc.selective_logprobs(logits, tokens), expected)
     torch.testing.assert_close(pc.selective_logprobs(logits, tokens, chunk_bytes=1), expected)  # row by row
     torch.testing.assert_close(pc.selective_logprobs(logits.bfloat16(), tokens),
-                               torch.log_softmax(logits.bfloat16().float(), -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
+                               torch.log_softmax(logits.bfloat16().float(), -1)
+                               .gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
 
 def test_entropy_from_logits():
@@ -299,7 +302,8 @@ def test_batch_generation_shares_repeated_queries(lm):
         hook.remove()
     assert seen[0] == (3, q.shape[1] - 1) and seen[1] == (9, 1)  # 3 distinct prefixes, then the last query token
     for i, query in enumerate(queries):
-        alone = pc.truncate_after_eos(lm.generate(torch.tensor([query]), generation_config=config)[:, len(query):], EOS, PAD)[0]
+        alone = pc.truncate_after_eos(lm.generate(torch.tensor([query]), generation_config=config)[:, len(query):],
+                                      EOS, PAD)[0]
         assert query_responses[i, q.shape[1]:q.shape[1] + len(alone)].tolist() == alone.tolist(), i
 
 
@@ -332,7 +336,8 @@ def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
     """Rows ending at different lengths, left-padded queries, chunks: the sampling log-probs and entropies equal
     (i) `response_logprobs` / `forward_logits` on the padded batch (pad masked: one distribution) and (ii) an
     unpadded row-by-row forward with the pad token's mass removed; also when repeated queries are encoded once.
-    `response_logprobs_no_grad` (the no-grad, chunked scoring of given samples) equals (ii) too, with or without entropy."""
+    `response_logprobs_no_grad` (the no-grad, chunked scoring of given samples) equals (ii) too, with or without
+    entropy."""
     model = eos_biased_model()
     gen = torch.Generator().manual_seed(5)
     queries = random_queries(gen, [3, 1, 4, 2] * 4)
@@ -450,7 +455,7 @@ def test_get_reward_reads_last_real_token():
     queries, responses = random_queries(gen, [2, 4, 3]), random_queries(gen, [3, 1, 2])
     q, r = pc.pad_sequences(queries, PAD, "left"), pc.pad_sequences(responses, PAD, "right")
     with torch.no_grad():
-        scores = pc.get_reward(rm, torch.cat([q, r], 1), PAD)
+        scores = rs.get_reward(rm, torch.cat([q, r], 1), PAD)
         for i in range(3):
             ids = torch.tensor([queries[i] + responses[i]])
             hidden = rm.gpt_neox(input_ids=ids).last_hidden_state
@@ -463,8 +468,8 @@ def test_get_reward_with_shared_prompts_reads_the_same_scores():
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(11), [3, 2, 1])
     with torch.no_grad():
         calls = CountCalls(rm.gpt_neox)
-        scores = pc.get_reward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
-        values = pc.scalar_forward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
+        scores = rs.get_reward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
+        values = rs.scalar_forward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
         assert calls.n == 4  # two calls each: the distinct queries, then the responses
         for i, (query, response) in enumerate(rows):
             hidden = rm.gpt_neox(input_ids=torch.tensor([query + response])).last_hidden_state
@@ -625,5 +630,3 @@ def test_create_reference_defaults_to_the_starting_policy_and_checks_vocab(toy, 
     _save_tiny_tokenizer(tmp_path / "other", with_pad=True)
     with pytest.raises(UserError, match="reference model's tokenizer differs"):
         pc.create_reference(policy, tokenizer, policy_name=toy["policy"], ref_model=str(tmp_path / "other"))
-
-

@@ -70,7 +70,8 @@ def test_samples_rotate_and_the_summary_reads_the_first_and_last_evaluation(tmp_
     logger.close(str(tmp_path / "run" / "model"))
     summary = capsys.readouterr().out.splitlines()
     assert summary[0].startswith("summary: step 2, ")
-    assert summary[1:4] == ["  eval/gold_score  0.25 -> 0.75   (step 0 -> 2)", "  eval/scores      -1.5 -> 2   (step 0 -> 2)",
+    assert summary[1:4] == ["  eval/gold_score  0.25 -> 0.75   (step 0 -> 2)",
+                            "  eval/scores      -1.5 -> 2   (step 0 -> 2)",
                             "  eval/kl          0 -> 1.25   (step 0 -> 2)"]
 
 

@@ -210,7 +210,8 @@ def test_weighted_sum_with_none_and_statistics_hand_worked(toy):
 
 @pytest.mark.parametrize("returned, message", [
     (lambda n: [1.0] * (n - 1), "returned 2 values for 3 rows"),
-    (lambda n: [1.0, "abc", 2.0], "returned 'abc' for row 1 (prompt 'a c b =', completion 'c a b'): not a finite number"),
+    (lambda n: [1.0, "abc", 2.0],
+     "returned 'abc' for row 1 (prompt 'a c b =', completion 'c a b'): not a finite number"),
     (lambda n: [1.0, 2.0, float("nan")], "returned nan for row 2"),
     (lambda n: 7, "returned int, not a list of 3 values"),
 ])
@@ -229,7 +230,8 @@ def test_a_raising_function_is_reported_with_its_first_failing_row(toy):
         return [1.0 / (len(c.split()) - 3) for c in completions]  # the 3-letter completion divides by zero
 
     sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("picky", picky)])
-    with pytest.raises(rs.RewardFunctionError, match=r"'picky' raised ZeroDivisionError: .* on row 1 \(prompt 'a c b ="):
+    with pytest.raises(rs.RewardFunctionError,
+                       match=r"'picky' raised ZeroDivisionError: .* on row 1 \(prompt 'a c b ="):
         sources(query_responses, context_length, rows)
 
 
@@ -471,4 +473,3 @@ def test_missing_eos_penalty():
     scores = torch.tensor([1.0, 1.0, -2.0])
     assert rs.penalise_missing_eos(scores, truncated, 2.5).tolist() == [-1.5, 1.0, -2.0]
     assert rs.penalise_missing_eos(scores, truncated, None).tolist() == [1.0, 1.0, -2.0]
-

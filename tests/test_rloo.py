@@ -253,7 +253,8 @@ def test_peft_reference_is_adapter_off_base(toy):
             if "lora_B" in name:
                 p.normal_(0, 0.5)  # make the adapter matter
     base = models.load_causal_lm(policy_path, tokenizer)
-    queries = pc.pad_sequences([tokenizer("b a c =", add_special_tokens=False)["input_ids"]], tokenizer.pad_token_id, "left")
+    queries = pc.pad_sequences([tokenizer("b a c =", add_special_tokens=False)["input_ids"]], tokenizer.pad_token_id,
+                               "left")
     query_responses = torch.cat([queries, torch.tensor([[tokenizer.convert_tokens_to_ids(t) for t in "abc"]])], 1)
     ctx = queries.shape[1]
     ref = reference.logprobs(query_responses, ctx, tokenizer.pad_token_id, 0.7)

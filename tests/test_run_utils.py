@@ -18,8 +18,9 @@ from plumbing.errors import UserError
 from conftest import run_two_processes
 from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 
+
 # --------------------------------------------------------------------------------------------- saving
-def test_save_then_reload_gives_identical_logits(tmp_path, lm):
+def test_save_then_reload_gives_identical_logits(tmp_path, lm):  # noqa: F811  (`lm`: the fixture imported above)
     _save_tiny_tokenizer(tmp_path / "tok", with_pad=True)
     tokenizer = models.load_tokenizer(str(tmp_path / "tok"))
     tl.save_model(None, lm, tokenizer, str(tmp_path / "model"))
@@ -68,7 +69,10 @@ def test_atomic_dir_keeps_old_folder_on_failure(tmp_path):
 # --------------------------------------------------------------------------------------------- data
 def test_tokenize_prompt_completion_truncation_rule(toy):
     tokenizer = models.load_tokenizer(toy["policy"])
-    ids = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]
+
+    def ids(s):
+        return tokenizer(s, add_special_tokens=False)["input_ids"]
+
     prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, "a b c d =", " a b c", 3, 6)
     assert prompt_ids == ids("c d =")  # prompt keeps its last 3 tokens
     assert completion_ids == ids(" a b c")  # 6 - 3 = 3 tokens: EOS truncated away
@@ -107,7 +111,8 @@ def test_load_dataset_sources_and_errors(tmp_path, toy):
 
 def test_render_conversational(toy):
     tokenizer = models.load_tokenizer(toy["policy"])
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}={% endif %}"
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                               "{% if add_generation_prompt %}={% endif %}")
     prompt = [{"role": "user", "content": "b a"}]
     assert du.render_prompt(tokenizer, prompt) == "b a ="
     assert du.render_prompt(tokenizer, "b a =") == "b a ="
@@ -234,13 +239,13 @@ def test_metrics_logger_appends_refuses_and_resumes(tmp_path):
     logger = ml.MetricsLogger(out, {"lr": 1.0})
     logger.log({"loss": torch.tensor(0.5), "lr": 1.0}, step=1)
     logger.log({"loss": 0.25}, step=2)
-    rows = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert rows == [{"step": 1, "loss": 0.5, "lr": 1.0}, {"step": 2, "loss": 0.25}]
     assert json.load(open(os.path.join(out, "args.json"))) == {"lr": 1.0}
     with pytest.raises(UserError, match="already holds a run"):
         ml.MetricsLogger(out, {"lr": 1.0})
     ml.MetricsLogger(out, {"lr": 1.0}, resume_step=1)
-    assert [json.loads(l)["step"] for l in open(os.path.join(out, "metrics.jsonl"))] == [1]
+    assert [json.loads(line)["step"] for line in open(os.path.join(out, "metrics.jsonl"))] == [1]
     ml.MetricsLogger(str(tmp_path / "other"), {}, is_main_process=False).log({"x": 1}, step=1)
     assert not os.path.exists(tmp_path / "other")
 
@@ -314,7 +319,8 @@ def test_epoch_permutation_is_seeded_per_epoch():
     a = du.epoch_permutation(50, seed=1, epoch=0)
     assert sorted(a) == list(range(50)) and a == du.epoch_permutation(50, seed=1, epoch=0)
     assert a != du.epoch_permutation(50, seed=1, epoch=1) and a != du.epoch_permutation(50, seed=2, epoch=0)
-    assert du.epoch_permutation(50, seed=1, epoch=1) != du.epoch_permutation(50, seed=2, epoch=0)  # no seed+epoch aliasing
+    # no seed+epoch aliasing
+    assert du.epoch_permutation(50, seed=1, epoch=1) != du.epoch_permutation(50, seed=2, epoch=0)
 
 
 def test_data_positions_read_the_permutations_pass_after_pass():

@@ -104,7 +104,10 @@ def test_dpo_first_step_loss_independent_of_process_count(tmp_path, toy):
     run_distributed("dpo.py", *common, "--per_device_train_batch_size", "4", "--output_dir", str(tmp_path / "two"))
     run_script("dpo.py", *common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one"),
                threads=1)
-    first = lambda d: next(r for r in read_metrics(str(tmp_path / d)) if r["step"] == 1 and "loss" in r)
+
+    def first(d):
+        return next(r for r in read_metrics(str(tmp_path / d)) if r["step"] == 1 and "loss" in r)
+
     one, two = first("one"), first("two")
     assert two["loss"] == pytest.approx(one["loss"], abs=1e-5)
     assert two["rewards/accuracies"] == pytest.approx(one["rewards/accuracies"], abs=1e-6)
