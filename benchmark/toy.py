@@ -55,7 +55,8 @@ import numpy as np  # noqa: E402
 VARIANTS = {"rloo-gold": ("rloo", ["--reward_funcs", "gold"]), "ppo-gold": ("ppo", ["--reward_funcs", "gold"]),
             "grpo-gold": ("grpo", ["--reward_funcs", "gold"]), "grpo-grpo": ("grpo", ["--loss_type", "grpo"]),
             "grpo-bnpo": ("grpo", ["--loss_type", "bnpo"]), "grpo-dr_grpo": ("grpo", ["--loss_type", "dr_grpo"])}
-ALGOS = ("sft", "reward", "rloo", "ppo", "grpo", "dpo", "kto", "distill", *VARIANTS)
+BASE_ALGOS = ("sft", "reward", "rloo", "ppo", "grpo", "dpo", "kto", "distill")
+ALGOS = (*BASE_ALGOS, *VARIANTS)  # the default run; --algos also takes any script at the root (a copy: `family`)
 SETTINGS = ("toy", "toy_hard", "toy_tools")
 # toy_tools (toy_tools.py, multi-turn episodes with a lookup tool): the scripts with a tool-world default, scored by
 # their own held-out evaluation (greedy episodes in which the policy calls the tool), not by uniform_eval.py
@@ -76,10 +77,17 @@ GAIN_FRACTION = 0.75
 MIN_EXPECTED_GAIN = 0.1  # below this the benchmark's gain is no signal to check against
 
 
+def family(algo: str) -> str:
+    """The algorithm a benchmarked name runs: a variant's script, or for a copied script at the root (`rloo_myidea`:
+    `cp rloo.py rloo_myidea.py`, README "Try an idea") the script it was copied from, by its name's prefix."""
+    script = VARIANTS[algo][0] if algo in VARIANTS else algo
+    return next((base for base in BASE_ALGOS if script == base or script.startswith(base + "_")), script)
+
+
 def metric_of(algo: str) -> str:
     """The script's own final metric the expected values hold: reward.py's held-out pairwise accuracy, else the
     held-out greedy gold score."""
-    return "eval/accuracy" if algo == "reward" else "eval/gold_score"
+    return "eval/accuracy" if family(algo) == "reward" else "eval/gold_score"
 
 
 def final_metric(run_dir: str, algo: str):
@@ -242,7 +250,7 @@ def num(value, digits: int = 3) -> str:
 
 def setting_lines(setting: str, results: dict, sft: dict, budget_note: str) -> list:
     """The table section of one setting: the summary over seeds, then every run."""
-    policies = {a: runs for a, runs in results.items() if a != "reward"}
+    policies = {a: runs for a, runs in results.items() if family(a) != "reward"}
     lines = [
         f"## {setting}: {SETTING_TEXT[setting]}",
         "",
@@ -262,9 +270,10 @@ def setting_lines(setting: str, results: dict, sft: dict, budget_note: str) -> l
             f"{fmt([f['rm_score'] for f in finals])} | "
             f"{fmt([f['kl'] for f in finals])} | {fmt([r['wall_time_s'] for r in runs], 0)} | "
             f"{fmt([r['peak_rss_mib'] for r in runs], 0)} |")
-    if "reward" in results:
-        runs = results["reward"]
-        lines += ["", f"reward.py (the reward model retrained from the SFT policy on the preference data): held-out "
+    for algo, runs in results.items():
+        if family(algo) != "reward":
+            continue
+        lines += ["", f"{algo}.py (the reward model retrained from the SFT policy on the preference data): held-out "
                       f"pairwise accuracy {fmt([r['script_metric'] for r in runs])} over {len(runs)} seeds; "
                       f"{sorted({r['budget'] for r in runs})[0]}; wall time {fmt([r['wall_time_s'] for r in runs], 0)} "
                       f"s, peak memory {fmt([r['peak_rss_mib'] for r in runs], 0)} MiB."]
@@ -317,13 +326,13 @@ def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sf
     cmd = [sys.executable, os.path.join(ROOT, f"{script}.py"), "--output_dir", run_dir, "--seed", str(seed)]
     if setting != "toy":
         cmd += ["--model", setting]
-    if script in SAVE_STEPS and evaluator is not None:
-        cmd += ["--save_steps", str(args.save_steps or SAVE_STEPS[script])]
+    if family(script) in SAVE_STEPS and evaluator is not None:
+        cmd += ["--save_steps", str(args.save_steps or SAVE_STEPS[family(script)])]
     if algo in VARIANTS:
         cmd += ["--exp_name", algo, *variant_flags]
     if args.max_steps:
         cmd += ["--max_steps", str(args.max_steps)]
-    if args.script_eval_prompts and script != "reward":
+    if args.script_eval_prompts and family(script) != "reward":
         cmd += ["--num_eval_prompts", str(args.script_eval_prompts)]
     cmd += extra.get(algo, [])
     print(f"[toy] {setting} {algo} seed {seed}: {' '.join(cmd[1:])}", flush=True)
@@ -335,7 +344,7 @@ def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sf
         run_args = json.load(f)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    if script == "reward":
+    if family(script) == "reward":
         steps, points = final_step(run_dir), []
     elif evaluator is None:
         points = script_points(run_dir)
@@ -344,11 +353,11 @@ def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sf
         points = evaluate_run(evaluator, run_dir, sft, args.keep_checkpoints)
         steps = points[-1]["step"]
     per_step = run_args["per_device_train_batch_size"] * run_args.get("gradient_accumulation_steps", 1)
-    if script in ("rloo", "ppo", "grpo", "distill"):
+    if family(script) in ("rloo", "ppo", "grpo", "distill"):
         episodes = max((r.get("episode", 0) for r in rows), default=0)
-        budget = f"{steps} steps, {int(episodes)} {UNIT[script]}"
+        budget = f"{steps} steps, {int(episodes)} {UNIT[family(script)]}"
     else:
-        budget = f"{steps} steps x {per_step} {UNIT[script]}"
+        budget = f"{steps} steps x {per_step} {UNIT[family(script)]}"
     record = dict(setting=setting, algo=algo, seed=seed, command=" ".join(cmd[1:]), steps=steps, budget=budget,
                   num_eval_prompts=args.num_eval_prompts, points=points, final=points[-1] if points else None,
                   sft=sft, script_metric=final_metric(run_dir, script), **usage)
@@ -364,7 +373,8 @@ def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sf
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS)
+    parser.add_argument("--algos", nargs="+", default=list(ALGOS),
+                        help=f"{', '.join(ALGOS)}, or any script at the root (a copy such as rloo_myidea)")
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--runs_dir", default=os.path.join(HERE, "runs", "toy"), help="where the runs go")
     parser.add_argument("--out", default=os.path.join(HERE, "results"),
@@ -381,6 +391,10 @@ def main(argv=None):
     parser.add_argument("--extra", action="append", default=[], metavar="ALGO:FLAGS",
                         help="extra flags for one algorithm, e.g. --extra 'rloo:--kl_coef 0.05' (repeatable)")
     args = parser.parse_args(argv)
+    unknown = [a for a in args.algos if a not in ALGOS and not os.path.isfile(os.path.join(ROOT, f"{a}.py"))]
+    if unknown or any(family(a) not in BASE_ALGOS for a in args.algos):
+        parser.error(f"--algos: {unknown or args.algos} is neither {', '.join(ALGOS)} nor a script at the root named "
+                     "after one of them (rloo_myidea.py)")
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = {}
     for item in args.extra:
@@ -395,7 +409,7 @@ def main(argv=None):
     results, sfts, budget_notes, figures = {}, {}, {}, []
     t0, load0 = time.time(), os.getloadavg()[0]
     for setting in args.settings:
-        algos = [a for a in args.algos if a in SETTING_ALGOS.get(setting, ALGOS)]
+        algos = [a for a in args.algos if family(a) in SETTING_ALGOS.get(setting, ALGOS)]
         evaluator = None if setting in SETTING_ALGOS else ToyEvaluator(num_prompts=args.num_eval_prompts,
                                                                        setting=setting)
         sft = evaluator.evaluate_sft() if evaluator else None
@@ -420,8 +434,8 @@ def main(argv=None):
             + (f", capped at --max_steps {args.max_steps}" if args.max_steps else "")
             + ("; curves from the scripts' own evaluations." if evaluator is None else
                "; checkpoints for the curves every " +
-               ", ".join(f"{a} {args.save_steps or SAVE_STEPS[VARIANTS.get(a, (a,))[0]]}" for a in algos
-                         if VARIANTS.get(a, (a,))[0] in SAVE_STEPS) + " steps.")
+               ", ".join(f"{a} {args.save_steps or SAVE_STEPS[family(a)]}" for a in algos
+                         if family(a) in SAVE_STEPS) + " steps.")
             + "".join(f" {name}: {script}.py {' '.join(flags)}." for name, (script, flags)
                                   in VARIANTS.items() if name in algos)
             + (f" Extra flags: {extra}." if extra else ""))

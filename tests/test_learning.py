@@ -78,3 +78,14 @@ def test_the_check_fails_on_a_flipped_loss_sign(toy, tmp_path):
     first, *_, final = toy_bench.metric_values(out, "dpo")
     assert final < first  # it unlearns
     assert "did not learn enough" in toy_bench.check_learning("dpo", first, final)
+
+
+def test_the_benchmark_takes_a_copied_script(tmp_path):
+    """README "Try an idea": `benchmark/toy.py --algos rloo rloo_myidea` runs the copy as its own row, measured as
+    the script it was copied from (its metric, unit and checkpoint cadence); a name that is no script is refused."""
+    assert [toy_bench.family(a) for a in ("rloo", "rloo_myidea", "grpo-gold", "reward_v2")] == [
+        "rloo", "rloo", "grpo", "reward"]
+    assert toy_bench.metric_of("reward_v2") == "eval/accuracy" and toy_bench.metric_of("rloo_myidea") == \
+        "eval/gold_score"
+    with pytest.raises(SystemExit):
+        toy_bench.main(["--algos", "no_such_script", "--runs_dir", str(tmp_path), "--out", str(tmp_path)])
