@@ -328,6 +328,7 @@ def main():
 
         # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
         if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
+            sampler.close()
             logger.close()
             return
 
