@@ -19,11 +19,10 @@ from typing import List, Literal, Optional
 import torch
 import torch.nn.functional as F
 
-from plumbing import chunked_head
+import policy_common as pc
+from plumbing import chunked_head, models
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
-from plumbing import models
-import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru

@@ -1,36 +1,26 @@
 """Direct Preference Optimization (Rafailov et al. 2023, https://arxiv.org/abs/2305.18290) and common variants.
-
 Trains a policy on (prompt, chosen, rejected) pairs with no reward model and no sampling:
     loss = -log sigmoid(beta * [(log pi(y_w|x) - log ref(y_w|x)) - (log pi(y_l|x) - log ref(y_l|x))])
 Variants: --loss_type ipo, hinge (SLiC) or robust (rDPO), --label_smoothing (cDPO), --rpo_alpha (an NLL term on the
 chosen completion, RPO), --reference_free (no reference); formulas and papers at dpo_loss and pair_losses. Style after
-summarize_from_feedback_details' dpo.py; loss variants as in TRL's DPOTrainer.
+summarize_from_feedback_details' dpo.py; loss variants as in TRL's DPOTrainer. Data and implementation choices:
+docs/offline.md; metrics: docs/metrics.md.
 
     python dpo.py                                        # the offline toy task, a few CPU minutes
     accelerate launch dpo.py --model pythia-1b           # TL;DR preference data (trl-lib/tldr-preference)
-
-Logged each step (means over the step's pairs): loss; rewards/chosen, rewards/rejected (implicit rewards
-beta * (log pi - log ref)); rewards/accuracies (chosen reward higher); rewards/margins; logps/chosen, logps/rejected
-(per-token means for ipo); nll_loss (RPO); grad_norm; lr; epoch; nonfinite/skipped; time/*. Each evaluation (before
-training, every --eval_steps, after the last step) logs the same on held-out pairs as eval/..., and eval/gold_score
-(greedy completions of held-out prompts) where the dataset has a gold scorer. Step 0 also holds data/* counts
-(data/dropped: pairs whose completion truncation emptied).
 """
 
-import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from transformers import get_scheduler
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import greedy_eval as ge
 from plumbing import models
-import policy_common as pc
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import train_loop as tl
@@ -71,71 +61,6 @@ class Args(tl.TrainFlags, tl.EpochFlags, models.PolicyFlags, du.DataFlags, ge.Ge
     """compute every reference log-prob once before training, then free the reference model"""
     max_eval_pairs: int = 2000
     """evaluate on the first this many held-out pairs (0 = all)"""
-
-    # generation at evaluation (only when the dataset has a gold scorer, e.g. the toy task)
-
-
-def validate(args: Args) -> None:
-    if args.beta <= 0 or (args.rpo_alpha is not None and args.rpo_alpha < 0):
-        raise UserError(f"need --beta > 0 and --rpo_alpha >= 0, got {args.beta} and {args.rpo_alpha}")
-    if args.loss_type in ("sigmoid", "robust") and not 0 <= args.label_smoothing < 0.5:
-        raise UserError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
-    if args.loss_type in ("ipo", "hinge") and args.label_smoothing != 0:
-        raise UserError(f"--label_smoothing applies to sigmoid and robust only, not {args.loss_type}")
-    if args.reference_free and (args.precompute_ref_logprobs or args.ref_model):
-        raise UserError("--reference_free excludes --precompute_ref_logprobs and --ref_model")
-    if not 1 <= (1 if args.max_prompt_length is None else args.max_prompt_length) < args.max_length:
-        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and "
-                        f"{args.max_length}")
-    if args.response_length < 1 or args.num_eval_prompts < 0 or args.max_eval_pairs < 0:
-        raise UserError("--response_length must be >= 1, --num_eval_prompts and --max_eval_pairs >= 0")
-    if args.learning_rate <= 0 or args.max_grad_norm <= 0 or args.num_train_epochs <= 0:
-        raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0")
-    if not 0 <= args.warmup_ratio < 1 or (args.max_steps is not None and args.max_steps < 1):
-        raise UserError(f"need 0 <= --warmup_ratio < 1 and --max_steps >= 1, got {args.warmup_ratio}, {args.max_steps}")
-    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
-        raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
-
-
-# Data: (prompt, chosen, rejected) -> token ids
-def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
-    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
-    (completions ending with one EOS, du.tokenize_completion, then cut by du.tokenize_prompt_completion's rule); a pair
-    with a completion cut to nothing is dropped and counted. A value that is neither text nor a list of messages is a
-    UserError."""
-    rows, dropped = [], 0
-    for i, example in enumerate(dataset):
-        for column in ("prompt", "chosen", "rejected"):
-            value = example[column]
-            if not (isinstance(value, str) or du.is_conversational(value)):
-                raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
-                                f"{{role, content}} messages, got {type(value).__name__}")
-        (prompt_ids, chosen_ids), (_, rejected_ids) = [du.tokenize_prompt_completion(
-            tokenizer, example["prompt"], example[column], max_prompt_length, max_length)
-            for column in ("chosen", "rejected")]
-        if not prompt_ids or not chosen_ids or not rejected_ids:
-            dropped += 1
-            continue
-        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids})
-    if not rows:
-        raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
-                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
-    return rows, dropped
-
-
-def concatenated_inputs(rows, pad_token_id: int):
-    """b rows -> (query_responses (2b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
-    RIGHT-padded to R; the b chosen rows first, then the b rejected rows (one forward pass for both)."""
-    prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
-    completions = pc.pad_sequences([r[c] for c in ("chosen", "rejected") for r in rows], pad_token_id, "right")
-    return torch.cat([prompts.repeat(2, 1), completions], 1), prompts.shape[1]
-
-
-def completion_sums(token_logprobs, query_responses, context_length: int, pad_token_id: int):
-    """(2b, R) per-token log-probs -> (log-probs summed over each completion's tokens (2b,), completion lengths
-    (2b,)); prompt and padding positions do not count."""
-    mask = query_responses[:, context_length:] != pad_token_id
-    return (token_logprobs * mask).sum(1), mask.sum(1)
 
 
 # ALGO LOGIC: the preference losses
@@ -187,6 +112,49 @@ def pair_losses(args: Args, policy_logps, ref_logps, lengths):
     return losses, stats
 
 
+def completion_sums(token_logprobs, query_responses, context_length: int, pad_token_id: int):
+    """(2b, R) per-token log-probs -> (log-probs summed over each completion's tokens (2b,), completion lengths
+    (2b,)); prompt and padding positions do not count."""
+    mask = query_responses[:, context_length:] != pad_token_id
+    return (token_logprobs * mask).sum(1), mask.sum(1)
+
+
+def batch_losses(args, policy, reference, rows, pad_token_id: int, device):
+    """Pairs `rows` -> per-pair losses (b,) and metrics (pair_losses): one policy forward over the chosen and the
+    rejected completions together (du.concatenated_inputs; each prompt encoded once where --share_prompts decided
+    so); reference log-probs precomputed or from the reference."""
+    query_responses, context_length = du.concatenated_inputs(rows, pad_token_id)
+    query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
+    token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id,
+                                          share_prompts=args.share_prompts, chunk_tokens=args.logprob_chunk_tokens)
+    policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
+    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id,
+                                share_prompts=args.share_prompts)
+    return pair_losses(args, policy_logps, ref_logps, lengths)
+
+
+# Data: (prompt, chosen, rejected) -> token ids
+def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length: int, name: str):
+    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
+    (completions ending with one EOS, du.tokenize_completion, then cut by du.tokenize_prompt_completion's rule); a pair
+    with a completion cut to nothing is dropped and counted. A value that is neither text nor a list of messages is a
+    UserError."""
+    rows, dropped = [], 0
+    for i, example in enumerate(dataset):
+        du.require_text_or_messages({column: example[column] for column in ("prompt", "chosen", "rejected")}, name, i)
+        (prompt_ids, chosen_ids), (_, rejected_ids) = [du.tokenize_prompt_completion(
+            tokenizer, example["prompt"], example[column], max_prompt_length, max_length)
+            for column in ("chosen", "rejected")]
+        if not prompt_ids or not chosen_ids or not rejected_ids:
+            dropped += 1
+            continue
+        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids})
+    if not rows:
+        raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
+                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
+    return rows, dropped
+
+
 # Reference log-probs and evaluation: each process takes an even share (ru.even_share), so that every process makes
 # the same model calls; results are combined over all processes
 def reference_logps(reference, rows, query_responses, context_length, pad_token_id, share_prompts: bool = False):
@@ -198,36 +166,23 @@ def reference_logps(reference, rows, query_responses, context_length, pad_token_
     return completion_sums(token_logprobs, query_responses, context_length, pad_token_id)[0]
 
 
-def batch_losses(args, policy, reference, rows, pad_token_id: int, device):
-    """Pairs `rows` -> per-pair losses (b,) and metrics (pair_losses): one policy forward over the chosen and the
-    rejected completions together (each prompt encoded once where --share_prompts decided so); reference log-probs
-    precomputed or from the reference."""
-    query_responses, context_length = concatenated_inputs(rows, pad_token_id)
-    query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
-    token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id,
-                                          share_prompts=args.share_prompts, chunk_tokens=args.logprob_chunk_tokens)
-    policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
-    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id,
-                                share_prompts=args.share_prompts)
-    return pair_losses(args, policy_logps, ref_logps, lengths)
-
-
 @torch.no_grad()
 def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator,
                                share_prompts: bool = False) -> None:
     """Give each row its `ref_logps` (2,): the reference's log-probs summed over its chosen and rejected completion.
-    Each process scores an even share; the shares are gathered, so every process's rows get all of them."""
-    indices, _ = ru.even_share(list(range(len(rows))), accelerator)  # rows p, p + W, ... of process p, padded
-    table = []
-    for i in range(0, len(indices), batch_size):
-        batch = [rows[j] for j in indices[i:i + batch_size]]
-        query_responses, context_length = concatenated_inputs(batch, pad_token_id)
-        logps = reference_logps(reference, batch, query_responses.to(accelerator.device), context_length,
-                                pad_token_id, share_prompts=share_prompts)
-        table.append(torch.stack(logps.chunk(2), 1))  # (b, 2)
-    table = accelerator.gather(torch.cat(table))  # (W * S, 2): the shares of processes 0, 1, ..., W - 1
-    table = table.view(accelerator.num_processes, -1, 2).transpose(0, 1).reshape(-1, 2)[:len(rows)]  # row order
-    for row, logps in zip(rows, table):
+    Each process scores an even share, `batch_size` rows at a time; the shares are gathered (tl.gather_in_order), so
+    every process's rows get all of them."""
+    def score(share):  # this process's rows -> (len(share), 2): chosen, rejected
+        table = []
+        for i in range(0, len(share), batch_size):
+            batch = share[i:i + batch_size]
+            query_responses, context_length = du.concatenated_inputs(batch, pad_token_id)
+            logps = reference_logps(reference, batch, query_responses.to(accelerator.device), context_length,
+                                    pad_token_id, share_prompts=share_prompts)
+            table.append(torch.stack(logps.chunk(2), 1))  # (b, 2)
+        return torch.cat(table)
+
+    for row, logps in zip(rows, tl.gather_in_order(rows, score, accelerator)):
         row["ref_logps"] = logps
 
 
@@ -244,28 +199,38 @@ def evaluate(args, accelerator, policy, reference, held_out, logger, step):
         _, stats = batch_losses(args, policy, reference, rows, pad, accelerator.device)
         for k, v in stats.items():  # only the first n_real pairs of the share count
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
-    metrics = ru.global_means(accelerator, sums, n_real)
-    gold, samples = ge.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
-                                            accelerator)
+    metrics = {**ru.global_means(accelerator, sums, n_real),
+               **ge.held_out_completions(policy, held_out, args, accelerator, logger, step)}
     policy.train()
-    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
-    return {**metrics, **gold}
+    return metrics
+
+
+def validate(args: Args) -> None:
+    """DPO's own flags (each flag group checked its own in ru.parse_args)."""
+    if args.beta <= 0 or (args.rpo_alpha is not None and args.rpo_alpha < 0):
+        raise UserError(f"need --beta > 0 and --rpo_alpha >= 0, got {args.beta} and {args.rpo_alpha}")
+    if args.loss_type in ("sigmoid", "robust") and not 0 <= args.label_smoothing < 0.5:
+        raise UserError(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    if args.loss_type in ("ipo", "hinge") and args.label_smoothing != 0:
+        raise UserError(f"--label_smoothing applies to sigmoid and robust only, not {args.loss_type}")
+    if args.reference_free and (args.precompute_ref_logprobs or args.ref_model):
+        raise UserError("--reference_free excludes --precompute_ref_logprobs and --ref_model")
+    if args.max_eval_pairs < 0:
+        raise UserError(f"--max_eval_pairs must be >= 0, got {args.max_eval_pairs}")
 
 
 def main() -> None:
-    # TRY NOT TO MODIFY: arguments, sizes, seeding
+    # 1. arguments: validate and derive the batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     validate(args)
     args.dataset = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    world_size = accelerator.num_processes
-    local_micro_batch_size = args.per_device_train_batch_size
-    micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes
-    batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
+    batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. data: pairs, held-out prompts (gold score), lengths fitted to the model, token ids (before the models load)
+    # 2. tokenizer and data (before the models load): pairs, held-out prompts for the gold score, lengths fitted to
+    # the data and the model, token ids, the epochs' order
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
     train_data = du.load_preference_dataset(args.dataset, "train")
@@ -275,83 +240,54 @@ def main() -> None:
     if args.max_eval_pairs:
         eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
     scorer = du.gold_scorer(args.dataset) if args.num_eval_prompts else None
-    eval_prompts = (du.load_prompt_dataset(args.dataset, args.eval_split)["prompt"][:args.num_eval_prompts]
-                    if scorer else [])  # held-out prompts to complete greedily
-    positions = ru.model_positions(policy_path, args.trust_remote_code)
-    ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
-    if args.max_prompt_length is None:  # the longest prompt (values neither text nor messages fail below)
-        args.max_prompt_length = max((len(tokenizer(du.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
-                                      for p in [*train_data["prompt"], *eval_data["prompt"], *eval_prompts]
-                                      if isinstance(p, str) or du.is_conversational(p)), default=1)
-    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
-                  f"one completion token of --max_length {args.max_length}")
+    eval_prompts = du.load_held_out_prompts(args.dataset, args.eval_split, args.num_eval_prompts) if scorer else []
+    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, [*train_data["prompt"], *eval_data["prompt"]],
+                                  eval_prompts)
     train_rows, dropped = tokenize_preferences(tokenizer, train_data, args.max_prompt_length, args.max_length,
                                                args.dataset)
     eval_rows, eval_dropped = tokenize_preferences(tokenizer, eval_data, args.max_prompt_length, args.max_length,
                                                    f"{args.dataset}:{args.eval_split}")
-    eval_queries = du.tokenize_prompts(tokenizer, eval_prompts, args.max_prompt_length)
-    if eval_queries:
-        longest = max(len(q) for q in eval_queries)
-        ru.fit_length(args, "response_length", None if positions is None else positions - longest,
-                      f"a held-out prompt of {longest} tokens in the model's {positions}")
-    steps_per_epoch = len(train_rows) // batch_size
-    if steps_per_epoch == 0:
-        raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} (per_device_train_"
-                        f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
-    total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
-    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
-    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
-                                                                 args.max_length - args.max_prompt_length)
     held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer)
+    loop = tl.EpochLoop(args, len(train_rows), batch_size, "pairs")
+    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
+    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * args.per_device_train_batch_size, 2,
+                                                                 args.max_prompt_length,
+                                                                 args.max_length - args.max_prompt_length)
 
-    # 2. models: policy, reference (frozen copy / adapter-off base / none)
-    policy = models.load_policy(policy_path, tokenizer, args)  # (+ LoRA with --use_peft)
+    # 3. models: policy (+ LoRA with --use_peft), reference (frozen copy / adapter-off base / none)
+    policy = models.load_policy(policy_path, tokenizer, args)
     reference = pc.create_reference(
         policy, tokenizer, policy_name=policy_path, ref_model=args.ref_model and ru.resolve_model(args.ref_model),
         use_peft=args.use_peft, reference_free=args.reference_free, accelerator=accelerator, bf16=args.bf16,
         trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
 
-    # 3. optimizer, schedule (not given to prepare: accelerate would step it on every process; checkpoints save it)
+    # 4. optimizer, schedule, the run folder, the state (resumed from --resume_from), the logger; reference log-probs
+    # once (--precompute_ref_logprobs), then the reference model is freed
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = loop.scheduler(optimizer)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-
-    # 4. the run folder (every input is valid by now), the state (resumed from --resume_from), the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
-    logger.progress(total_steps, state["step"], batch_size, "pairs", ("loss", "rewards/accuracies", "eval/gold_score"))
-
-    # 5. reference log-probs once, then the reference model is freed
+    logger.progress(loop.total_steps, state["step"], batch_size, "pairs",
+                    ("loss", "rewards/accuracies", "eval/gold_score"))
     if args.precompute_ref_logprobs:
         for rows in (train_rows, eval_rows):
             precompute_reference_logps(reference, rows, args.per_device_eval_batch_size, pad, accelerator,
                                        share_prompts=args.share_prompts)
         reference.free()
-
-    # 6. step 0 (not again when resuming): data counts and the evaluation before training
-    if not args.resume_from:
+    if not args.resume_from:  # step 0: data counts and the evaluation before training
         metrics = evaluate(args, accelerator, policy, reference, held_out, logger, 0)
         logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
                     "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
-    # 7. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
-    # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
     stop = tl.StopSignal()
-    start_time, start_step = time.time(), state["step"]
     policy.train()
-    while state["step"] < total_steps:
-        step = state["step"] + 1
-        epoch, position = divmod(step - 1, steps_per_epoch)
-        if step - 1 == start_step or position == 0:
-            order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
-        batch_index = order[position * batch_size:(position + 1) * batch_size]
+    for step in loop.steps(state["step"]):
+        # 5. one optimizer step over the next `batch_size` pairs of the epoch's order, micro-batches accumulated
         sums = {}
-        for micro in range(args.gradient_accumulation_steps):
-            start = micro * micro_batch_size + accelerator.process_index * local_micro_batch_size
-            index = batch_index[start:start + local_micro_batch_size]
+        for index in tl.micro_batches(loop.batch_index(step), accelerator):
             with accelerator.accumulate(policy):
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair losses (b,), backward
                 losses, stats = batch_losses(args, policy, reference, [train_rows[i] for i in index], pad,
@@ -362,21 +298,19 @@ def main() -> None:
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
-        # 8. log, evaluate every eval_steps steps and after the last
+        # 6. log, evaluate every eval_steps steps and after the last
         metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        metrics.update({"lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
-                        "nonfinite/skipped": state["nonfinite_skipped"], "time/elapsed": time.time() - start_time,
-                        "time/pairs_per_second": (step - start_step) * batch_size / (time.time() - start_time)})
-        if step == total_steps or (args.eval_steps and step % args.eval_steps == 0):
+        metrics.update(loop.metrics(step, optimizer_step))
+        if loop.evaluate_now(step):
             metrics.update(evaluate(args, accelerator, policy, reference, held_out, logger, step))
         logger.log(metrics, step=step)
 
-        # 9. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
-        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
+        # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, loop.total_steps):
             logger.close()
             return
 
-    # 10. final save
+    # 8. final save
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

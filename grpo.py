@@ -16,12 +16,12 @@ from typing import Literal, Optional
 
 import torch
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import evaluation as ev
 from plumbing import models
 from plumbing import prompt_sharing as ps
-import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_ahead as ra

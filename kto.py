@@ -1,44 +1,26 @@
-"""Kahneman-Tversky Optimization (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306) from unpaired feedback.
-
-Trains a policy on (prompt, completion, label) examples, label True = desirable, with no pairs, no reward model and
-no sampling. With r = log pi(y|x) - log pi_ref(y|x) summed over completion tokens and a KL reference point z0:
+"""Kahneman-Tversky Optimization (Ethayarajh et al. 2024, https://arxiv.org/abs/2402.01306) from unpaired feedback:
+(prompt, completion, label) examples, label True = desirable (pairs are unpaired: chosen desirable, rejected not);
+no reward model, no sampling. With r = log pi(y|x) - log pi_ref(y|x) summed over completion tokens, a KL reference z0:
     desirable:    lambda_D * (1 - sigmoid(beta * (r - z0)))
     undesirable:  lambda_U * (1 - sigmoid(beta * (z0 - r)))
     z0 = max(0, mean over mismatched pairs (x, y') of log pi(y'|x) - log pi_ref(y'|x)), detached, all processes.
-Paired data (prompt, chosen, rejected) is unpaired automatically: chosen -> desirable, rejected -> undesirable.
+Reference implementation: TRL's KTOTrainer; choices: docs/offline.md; metrics: docs/metrics.md.
 
     python kto.py                                   # the offline toy task, about a CPU minute
     accelerate launch kto.py --model pythia-1b      # TL;DR preference data, unpaired
-
-Implementation choices (reference: TRL's KTOTrainer, trl/trainer/kto_trainer.py):
-- Mismatched pairs: the examples are shuffled once (du.epoch_permutation, epoch 0) into fixed micro-batches;
-  inside one, example k is also scored on example k-1's completion (as TRL's _get_kl_dataset), so each pair is
-  fixed and reference log-probs can be precomputed (--precompute_ref_logprobs). Epoch e visits the micro-batches
-  in the order du.epoch_permutation(n, seed, e).
-- z0 is recomputed every micro-batch (paper sec. 4.2; TRL). No reference-free mode: without pi_ref the "KL" term
-  would be a plain log-likelihood.
-- Prompts longer than twice the completions (TL;DR): each prompt encoded once for its own and mismatched
-  completion (`joint_forward`, decided from the flags), the mismatched ones scored without keeping anything for
-  the backward; the reference's in one shared forward.
-- Class weights: by default from the training data's counts (`loss_weights`, the paper's rule); given weights
-  outside the paper's range get a warning (`weight_advice`).
-- Metrics: kl is z0; rewards/chosen|rejected are beta * r over the desirable|undesirable examples (as TRL's
-  KTOTrainer and dpo.py log them), rewards/margins their difference, logps/* log pi(y|x) alike; eval/*: held out.
 """
+
 import functools
-import math
 import os
-import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
-from transformers import get_scheduler
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import greedy_eval as ge
 from plumbing import models
-import policy_common as pc
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import train_loop as tl
@@ -78,10 +60,6 @@ class Args(tl.TrainFlags, tl.EpochFlags, models.PolicyFlags, du.DataFlags, ge.Ge
     """compute every reference log-prob once before training, then free the reference model"""
     num_eval_examples: int = 1024
     """held-out unpaired examples scored for eval/ metrics (0 = all)"""
-
-    # Saving
-
-    # Model loading
 
 
 # ALGO LOGIC: the KTO loss, its KL reference point and the class weights
@@ -134,142 +112,6 @@ def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
             f"in [{d * 3 / 4 / n_undesirable:.2f}, {d / n_undesirable:.2f}]")
 
 
-# Data: unpaired examples, fixed micro-batches with mismatched (prompt, other completion) pairs
-def to_unpaired(dataset, name: str):
-    """An unpaired dataset (prompt, completion, label: bool) as is; a paired one (prompt, chosen, rejected)
-    becomes two rows per pair: (prompt, chosen, True) and (prompt, rejected, False)."""
-    from datasets import Dataset
-
-    if "completion" not in dataset.column_names and {"chosen", "rejected"} <= set(dataset.column_names):
-        du.require_columns(dataset, ["prompt", "chosen", "rejected"], name)
-        rows = {"prompt": [], "completion": [], "label": []}
-        for prompt, chosen, rejected in zip(dataset["prompt"], dataset["chosen"], dataset["rejected"]):
-            rows["prompt"] += [prompt, prompt]
-            rows["completion"] += [chosen, rejected]
-            rows["label"] += [True, False]
-        return Dataset.from_dict(rows)
-    du.require_columns(dataset, ["prompt", "completion", "label"], name)
-    dtype = getattr(dataset.features["label"], "dtype", type(dataset.features["label"]).__name__)
-    if dtype != "bool":
-        raise UserError(f"dataset {name!r}: column 'label' must be boolean (true = desirable), got {dtype}")
-    return dataset
-
-
-def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
-    """Rows -> (examples, dropped). Each example: index, prompt_ids, completion_ids (ending with one EOS:
-    du.tokenize_completion), label.
-    Rows whose prompt or completion is emptied by truncation are dropped and counted."""
-    examples, dropped = [], 0
-    for row in dataset:
-        prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"],
-                                                                   max_prompt_length, max_length)
-        if not prompt_ids or not completion_ids:
-            dropped += 1
-            continue
-        examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids,
-                             label=bool(row["label"])))
-    if not examples:
-        raise UserError(f"dataset {name!r}: every row was emptied by truncation (max_length {max_length})")
-    return examples, dropped
-
-
-def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) -> list:
-    """Fixed micro-batches of `group_size` shuffled examples (a remainder is left out); inside one, example k is also
-    scored on example k-1's completion, the mismatched pair (x_k, y_{k-1}): each example gets kl_partner (index)
-    and kl_completion_ids (cut to fit max_length)."""
-    if group_size < 2:
-        raise UserError(f"batch size {group_size}: KTO needs >= 2 examples per micro-batch for mismatched KL pairs")
-    order, groups = du.epoch_permutation(len(examples), seed, 0), []
-    for start in range(0, len(order) - group_size + 1, group_size):
-        group = [dict(examples[i]) for i in order[start:start + group_size]]
-        for k, example in enumerate(group):
-            partner = group[k - 1]  # k = 0 takes the last example's completion
-            example["kl_partner"] = partner["index"]
-            example["kl_completion_ids"] = partner["completion_ids"][:max_length - len(example["prompt_ids"])]
-        groups.append(group)
-    return groups
-
-
-def step_groups(step: int, n_groups: int, groups_per_step: int, seed: int) -> List[int]:
-    """Micro-batches of optimizer step `step` (0-based): epoch e visits them in the order
-    du.epoch_permutation(n_groups, seed, e), groups_per_step (= processes x accumulation) at a time."""
-    epoch, position = divmod(step, n_groups // groups_per_step)
-    return du.epoch_permutation(n_groups, seed, epoch)[position * groups_per_step:(position + 1) * groups_per_step]
-
-
-def collate(group: list, pad_token_id: int) -> dict:
-    """A micro-batch of B examples: query_responses (2B, Lq + R), rows 0..B-1 each prompt with its own
-    completion and rows B..2B-1 each prompt with its mismatched completion; context_length Lq; desirable (B,)
-    bool; ref_logps (2B,) when precomputed."""
-    queries = pc.pad_sequences([e["prompt_ids"] for e in group], pad_token_id, "left")
-    responses = pc.pad_sequences([e["completion_ids"] for e in group] + [e["kl_completion_ids"] for e in group],
-                                 pad_token_id, "right")
-    batch = dict(query_responses=torch.cat([queries.repeat(2, 1), responses], 1), context_length=queries.shape[1],
-                 desirable=torch.tensor([e["label"] for e in group]))
-    if "ref_logps" in group[0]:
-        batch["ref_logps"] = torch.tensor([e["ref_logps"] for e in group] + [e["kl_ref_logps"] for e in group])
-    return batch
-
-
-# ALGO LOGIC: log-probs of own and mismatched completions, one KTO micro-batch, evaluation
-def joint_forward(args) -> bool:
-    """Score both halves of a micro-batch (own and mismatched completions of the same prompts) with each prompt
-    encoded once (`policy_logprob_sums`)? Per example the policy then runs Lq + 2R token positions forward and
-    Lq + R backward (a backward ~ 2 forwards): 3 Lq + 4R against 4 (Lq + R) for two plain forwards, in one more
-    model call. Chosen for prompts over twice the completions (TL;DR: benchmark/results/speed_tldr.md) when
-    sharing saves enough; never under activation checkpointing (no key/value cache). From flags: the same model
-    calls on every process."""
-    R = args.max_length - args.max_prompt_length
-    return (args.share_prompts and not args.gradient_checkpointing and args.max_prompt_length > 2 * R
-            and ps.worth_sharing(2 * args.per_device_train_batch_size, 2, args.max_prompt_length, R))
-
-
-def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                            joint: bool) -> torch.Tensor:
-    """(2B, T) collated rows -> (2B,) log p(completion | prompt) under a model (`logprobs_fn` has
-    response_logprobs' signature): all rows in one call, each prompt encoded once (`joint`), or the own half and
-    then the mismatched half, without gradient, in two plain calls."""
-    def summed(rows, share_prompts):  # (b, T) -> (b,) response log-probs summed over the real tokens
-        logprobs = logprobs_fn(rows, context_length, pad_token_id, share_prompts=share_prompts)  # (b, R)
-        return (logprobs * (rows[:, context_length:] != pad_token_id)).sum(1)
-
-    if joint:
-        return summed(query_responses, share_prompts=True)
-    own, mismatched = query_responses.chunk(2)
-    own_logps = summed(own, share_prompts=False)
-    with torch.no_grad():
-        mismatched_logps = summed(mismatched, share_prompts=False)
-    return torch.cat([own_logps, mismatched_logps])
-
-
-def policy_logprob_sums(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                        joint: bool, chunk_tokens: Optional[int] = 0) -> torch.Tensor:
-    """`completion_logprob_sums` of the policy, (2B, T) -> (2B,), the mismatched half (rows B..2B-1) without
-    gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a no-grad fork of
-    its keys and values, then the own completions with gradient (`grad_rows`, prompt_sharing.split_logits), so that
-    nothing of the mismatched half is kept for the backward. Else two plain forwards. `chunk_tokens`: the output
-    layer on that many positions at a time (--logprob_chunk_tokens)."""
-    grad_rows = len(query_responses) // 2 if joint else None
-    logprobs_fn = functools.partial(pc.response_logprobs, policy, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
-    return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint)
-
-
-@torch.no_grad()
-def precompute_reference(groups: list, reference, pad_token_id: int, accelerator, joint: bool) -> None:
-    """Store ref_logps and kl_ref_logps in every example: the groups in padded shares over the processes (the same
-    model calls everywhere), the results gathered."""
-    share, _ = ru.even_share(groups, accelerator)
-    batches = [collate(group, pad_token_id) for group in share]
-    local = [completion_logprob_sums(reference.logprobs, b["query_responses"].to(accelerator.device),
-                                     b["context_length"], pad_token_id, joint) for b in batches]  # len(share) x (2B,)
-    gathered = accelerator.gather(torch.stack(local)).cpu()  # (world * len(share), 2B), process-major
-    for p in range(accelerator.num_processes):
-        for k, group in enumerate(groups[p::accelerator.num_processes]):
-            ref, kl_ref = gathered[p * len(share) + k].chunk(2)
-            for example, r, kl_r in zip(group, ref.tolist(), kl_ref.tolist()):
-                example["ref_logps"], example["kl_ref_logps"] = r, kl_r
-
-
 def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, accelerator, joint: bool):
     """Forward one micro-batch of B examples. Returns the mean KTO loss and the sums behind the logged metrics."""
     device = accelerator.device
@@ -314,6 +156,112 @@ def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") ->
     return {prefix + k: v for k, v in out.items()}
 
 
+# Log-probs of own and mismatched completions: each prompt encoded once or twice, the reference precomputed
+def joint_forward(args) -> bool:
+    """Score both halves of a micro-batch (own and mismatched completions of the same prompts) with each prompt
+    encoded once (`policy_logprob_sums`)? Per example the policy then runs Lq + 2R token positions forward and
+    Lq + R backward (a backward ~ 2 forwards): 3 Lq + 4R against 4 (Lq + R) for two plain forwards, in one more
+    model call. Chosen for prompts over twice the completions (TL;DR: benchmark/results/speed_tldr.md) when
+    sharing saves enough; never under activation checkpointing (no key/value cache). From flags: the same model
+    calls on every process."""
+    R = args.max_length - args.max_prompt_length
+    return (args.share_prompts and not args.gradient_checkpointing and args.max_prompt_length > 2 * R
+            and ps.worth_sharing(2 * args.per_device_train_batch_size, 2, args.max_prompt_length, R))
+
+
+def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                            joint: bool) -> torch.Tensor:
+    """(2B, T) collated rows -> (2B,) log p(completion | prompt) under a model (`logprobs_fn` has
+    response_logprobs' signature): all rows in one call, each prompt encoded once (`joint`), or the own half and
+    then the mismatched half, without gradient, in two plain calls."""
+    def summed(rows, share_prompts):  # (b, T) -> (b,) response log-probs summed over the real tokens
+        logprobs = logprobs_fn(rows, context_length, pad_token_id, share_prompts=share_prompts)  # (b, R)
+        return (logprobs * (rows[:, context_length:] != pad_token_id)).sum(1)
+
+    if joint:
+        return summed(query_responses, share_prompts=True)
+    own, mismatched = query_responses.chunk(2)
+    own_logps = summed(own, share_prompts=False)
+    with torch.no_grad():
+        mismatched_logps = summed(mismatched, share_prompts=False)
+    return torch.cat([own_logps, mismatched_logps])
+
+
+def policy_logprob_sums(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                        joint: bool, chunk_tokens: Optional[int] = 0) -> torch.Tensor:
+    """`completion_logprob_sums` of the policy, (2B, T) -> (2B,), the mismatched half (rows B..2B-1) without
+    gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a no-grad fork of
+    its keys and values, then the own completions with gradient (`grad_rows`, prompt_sharing.split_logits), so that
+    nothing of the mismatched half is kept for the backward. Else two plain forwards. `chunk_tokens`: the output
+    layer on that many positions at a time (--logprob_chunk_tokens)."""
+    grad_rows = len(query_responses) // 2 if joint else None
+    logprobs_fn = functools.partial(pc.response_logprobs, policy, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
+    return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint)
+
+
+@torch.no_grad()
+def precompute_reference(groups: list, reference, pad_token_id: int, accelerator, joint: bool) -> None:
+    """Store ref_logps and kl_ref_logps in every example: the groups in even shares over the processes (the same
+    model calls everywhere), the results gathered back in order (tl.gather_in_order)."""
+    def score(share):  # this process's groups -> (len(share), 2B): own completions, then mismatched ones
+        batches = [collate(group, pad_token_id) for group in share]
+        return torch.stack([completion_logprob_sums(reference.logprobs, b["query_responses"].to(accelerator.device),
+                                                    b["context_length"], pad_token_id, joint) for b in batches])
+
+    for group, logps in zip(groups, tl.gather_in_order(groups, score, accelerator).cpu()):
+        ref, kl_ref = logps.chunk(2)
+        for example, r, kl_r in zip(group, ref.tolist(), kl_ref.tolist()):
+            example["ref_logps"], example["kl_ref_logps"] = r, kl_r
+
+
+# Data: unpaired examples, fixed micro-batches with mismatched (prompt, other completion) pairs
+def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
+    """Rows -> (examples, dropped). Each example: index, prompt_ids, completion_ids (ending with one EOS:
+    du.tokenize_completion), label. Rows whose prompt or completion is emptied by truncation are dropped and counted."""
+    examples, dropped = [], 0
+    for row in dataset:
+        prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"],
+                                                                   max_prompt_length, max_length)
+        if not prompt_ids or not completion_ids:
+            dropped += 1
+            continue
+        examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids,
+                             label=bool(row["label"])))
+    if not examples:
+        raise UserError(f"dataset {name!r}: every row was emptied by truncation (max_length {max_length})")
+    return examples, dropped
+
+
+def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) -> list:
+    """Fixed micro-batches of `group_size` shuffled examples (a remainder is left out); inside one, example k is also
+    scored on example k-1's completion, the mismatched pair (x_k, y_{k-1}): each example gets kl_partner (index)
+    and kl_completion_ids (cut to fit max_length)."""
+    if group_size < 2:
+        raise UserError(f"batch size {group_size}: KTO needs >= 2 examples per micro-batch for mismatched KL pairs")
+    order, groups = du.epoch_permutation(len(examples), seed, 0), []
+    for start in range(0, len(order) - group_size + 1, group_size):
+        group = [dict(examples[i]) for i in order[start:start + group_size]]
+        for k, example in enumerate(group):
+            partner = group[k - 1]  # k = 0 takes the last example's completion
+            example["kl_partner"] = partner["index"]
+            example["kl_completion_ids"] = partner["completion_ids"][:max_length - len(example["prompt_ids"])]
+        groups.append(group)
+    return groups
+
+
+def collate(group: list, pad_token_id: int) -> dict:
+    """A micro-batch of B examples: query_responses (2B, Lq + R), rows 0..B-1 each prompt with its own
+    completion and rows B..2B-1 each prompt with its mismatched completion; context_length Lq; desirable (B,)
+    bool; ref_logps (2B,) when precomputed."""
+    query_responses, context_length = du.concatenated_inputs(group, pad_token_id, prompt="prompt_ids",
+                                                             completions=("completion_ids", "kl_completion_ids"))
+    batch = dict(query_responses=query_responses, context_length=context_length,
+                 desirable=torch.tensor([e["label"] for e in group]))
+    if "ref_logps" in group[0]:
+        batch["ref_logps"] = torch.tensor([e["ref_logps"] for e in group] + [e["kl_ref_logps"] for e in group])
+    return batch
+
+
 @torch.no_grad()
 def evaluate(args, accelerator, policy, reference, held_out, logger, step: int):
     """The KTO metrics of the held-out micro-batches (`held_out.rows`: len // processes on each, the rest left out)
@@ -325,67 +273,55 @@ def evaluate(args, accelerator, policy, reference, held_out, logger, step: int):
     for group in held_out.rows[accelerator.process_index:n_batches * world:world]:
         _, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint_forward(args))
         total = {k: total.get(k, 0) + v for k, v in sums.items()}
-    metrics = finish_metrics(total, n_batches, accelerator, prefix="eval/")
-    gold, samples = ge.held_out_completions(policy, held_out, args.response_length, args.per_device_eval_batch_size,
-                                            accelerator)
+    metrics = {**finish_metrics(total, n_batches, accelerator, prefix="eval/"),
+               **ge.held_out_completions(policy, held_out, args, accelerator, logger, step)}
     policy.train()
-    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
-    return {**metrics, **gold}
+    return metrics
 
 
-def main():
-    # TRY NOT TO MODIFY: arguments, validation, seeding
-    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+def validate(args: Args) -> None:
+    """KTO's own flags (each flag group checked its own in ru.parse_args)."""
     if args.beta <= 0 or any(w is not None and w <= 0 for w in (args.desirable_weight, args.undesirable_weight)):
         raise UserError(f"--beta, --desirable_weight and --undesirable_weight must be > 0, got {args.beta}, "
                         f"{args.desirable_weight}, {args.undesirable_weight}")
-    if args.learning_rate <= 0 or args.num_train_epochs <= 0 or not 0 <= args.warmup_ratio < 1:
-        raise UserError("--learning_rate and --num_train_epochs must be > 0 and --warmup_ratio in [0, 1)")
     if args.per_device_train_batch_size < 2 or args.per_device_eval_batch_size < 2:
         raise UserError("--per_device_train_batch_size and --per_device_eval_batch_size must be >= 2 "
                         "(KL pairs are built in the batch)")
-    if any(n is not None and n < 1 for n in (args.gradient_accumulation_steps, args.max_steps, args.max_prompt_length)):
-        raise UserError("--gradient_accumulation_steps, --max_steps and --max_prompt_length must be >= 1")
+
+
+def main():
+    # 1. arguments: validate and derive the batch sizes once
+    args = ru.parse_args(Args, ALIAS_DEFAULTS)
+    validate(args)
     dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
     world = accelerator.num_processes
-    groups_per_step = world * args.gradient_accumulation_steps
+    groups_per_step = world * args.gradient_accumulation_steps  # micro-batches per optimizer step, all processes
     batch_size = args.per_device_train_batch_size * groups_per_step  # examples per optimizer step
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. data: unpaired train and held-out examples, lengths fitted to the model's positions (before any model
-    # loads), fixed micro-batches with mismatched pairs, eval prompts, the class weights
+    # 2. tokenizer and data (before any model loads): unpaired train and held-out examples, held-out prompts, lengths
+    # fitted to the data and the model, fixed micro-batches with mismatched pairs and the epochs' order over them
+    # (groups_per_step micro-batches per step), the class weights
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_data = to_unpaired(du.load_unpaired_dataset(dataset_name, "train"), dataset_name)
-    eval_data = to_unpaired(du.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
+    train_data = du.to_unpaired(du.load_unpaired_dataset(dataset_name, "train"), dataset_name)
+    eval_data = du.to_unpaired(du.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
     eval_data = eval_data.select(range(min(args.num_eval_examples or len(eval_data), len(eval_data))))
-    gen_prompts = []  # token ids of held-out prompts to complete greedily (cut to max_prompt_length below)
-    if args.num_eval_prompts > 0:
-        prompt_data = du.load_prompt_dataset(dataset_name, args.eval_split)
-        du.require_columns(prompt_data, ["prompt"], dataset_name)
-        gen_prompts = du.tokenize_prompts(tokenizer, prompt_data["prompt"][:args.num_eval_prompts])
-    positions = ru.model_positions(policy_path, args.trust_remote_code)
-    ru.fit_length(args, "max_length", positions, f"the model has {positions} positions")
-    if args.max_prompt_length is None:  # the longest prompt in the data
-        texts = {du.render_prompt(tokenizer, p) for data in (train_data, eval_data) for p in data["prompt"]}
-        ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
-        args.max_prompt_length = max(len(prompt_ids) for prompt_ids in ids + gen_prompts)
-    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
-                  f"one completion token of --max_length {args.max_length}")
-    ru.fit_length(args, "response_length", None if positions is None else positions - args.max_prompt_length,
-                  f"the model has {positions} positions and prompts up to --max_prompt_length {args.max_prompt_length}")
-    gen_prompts = [ids[-args.max_prompt_length:] for ids in gen_prompts]
+    eval_prompts = du.load_held_out_prompts(dataset_name, args.eval_split, args.num_eval_prompts)
+    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, [*train_data["prompt"], *eval_data["prompt"]],
+                                  eval_prompts, cut_held_out=True)
     examples, dropped = tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
     eval_examples, eval_dropped = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length,
                                                     dataset_name)
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     eval_groups = make_kl_groups(eval_examples, args.per_device_eval_batch_size, args.seed, args.max_length)
-    steps_per_epoch = len(groups) // groups_per_step
-    if steps_per_epoch == 0 or len(eval_groups) < world:
+    if len(groups) < groups_per_step or len(eval_groups) < world:
         raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not "
                         f"fill one batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
-    scorer = du.gold_scorer(dataset_name)
+    held_out = du.HeldOut(eval_groups, eval_queries, tokenizer, du.gold_scorer(dataset_name))
+    loop = tl.EpochLoop(args, len(groups), groups_per_step, "samples", rows_per_item=args.per_device_train_batch_size,
+                        per_step_time=True)
     n_desirable = sum(e["label"] for e in examples)
     n_undesirable = len(examples) - n_desirable
     args.desirable_weight, args.undesirable_weight = loss_weights(n_desirable, n_undesirable, args.desirable_weight,
@@ -395,10 +331,8 @@ def main():
                       f"({n_desirable} desirable, {n_undesirable} undesirable examples)"
                       + (f"\nwarning: {advice}" if advice else ""))
     joint = joint_forward(args)
-    total_steps = max(1, int(args.num_train_epochs * steps_per_epoch))  # the schedule's length
-    total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
-    # 2. models: policy (optionally a LoRA adapter), frozen reference, optimizer and schedule
+    # 3. models: policy (+ LoRA with --use_peft) and its optimizer, prepared; the frozen reference; the schedule
     policy = models.load_policy(policy_path, tokenizer, args)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
@@ -407,63 +341,56 @@ def main():
                                     ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
                                     accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
                                     chunk_tokens=args.logprob_chunk_tokens)
-    # not prepared (accelerate would step it once per process); checkpoints carry its state as JSON
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = loop.scheduler(optimizer)
+
+    # 4. reference log-probs once (--precompute_ref_logprobs) of the micro-batches the run visits (all of them unless
+    # --max_steps cuts it), the run folder, the state (resumed from --resume_from), the logger
     if args.precompute_ref_logprobs:
-        # only the micro-batches that steps 0 .. total_steps - 1 visit (all of them unless --max_steps cuts the run)
-        used = sorted({g for s in range(total_steps) for g in step_groups(s, len(groups), groups_per_step, args.seed)})
+        used = sorted({g for step in range(1, loop.total_steps + 1) for g in loop.batch_index(step)})
         precompute_reference([groups[g] for g in used], reference, pad, accelerator, joint)
         precompute_reference(eval_groups, reference, pad, accelerator, joint)
         if reference.mode == "copy":
             reference.free()
-
-    held_out = du.HeldOut(eval_groups, gen_prompts, tokenizer, scorer)
-
-    # TRY NOT TO MODIFY: run folder, logger, resume
     output_dir = ru.output_dir(args, dataset_name, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
-    logger.progress(total_steps, state["step"], batch_size, "examples", ("loss", "kl", "eval/gold_score"))
-    if not args.resume_from:
+    logger.progress(loop.total_steps, state["step"], batch_size, "examples", ("loss", "kl", "eval/gold_score"))
+    if not args.resume_from:  # step 0: data counts and the evaluation before training
         logger.log({"data/train_examples": len(examples), "data/desirable": n_desirable, "data/dropped": dropped,
                     "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped,
                     "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight},
                    step=0)
         logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, 0), step=0)
+
     stop = tl.StopSignal()
     policy.train()
-
-    # 3. training loop: one optimizer step = gradient_accumulation_steps micro-batches on every process
-    while state["step"] < total_steps:
-        t0, step = time.time(), state["step"] + 1
-        this_step = step_groups(step - 1, len(groups), groups_per_step, args.seed)
+    for step in loop.steps(state["step"]):
+        # 5. one optimizer step: the epoch's next gradient_accumulation_steps micro-batches on every process
         total, losses = {}, []
-        for a in range(args.gradient_accumulation_steps):
-            group = groups[this_step[a * world + accelerator.process_index]]
+        for (group_index,) in tl.micro_batches(loop.batch_index(step), accelerator):
             with accelerator.accumulate(policy):
-                loss, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint)
+                loss, sums = kto_step(policy, reference, collate(groups[group_index], pad), args, pad, accelerator,
+                                      joint)
                 accelerator.backward(loss)
             losses.append(loss.detach())
             total = {k: total.get(k, 0) + v for k, v in sums.items()}
         grad_norm = optimizer_step(torch.stack(losses), state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
-        # TRY NOT TO MODIFY: logging, evaluation, checkpoints, stop signal (at the last step: finish normally)
+        # 6. log, evaluate every eval_steps steps and after the last
         metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
-        elapsed = time.time() - t0
-        logger.log({**metrics, "lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
-                    "nonfinite/skipped": state["nonfinite_skipped"], "time/step_seconds": elapsed,
-                    "time/samples_per_second": batch_size / elapsed}, step=step)
-        if (args.eval_steps and step % args.eval_steps == 0) or step == total_steps:
+        logger.log({**metrics, **loop.metrics(step, optimizer_step)}, step=step)
+        if loop.evaluate_now(step):
             logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, step), step=step)
-        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
+
+        # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, loop.total_steps):
             logger.close()
             return
 
-    # 4. final save
+    # 8. final save
     tl.save_model(accelerator, policy, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft)
     logger.close(os.path.join(output_dir, "model"))
 

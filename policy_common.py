@@ -24,11 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import chunked_head
-from plumbing import models
-from plumbing import prompt_sharing
+from plumbing import chunked_head, models, prompt_sharing
 from plumbing.errors import UserError
-
 
 PADDING_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
 

@@ -20,10 +20,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
 from plumbing import models
-import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru

@@ -1,66 +1,27 @@
 """Reward-model training: a Bradley-Terry model of pairwise preferences (Bradley & Terry 1952; Ziegler et al. 2019,
-Stiennon et al. 2020, Ouyang et al. 2022), the reward model that rloo.py, ppo.py and grpo.py read.
-
-Trains a scalar head on a language model so that on (prompt, chosen, rejected) pairs
+https://arxiv.org/abs/1909.08593; Stiennon et al. 2020, https://arxiv.org/abs/2009.01325; Ouyang et al. 2022,
+https://arxiv.org/abs/2203.02155), the reward model that rloo.py, ppo.py and grpo.py read. Trains a scalar head on a
+language model so that on (prompt, chosen, rejected) pairs
     loss = -log sigmoid(r(x, y_w) - r(x, y_l) [- margin])   [+ center_rewards_coefficient * (r_w + r_l)^2]
-with an optional per-pair `margin` column, and the reward-centring term of TRL's RewardTrainer (formulas at
-bradley_terry_loss). Style after summarize_from_feedback_details' reward.py (SfFD); conventions of TRL 1.16.
+(formulas at bradley_terry_loss). Style after summarize_from_feedback_details' reward.py (SfFD); conventions of TRL
+1.16. The input convention, defaults and implementation details: docs/offline.md; metrics: docs/metrics.md.
 
     python reward.py                                  # the offline toy task, on a CPU
     accelerate launch reward.py --model pythia-1b --eval_split validation   # TL;DR: benchmark/tldr/reward.sh
-
-Implementation details, with where they come from:
-1. Model: AutoModelForSequenceClassification with one label from --model (toy = the toy SFT policy; pythia-* = the
-   TL;DR SFT checkpoints), dropout off. A scalar head the checkpoint does not have (a causal LM's) is initialised as
-   SfFD's reward.py does (Huang et al. 2024): weight ~ Normal(0, std 1 / sqrt(hidden_size + 1)), bias 0 where the head
-   has one; a checkpoint that already is a sequence classifier keeps its head.
-2. Input (--reward_model_input; None = tokens, the convention of SfFD and TRL's RewardTrainer):
-     tokens  prompt ids + completion ids ending with one EOS, scored at the last non-pad token (the EOS): EOS appended
-             to text, and to messages unless the chat template already ends the turn with EOS (then cut after it;
-             data_utils.tokenize_completion);
-     text    the ids as rendered, nothing appended, scored at the last token: how TRL's RLOO/GRPO trainers (and
-             reward_sources.py's text mode) read a reward model, which then never sees an appended EOS.
-   Prompt and completion are tokenised apart, as the RL scripts see them; prompts longer than --max_prompt_length
-   keep their last tokens, completions their first (data_utils.tokenize_prompt_completion; a cut completion has no
-   EOS); a pair with a completion cut to nothing is dropped and counted (data/dropped). The mode is saved in the
-   model's config.json as `reward_model_input`, which reward_sources.py follows by default, so the RL scripts read the
-   model as it was trained (with --use_peft only --merge_peft writes a config.json).
-3. Batches: chosen and rejected completions of b pairs in one forward (2b rows: prompts left-padded, completions
-   right-padded; positions count real tokens only, so a score does not depend on the padding around it); with
-   --share_prompts each prompt is encoded once for its two completions (prompt_sharing.py; the same numbers).
-4. Real-scale defaults (the dataclass) are SfFD's TL;DR reward model (reward.py and sbatches/reward.sbatch of
-   https://github.com/vwxyzjn/summarize_from_feedback_details; Huang et al. 2024, "The N+ Implementation Details of
-   RLHF with PPO", https://arxiv.org/abs/2403.17031): AdamW lr 3e-6, eps 1e-5, torch's default weight decay 0.01,
-   no warmup, 1 epoch, 64 pairs per step (1 pair x 8 accumulation steps x 8 GPUs). Differences: the learning rate
-   decays linearly to 0 (theirs: cosine), as in every script here; no reward normalisation after training (SfFD
-   subtracts the mean score of the SFT reference summaries, as a bias); the data is trl-lib/tldr-preference, the
-   OpenAI comparisons (Stiennon et al. 2020) as text, rather than SfFD's pre-tokenised copy of them.
-   Toy defaults (ALIAS_DEFAULTS) follow the toy world's own reward model (toy_task._train_reward): lr 1e-3, linear
-   decay after a 10% warmup, 32 pairs per step, 6 epochs (492 steps; it takes 500 random batches). What it reaches
-   on the toy task is in the README ("The whole pipeline").
-
-Logged each step (means over the step's pairs): loss; accuracy (r_chosen > r_rejected; a tie counts as wrong);
-rewards/chosen, rewards/rejected, rewards/margins (r_chosen - r_rejected); grad_norm; lr; epoch; nonfinite/skipped;
-time/*. Each evaluation (before training, every --eval_steps, after the last step) logs on held-out pairs
-eval/loss, eval/accuracy (pairwise accuracy), eval/rewards/chosen, eval/rewards/rejected, eval/rewards/margins, and
-prints a few held-out pairs with their scores. Step 0 also holds data/* counts (train_pairs, dropped, eval_pairs,
-eval_dropped).
 """
 
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
-from transformers import get_scheduler
 
 from plumbing import data_utils as du
 from plumbing import models
-import policy_common as pc
 from plumbing import prompt_sharing as ps
+from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
 from plumbing import train_loop as tl
 from plumbing.errors import UserError
@@ -90,70 +51,6 @@ class Args(tl.TrainFlags, tl.EpochFlags, models.ModelFlags, du.DataFlags, ps.Pro
     """evaluate on the first this many held-out pairs (0 = all)"""
 
 
-def validate(args: Args) -> None:
-    if args.center_rewards_coefficient is not None and args.center_rewards_coefficient < 0:
-        raise UserError(f"--center_rewards_coefficient must be >= 0, got {args.center_rewards_coefficient}")
-    if not 1 <= (1 if args.max_prompt_length is None else args.max_prompt_length) < args.max_length:
-        raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {args.max_prompt_length} and "
-                        f"{args.max_length}")
-    if args.max_eval_pairs < 0:
-        raise UserError("--max_eval_pairs must be >= 0")
-    if min(args.learning_rate, args.max_grad_norm, args.num_train_epochs) <= 0 or args.weight_decay < 0:
-        raise UserError("--learning_rate, --max_grad_norm and --num_train_epochs must be > 0, --weight_decay >= 0")
-    if not 0 <= args.warmup_ratio < 1 or (args.max_steps is not None and args.max_steps < 1):
-        raise UserError(f"need 0 <= --warmup_ratio < 1 and --max_steps >= 1, got {args.warmup_ratio}, {args.max_steps}")
-    if min(args.per_device_train_batch_size, args.per_device_eval_batch_size, args.gradient_accumulation_steps) < 1:
-        raise UserError("batch sizes and --gradient_accumulation_steps must be >= 1")
-
-
-# Data: (prompt, chosen, rejected[, margin]) -> token ids, as the reward model will read them
-def reward_input_ids(tokenizer, prompt, completion, max_prompt_length: int, max_length: int, mode: str):
-    """(prompt_ids, completion_ids) of one completion (text, or messages rendered with the chat template) as read in
-    `mode`, by data_utils.tokenize_prompt_completion (the prompt cut from the left, the completion from the right):
-    tokens = the completion ending with one EOS (data_utils.tokenize_completion: appended to text, and to messages
-    unless the template already ends the turn with EOS); text = the completion's tokens as rendered, nothing appended,
-    as reward_sources.py's text mode reads it (a cut completion loses its end, EOS included, in either mode)."""
-    return du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length, max_length,
-                                         end_with_eos=mode == "tokens")
-
-
-def tokenize_pairs(tokenizer, dataset, max_prompt_length: int, max_length: int, mode: str, name: str):
-    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
-    (reward_input_ids), plus a float `margin` when the data has that column; a pair with a completion cut to nothing
-    is dropped and counted. A value of the wrong type is a UserError naming the row and column."""
-    has_margin = "margin" in dataset.column_names
-    rows, dropped = [], 0
-    for i, example in enumerate(dataset):
-        for column in ("prompt", "chosen", "rejected"):
-            value = example[column]
-            if not (isinstance(value, str) or du.is_conversational(value)):
-                raise UserError(f"dataset {name!r} row {i} column {column!r}: expected text or a list of "
-                                f"{{role, content}} messages, got {type(value).__name__}")
-        margin = example["margin"] if has_margin else 0.0
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
-            raise UserError(f"dataset {name!r} row {i} column 'margin': expected a finite number, got {margin!r}")
-        (prompt_ids, chosen_ids), (_, rejected_ids) = [reward_input_ids(
-            tokenizer, example["prompt"], example[column], max_prompt_length, max_length, mode)
-            for column in ("chosen", "rejected")]
-        if not chosen_ids or not rejected_ids:
-            dropped += 1
-            continue
-        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids,
-                     **({"margin": float(margin)} if has_margin else {})})
-    if not rows:
-        raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
-                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
-    return rows, dropped
-
-
-def concatenated_inputs(rows, pad_token_id: int):
-    """b rows -> (query_responses (2b, Lq + R), context_length Lq): prompts LEFT-padded to Lq, completions
-    RIGHT-padded to R; the b chosen rows first, then the b rejected rows (one forward pass for both)."""
-    prompts = pc.pad_sequences([r["prompt"] for r in rows], pad_token_id, "left")  # (b, Lq)
-    completions = pc.pad_sequences([r[c] for c in ("chosen", "rejected") for r in rows], pad_token_id, "right")
-    return torch.cat([prompts.repeat(2, 1), completions], 1), prompts.shape[1]
-
-
 # ALGO LOGIC: the Bradley-Terry loss
 def bradley_terry_loss(chosen_rewards, rejected_rewards, margin=None, center_rewards_coefficient=None):
     """Per-pair losses (b,) from the scores of chosen and rejected completions (b,), (b,):
@@ -179,23 +76,10 @@ def pair_stats(losses, chosen_rewards, rejected_rewards) -> dict:
             "rewards/margins": chosen_rewards - rejected_rewards}
 
 
-class RewardModel(torch.nn.Module):
-    """The sequence classifier behind a forward of its own: (B, T) ids -> (B,) scores, each read at its row's last
-    real token (pc.get_reward). pc.get_reward runs the backbone and the score head directly; called through this
-    module's forward, the prepared (DDP / DeepSpeed) wrapper still sees the forward and synchronises gradients."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, query_responses, context_length: int, pad_token_id: int, share_prompts: bool = False):
-        return pc.get_reward(self.model, query_responses, pad_token_id, context_length, share_prompts)
-
-
 def pair_rewards(model, rows, pad_token_id: int, device, share_prompts: bool = False):
     """Pairs `rows` -> scores (b,), (b,) of their chosen and rejected completions, from one forward of `model` (a
-    RewardModel, prepared or not) over 2b rows (float32)."""
-    query_responses, context_length = concatenated_inputs(rows, pad_token_id)
+    RewardModel, prepared or not) over 2b rows (float32): du.concatenated_inputs, chosen rows then rejected rows."""
+    query_responses, context_length = du.concatenated_inputs(rows, pad_token_id)
     rewards = model(query_responses.to(device), context_length, pad_token_id, share_prompts)
     return rewards.float().chunk(2)
 
@@ -208,6 +92,42 @@ def batch_losses(args, model, rows, index, pad_token_id: int, device):
     margin = torch.tensor([r["margin"] for r in batch], device=device) if "margin" in batch[0] else None
     losses = bradley_terry_loss(chosen_rewards, rejected_rewards, margin, args.center_rewards_coefficient)
     return losses, pair_stats(losses, chosen_rewards, rejected_rewards)
+
+
+# Data: (prompt, chosen, rejected[, margin]) -> token ids, as the reward model will read them
+def reward_input_ids(tokenizer, prompt, completion, max_prompt_length: int, max_length: int, mode: str):
+    """(prompt_ids, completion_ids) of one completion (text, or messages rendered with the chat template) as read in
+    `mode`, by data_utils.tokenize_prompt_completion (the prompt cut from the left, the completion from the right):
+    tokens = the completion ending with one EOS (data_utils.tokenize_completion: appended to text, and to messages
+    unless the template already ends the turn with EOS); text = the completion's tokens as rendered, nothing appended,
+    as reward_sources.py's text mode reads it (a cut completion loses its end, EOS included, in either mode)."""
+    return du.tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length, max_length,
+                                         end_with_eos=mode == "tokens")
+
+
+def tokenize_pairs(tokenizer, dataset, max_prompt_length: int, max_length: int, mode: str, name: str):
+    """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
+    (reward_input_ids), plus a float `margin` when the data has that column; a pair with a completion cut to nothing
+    is dropped and counted. A value of the wrong type is a UserError naming the row and column."""
+    has_margin = "margin" in dataset.column_names
+    rows, dropped = [], 0
+    for i, example in enumerate(dataset):
+        du.require_text_or_messages({column: example[column] for column in ("prompt", "chosen", "rejected")}, name, i)
+        margin = example["margin"] if has_margin else 0.0
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise UserError(f"dataset {name!r} row {i} column 'margin': expected a finite number, got {margin!r}")
+        (prompt_ids, chosen_ids), (_, rejected_ids) = [reward_input_ids(
+            tokenizer, example["prompt"], example[column], max_prompt_length, max_length, mode)
+            for column in ("chosen", "rejected")]
+        if not chosen_ids or not rejected_ids:
+            dropped += 1
+            continue
+        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids,
+                     **({"margin": float(margin)} if has_margin else {})})
+    if not rows:
+        raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
+                        f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
+    return rows, dropped
 
 
 # Model: a scalar head on the language model
@@ -235,6 +155,19 @@ def load_reward_model(path: str, tokenizer, args):
     return model
 
 
+class RewardModel(torch.nn.Module):
+    """The sequence classifier behind a forward of its own: (B, T) ids -> (B,) scores, each read at its row's last
+    real token (rs.get_reward). rs.get_reward runs the backbone and the score head directly; called through this
+    module's forward, the prepared (DDP / DeepSpeed) wrapper still sees the forward and synchronises gradients."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, query_responses, context_length: int, pad_token_id: int, share_prompts: bool = False):
+        return rs.get_reward(self.model, query_responses, pad_token_id, context_length, share_prompts)
+
+
 @torch.no_grad()
 def evaluate(args, accelerator, model, held_out, logger, step):
     """Held-out pairs (`held_out.rows`) -> eval/... means over every process's pairs (each process takes an even
@@ -258,21 +191,27 @@ def evaluate(args, accelerator, model, held_out, logger, step):
     return ru.global_means(accelerator, sums, n_real)
 
 
+def validate(args: Args) -> None:
+    """The reward model's own flags (each flag group checked its own in ru.parse_args)."""
+    if args.center_rewards_coefficient is not None and args.center_rewards_coefficient < 0:
+        raise UserError(f"--center_rewards_coefficient must be >= 0, got {args.center_rewards_coefficient}")
+    if args.max_eval_pairs < 0:
+        raise UserError("--max_eval_pairs must be >= 0")
+
+
 def main() -> None:
-    # TRY NOT TO MODIFY: arguments, sizes, seeding
+    # 1. arguments: validate and derive the batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     validate(args)
     args.reward_model_input = args.reward_model_input or "tokens"  # recorded in args.json and the saved config
     args.dataset = args.dataset or ru.default_dataset(args.model)
     model_path = ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    world_size = accelerator.num_processes
-    local_micro_batch_size = args.per_device_train_batch_size
-    micro_batch_size = local_micro_batch_size * world_size  # pairs per micro-batch, all processes
-    batch_size = micro_batch_size * args.gradient_accumulation_steps  # pairs per optimizer step
+    batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 
-    # 1. data: pairs, lengths fitted to the model, token ids as the reward model reads them (before the model loads)
+    # 2. tokenizer and data (before the model loads): pairs, lengths fitted to the data and the model, token ids as
+    # the reward model reads them, the epochs' order
     tokenizer = models.load_tokenizer(model_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
     train_data = du.load_preference_dataset(args.dataset, "train")
@@ -281,66 +220,42 @@ def main() -> None:
     du.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
     if args.max_eval_pairs:
         eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
-    positions = ru.model_positions(model_path, args.trust_remote_code)
-    ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
-    if args.max_prompt_length is None:  # the longest prompt (values neither text nor messages fail below)
-        args.max_prompt_length = max((len(tokenizer(du.render_prompt(tokenizer, p), add_special_tokens=False).input_ids)
-                                      for p in [*train_data["prompt"], *eval_data["prompt"]]
-                                      if isinstance(p, str) or du.is_conversational(p)), default=1)
-    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
-                  f"one completion token of --max_length {args.max_length}")
+    tl.fit_lengths(args, tokenizer, model_path, [*train_data["prompt"], *eval_data["prompt"]])
     train_rows, dropped = tokenize_pairs(tokenizer, train_data, args.max_prompt_length, args.max_length,
                                          args.reward_model_input, args.dataset)
     eval_rows, eval_dropped = tokenize_pairs(tokenizer, eval_data, args.max_prompt_length, args.max_length,
                                              args.reward_model_input, f"{args.dataset}:{args.eval_split}")
-    steps_per_epoch = len(train_rows) // batch_size
-    if steps_per_epoch == 0:
-        raise UserError(f"{len(train_rows)} training pairs are fewer than one batch of {batch_size} (per_device_train_"
-                        f"batch_size {local_micro_batch_size} x {world_size} processes x gradient_accumulation_steps)")
-    total_steps = min(max(1, int(steps_per_epoch * args.num_train_epochs)), args.max_steps or math.inf)
-    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
-    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * local_micro_batch_size, 2, args.max_prompt_length,
-                                                                 args.max_length - args.max_prompt_length)
     held_out = du.HeldOut(eval_rows, [], tokenizer)
+    loop = tl.EpochLoop(args, len(train_rows), batch_size, "pairs")
+    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
+    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * args.per_device_train_batch_size, 2,
+                                                                 args.max_prompt_length,
+                                                                 args.max_length - args.max_prompt_length)
 
-    # 2. the reward model: the language model with a scalar head (+ LoRA with --use_peft)
+    # 3. the reward model: the language model with a scalar head (+ LoRA with --use_peft)
     model = RewardModel(load_reward_model(model_path, tokenizer, args))
 
-    # 3. optimizer, schedule (not given to prepare: accelerate would step it on every process; checkpoints save it).
-    # eps 1e-5 as in SfFD's reward.py
+    # 4. optimizer (eps 1e-5 as in SfFD's reward.py), schedule, the run folder, the state (resumed from
+    # --resume_from), the logger
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate, eps=1e-5,
                                   weight_decay=args.weight_decay)
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=math.ceil(args.warmup_ratio * total_steps),
-                              num_training_steps=total_steps)
+    scheduler = loop.scheduler(optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
-
-    # 4. the run folder (every input is valid by now), the state (resumed from --resume_from), the logger
     output_dir = ru.output_dir(args, args.dataset, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, model, optimizer, scheduler, output_dir, state)
-    logger.progress(total_steps, state["step"], batch_size, "pairs", ("loss", "accuracy", "eval/accuracy"))
-
-    # 5. step 0 (not again when resuming): data counts and the evaluation before training
-    if not args.resume_from:
+    logger.progress(loop.total_steps, state["step"], batch_size, "pairs", ("loss", "accuracy", "eval/accuracy"))
+    if not args.resume_from:  # step 0: data counts and the evaluation before training
         metrics = evaluate(args, accelerator, model, held_out, logger, 0)
         logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
                     "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
-    # 6. training: every optimizer step takes the next `batch_size` pairs of the epoch's permutation (the same global
-    # order for any number of processes); micro-batch m of process p is slice (m, p) of them.
     stop = tl.StopSignal()
-    start_time, start_step = time.time(), state["step"]
     model.train()
-    while state["step"] < total_steps:
-        step = state["step"] + 1
-        epoch, position = divmod(step - 1, steps_per_epoch)
-        if step - 1 == start_step or position == 0:
-            order = du.epoch_permutation(len(train_rows), args.seed, epoch)  # same on every process
-        batch_index = order[position * batch_size:(position + 1) * batch_size]
+    for step in loop.steps(state["step"]):
+        # 5. one optimizer step over the next `batch_size` pairs of the epoch's order, micro-batches accumulated
         sums = {}
-        for micro in range(args.gradient_accumulation_steps):
-            start = micro * micro_batch_size + accelerator.process_index * local_micro_batch_size
-            index = batch_index[start:start + local_micro_batch_size]
+        for index in tl.micro_batches(loop.batch_index(step), accelerator):
             with accelerator.accumulate(model):
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair Bradley-Terry losses (b,), backward
                 losses, stats = batch_losses(args, model, train_rows, index, pad, accelerator.device)
@@ -350,21 +265,19 @@ def main() -> None:
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
-        # 7. log, evaluate every eval_steps steps and after the last
+        # 6. log, evaluate every eval_steps steps and after the last
         metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        metrics.update({"lr": optimizer_step.lr, "epoch": step / steps_per_epoch,
-                        "nonfinite/skipped": state["nonfinite_skipped"], "time/elapsed": time.time() - start_time,
-                        "time/pairs_per_second": (step - start_step) * batch_size / (time.time() - start_time)})
-        if step == total_steps or (args.eval_steps and step % args.eval_steps == 0):
+        metrics.update(loop.metrics(step, optimizer_step))
+        if loop.evaluate_now(step):
             metrics.update(evaluate(args, accelerator, model, held_out, logger, step))
         logger.log(metrics, step=step)
 
-        # 8. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
-        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, total_steps):
+        # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
+        if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, loop.total_steps):
             logger.close()
             return
 
-    # 9. final save, with the input convention in config.json (reward_sources.py reads the model the same way by
+    # 8. final save, with the input convention in config.json (reward_sources.py reads the model the same way by
     # default)
     models.unwrap(model).model.config.reward_model_input = args.reward_model_input
     tl.save_model(accelerator, model, tokenizer, os.path.join(output_dir, "model"), merge_peft=args.merge_peft,

@@ -68,10 +68,10 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     from datasets import load_from_disk
 
     import kto
-    from plumbing import models
     import policy_common as pc
-    from plumbing import reward_sources as rs
+    from plumbing import models
     from plumbing import prompt_sharing as ps
+    from plumbing import reward_sources as rs
 
     torch.manual_seed(0)
     paths = setting_paths(setting)

@@ -99,9 +99,9 @@ def generate(args, examples: list) -> list:
     """Greedy summaries of the policy, as the published evaluations."""
     import torch
 
+    import policy_common as pc
     from plumbing import data_utils as du
     from plumbing import models
-    import policy_common as pc
     from plumbing import run_utils as ru
 
     name = ru.resolve_model(args.model)
@@ -168,8 +168,8 @@ def reward_model_report(args, examples: list) -> dict:
     higher. A proxy (the RL objective itself), NOT comparable with judge win rates."""
     import torch
 
-    from plumbing import models
     import policy_common as pc
+    from plumbing import models
     from plumbing import reward_sources as rs
     from plumbing import run_utils as ru
 

@@ -28,7 +28,6 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
-
 from toy import machine, run_child  # noqa: E402
 
 KEYS = {"eval/gold_score": "gold (held-out, greedy)", "eval/scores": "reward-model score", "eval/kl": "KL to SFT"}

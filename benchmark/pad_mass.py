@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
-import policy_common as pc  # noqa: E402
 
 
 @torch.no_grad()
@@ -60,9 +60,11 @@ def main():
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmark", "results", "pad_mass.md"))
     args = parser.parse_args()
     torch.set_num_threads(2)
-    from toy_worlds import toy_task
-    from speed_settings import TLDR, build_tldr_shaped
     import tempfile
+
+    from speed_settings import TLDR, build_tldr_shaped
+
+    from toy_worlds import toy_task
 
     toy = toy_task.build(verbose=False)
     tldr = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))

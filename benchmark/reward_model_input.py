@@ -20,9 +20,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
-import policy_common as pc  # noqa: E402
 from plumbing import reward_sources as rs  # noqa: E402
 from plumbing import run_utils as ru  # noqa: E402
 

@@ -31,14 +31,14 @@ for p in (os.path.dirname(HERE), HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+import speed_settings as settings  # noqa: E402
 import torch  # noqa: E402
+from toy import vm_hwm_mib  # noqa: E402
 
+import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
-import policy_common as pc  # noqa: E402
 from plumbing import prompt_sharing as ps  # noqa: E402
-import speed_settings as settings  # noqa: E402
-from toy import vm_hwm_mib  # noqa: E402
 
 
 def mean_seconds(fn, repeats: int) -> float:

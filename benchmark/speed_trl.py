@@ -24,8 +24,9 @@ for p in (os.path.dirname(HERE), HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from plumbing import models  # noqa: E402
 import speed_settings as settings  # noqa: E402
+
+from plumbing import models  # noqa: E402
 
 
 def common_fields(output_dir: str, max_steps: int) -> dict:

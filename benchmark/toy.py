@@ -401,9 +401,8 @@ def main(argv=None):
         algo, _, flags = item.partition(":")
         extra.setdefault(algo, []).extend(flags.split())
 
-    from uniform_eval import ToyEvaluator
-
     import plot
+    from uniform_eval import ToyEvaluator
 
     os.makedirs(args.out, exist_ok=True)
     results, sfts, budget_notes, figures = {}, {}, {}, []

@@ -25,11 +25,11 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
-import policy_common as pc  # noqa: E402
-from plumbing import reward_sources as rs  # noqa: E402
 from plumbing import prompt_sharing as ps  # noqa: E402
+from plumbing import reward_sources as rs  # noqa: E402
 from toy_worlds import toy_task  # noqa: E402
 
 

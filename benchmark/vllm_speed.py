@@ -28,10 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def setting(name: str):
     """(policy folder, prompts as token lists, rows per prompt, response_length, temperature) of a setting."""
+    from speed_settings import TLDR, build_tldr_shaped
+
     from plumbing import data_utils as du
     from plumbing import models
     from plumbing import run_utils as ru
-    from speed_settings import TLDR, build_tldr_shaped
 
     if name == "toy":
         import rloo
@@ -57,8 +58,8 @@ def run(name: str, rounds: int) -> dict:
     import torch
     from accelerate import Accelerator
 
-    from plumbing import models
     import policy_common as pc
+    from plumbing import models
     from plumbing import prompt_sharing as ps
     from plumbing import vllm_generation as vg
 
@@ -106,11 +107,11 @@ def sync_only(layers: int, width: int, rounds: int) -> dict:
     """Start an engine on a random GPT-NeoX of `layers` x `width` (fp32) and time `rounds` syncs."""
     import torch
     from accelerate import Accelerator
+    from speed_settings import build_tldr_shaped
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from plumbing import models
     from plumbing import vllm_generation as vg
-    from speed_settings import build_tldr_shaped
 
     paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))
     tokenizer = models.load_tokenizer(paths["policy"])

@@ -13,6 +13,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
+import policy_common as pc
 from plumbing import models
 from plumbing.errors import UserError, require_positive
 
@@ -79,8 +80,7 @@ def toy_teacher(setting: str = TOY_ALIAS) -> str:
 def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
     """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task and the
     toy tool world do), else None. Evaluation reports `eval/gold_score` whenever one exists."""
-    from toy_worlds import toy_task
-    from toy_worlds import toy_tools
+    from toy_worlds import toy_task, toy_tools
 
     return toy_tools.gold_scorer(dataset) or toy_task.gold_scorer(dataset)
 
@@ -341,3 +341,58 @@ def data_positions(num_items: int, seed: int, start: int, count: int) -> List[in
     epochs = range(start // num_items, (start + count - 1) // num_items + 1)  # the passes these positions touch
     stream = [i for epoch in epochs for i in epoch_permutation(num_items, seed, epoch)]
     return stream[start - epochs[0] * num_items:][:count]
+
+
+def to_unpaired(dataset, name: str):
+    """kto.py's data: an unpaired dataset (prompt, completion, label: bool, true = desirable) as is; a paired one
+    (prompt, chosen, rejected) becomes two rows per pair: (prompt, chosen, True) and (prompt, rejected, False)."""
+    from datasets import Dataset
+
+    if "completion" not in dataset.column_names and {"chosen", "rejected"} <= set(dataset.column_names):
+        require_columns(dataset, ["prompt", "chosen", "rejected"], name)
+        rows = {"prompt": [], "completion": [], "label": []}
+        for prompt, chosen, rejected in zip(dataset["prompt"], dataset["chosen"], dataset["rejected"]):
+            rows["prompt"] += [prompt, prompt]
+            rows["completion"] += [chosen, rejected]
+            rows["label"] += [True, False]
+        return Dataset.from_dict(rows)
+    require_columns(dataset, ["prompt", "completion", "label"], name)
+    dtype = getattr(dataset.features["label"], "dtype", type(dataset.features["label"]).__name__)
+    if dtype != "bool":
+        raise UserError(f"dataset {name!r}: column 'label' must be boolean (true = desirable), got {dtype}")
+    return dataset
+
+
+def require_text_or_messages(values: dict, name: str, row: int) -> None:
+    """A UserError naming the dataset `name`, the row and the column of the first of `values` ({column: value}) that
+    is neither text nor a list of {role, content} messages (what the offline scripts tokenise)."""
+    for column, value in values.items():
+        if not (isinstance(value, str) or is_conversational(value)):
+            raise UserError(f"dataset {name!r} row {row} column {column!r}: expected text or a list of "
+                            f"{{role, content}} messages, got {type(value).__name__}")
+
+
+def load_held_out_prompts(name: str, split: str, count: int) -> list:
+    """The first `count` prompts of `split` of the prompt dataset `name` (load_prompt_dataset, its `prompt` column
+    checked): what dpo.py and kto.py complete greedily at each evaluation. [] when `count` is 0 (nothing loaded)."""
+    if count <= 0:
+        return []
+    data = load_prompt_dataset(name, split)
+    require_columns(data, ["prompt"], name)
+    return data["prompt"][:count]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Batches of token-id rows (the offline scripts)
+# ---------------------------------------------------------------------------------------------------------
+def concatenated_inputs(rows: Sequence[dict], pad_token_id: int, completions: Sequence[str] = ("chosen", "rejected"),
+                        prompt: str = "prompt"):
+    """b rows -> (query_responses (k b, Lq + R), context_length Lq): each row's `prompt` token ids with each of its
+    k `completions` (keys of token-id lists), all in one batch for one forward pass. Prompts are LEFT-padded to Lq and
+    repeated k times, completions RIGHT-padded to R, so every completion starts at position Lq (the layout of
+    policy_common.forward_logits); the rows' first completions come first (rows 0..b-1), then their second ones
+    (rows b..2b-1), and so on. dpo.py and reward.py: chosen then rejected; kto.py: each example's own completion, then
+    its mismatched one; sft.py: its one completion."""
+    prompts = pc.pad_sequences([row[prompt] for row in rows], pad_token_id, "left")  # (b, Lq)
+    responses = pc.pad_sequences([row[key] for key in completions for row in rows], pad_token_id, "right")  # (k b, R)
+    return torch.cat([prompts.repeat(len(completions), 1), responses], 1), prompts.shape[1]

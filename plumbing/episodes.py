@@ -47,8 +47,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from plumbing import data_utils as du
 import policy_common as pc
+from plumbing import data_utils as du
 from plumbing import run_utils as ru
 from plumbing.errors import UserError
 

@@ -8,9 +8,10 @@ from typing import List, Sequence
 
 import torch
 
-from plumbing import data_utils as du
 import policy_common as pc
+from plumbing import data_utils as du
 from plumbing import run_utils as ru
+from plumbing.errors import UserError
 
 
 @dataclass
@@ -20,6 +21,11 @@ class GenerationFlags:
     """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 512
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+
+    def check(self) -> None:
+        if self.response_length < 1 or self.num_eval_prompts < 0:
+            raise UserError(f"--response_length must be >= 1 and --num_eval_prompts >= 0, got {self.response_length} "
+                            f"and {self.num_eval_prompts}")
 
 
 @torch.no_grad()
@@ -38,18 +44,19 @@ def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response
             tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True))
 
 
-def held_out_completions(policy, held_out: du.HeldOut, response_length: int, batch_size: int, accelerator):
+def held_out_completions(policy, held_out: du.HeldOut, args, accelerator, logger, step: int) -> dict:
     """The offline scripts' greedy evaluation: this process's share of `held_out.prompts` completed greedily
-    (`greedy_completions`). Returns (metrics, samples): eval/gold_score, the mean over every process's prompts, when
-    the task has a gold scorer (else {}); and sample-table rows {prompt, completion[, gold]}."""
+    (`greedy_completions`, --response_length new tokens, --per_device_eval_batch_size rows per call), a few of them
+    shown in the sample table (--num_samples_printed rows {prompt, completion[, gold]}). Returns eval/gold_score, the
+    mean over every process's prompts, when the task has a gold scorer (else {})."""
     if not held_out.prompts:
-        return {}, []
-    prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, response_length,
-                                              batch_size, accelerator)
-    samples = [{"prompt": p, "completion": c} for p, c in zip(prompts, completions)]
-    if held_out.gold is None:
-        return {}, samples
-    for row in samples:
-        row["gold"] = held_out.gold(row["prompt"], row["completion"])
-    return ru.global_means(accelerator, {"eval/gold_score": sum(row["gold"] for row in samples)}, len(samples)), samples
-
+        return {}
+    prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, args.response_length,
+                                              args.per_device_eval_batch_size, accelerator)
+    gold = held_out.gold
+    samples = [{"prompt": p, "completion": c, **({} if gold is None else {"gold": gold(p, c)})}
+               for p, c in zip(prompts, completions)]
+    logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
+    if gold is None:
+        return {}
+    return ru.global_means(accelerator, {"eval/gold_score": sum(row["gold"] for row in samples)}, len(samples))

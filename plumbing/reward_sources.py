@@ -38,9 +38,9 @@ from typing import Callable, Dict, List, Literal, Optional, Sequence
 
 import torch
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import models
-import policy_common as pc
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing.errors import RolloutError, UserError

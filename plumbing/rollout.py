@@ -41,10 +41,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import greedy_eval as ge
-import policy_common as pc
 from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru

@@ -147,11 +147,17 @@ def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv:
     args.given_flags = frozenset(given)
     if getattr(args, "exp_name", "") is None:
         args.exp_name = os.path.splitext(os.path.basename(sys.modules[args_cls.__module__].__file__))[0]
-    for group in args_cls.__mro__[1:]:  # each flag group checks its own flags (the script then checks its own)
-        if "check" in vars(group):
-            group.check(args)
+    check_flags(args)
     quiet_libraries(getattr(args, "verbose", True))
     return args
+
+
+def check_flags(args) -> None:
+    """Each flag group `args` mixes in checks its own flags (its `check`: one-line UserErrors for bad values, before
+    anything loads); the script's `validate` then checks the script's own."""
+    for group in type(args).__mro__[1:]:
+        if "check" in vars(group):
+            group.check(args)
 
 
 def cli_class(args_cls):

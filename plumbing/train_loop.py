@@ -14,15 +14,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from plumbing import data_utils as du
 from plumbing import metrics_log as ml
 from plumbing import models
 from plumbing import run_utils as ru
@@ -87,6 +90,15 @@ class EpochFlags:
     """prompt + completion tokens in training, completions cut from the right (a default is lowered to fit the model)"""
     per_device_eval_batch_size: int = 8
     """held-out rows (pairs, examples or prompts) per evaluation forward on each process"""
+
+    def check(self) -> None:
+        require_positive(self, "num_train_epochs", "per_device_eval_batch_size")
+        if not 0 <= self.warmup_ratio < 1 or self.weight_decay < 0:
+            raise UserError(f"need 0 <= --warmup_ratio < 1 and --weight_decay >= 0, got {self.warmup_ratio} and "
+                            f"{self.weight_decay}")
+        if not 1 <= (getattr(self, "max_prompt_length", None) or 1) < self.max_length:
+            raise UserError(f"need 1 <= --max_prompt_length < --max_length, got {self.max_prompt_length} and "
+                            f"{self.max_length}")
 
 
 @dataclass
@@ -331,3 +343,130 @@ def checkpoint_or_stop(accelerator, args, output_dir: str, state: dict, schedule
         accelerator.print(f"{stop.received or 'a stop signal'} received: checkpoint-{step} written, stopping "
                           "(--resume_from it)")
     return stopping
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The offline scripts (sft, reward, dpo, kto): lengths fitted before any model loads; passes over a fixed dataset
+# ---------------------------------------------------------------------------------------------------------
+def fit_lengths(args, tokenizer, model_path: str, prompts, held_out_prompts=(), tools=None,
+                cut_held_out: bool = False) -> list:
+    """The offline scripts' lengths, fitted to the data and to the positions of the model at `model_path` (from its
+    config: ru.model_positions) before any model loads (ru.fit_length: a default is lowered with a note, a value given
+    on the command line that does not fit is a UserError):
+    1. --max_length into the model's positions;
+    2. --max_prompt_length, when None, from the data: the longest of `prompts` (text or messages, rendered with the chat
+       template and tools[i] when `tools` is given; values neither text nor messages are skipped here, tokenising the
+       rows fails on them) and `held_out_prompts`; then lowered to leave one completion token of --max_length;
+    3. the held-out prompts (completed greedily at each evaluation) as token ids: a prompt longer than
+       --max_prompt_length is a UserError (du.tokenize_prompts), or with `cut_held_out` (kto.py) keeps its last
+       --max_prompt_length tokens;
+    4. --response_length, when there are held-out prompts (with `cut_held_out`: always), into the positions the longest
+       of them leaves (with `cut_held_out`: the positions --max_prompt_length leaves).
+    Returns the held-out prompts' token ids."""
+    positions = ru.model_positions(model_path, args.trust_remote_code)
+    ru.fit_length(args, "max_length", positions, "the model's max_position_embeddings")
+    if args.max_prompt_length is None:
+        tools = [None] * len(prompts) if tools is None else tools
+        texts = {du.render_prompt(tokenizer, prompt, prompt_tools)
+                 for prompt, prompt_tools in [*zip(prompts, tools), *((p, None) for p in held_out_prompts)]
+                 if isinstance(prompt, str) or du.is_conversational(prompt)}
+        ids = tokenizer(sorted(texts), add_special_tokens=False)["input_ids"] if texts else []
+        args.max_prompt_length = max((len(prompt_ids) for prompt_ids in ids), default=1)
+    ru.fit_length(args, "max_prompt_length", args.max_length - 1,
+                  f"one completion token of --max_length {args.max_length}")
+    if cut_held_out:
+        held_out = [ids[-args.max_prompt_length:] for ids in du.tokenize_prompts(tokenizer, held_out_prompts)]
+        longest = args.max_prompt_length
+    else:
+        held_out = du.tokenize_prompts(tokenizer, held_out_prompts, args.max_prompt_length)
+        longest = max((len(ids) for ids in held_out), default=None)
+    if longest is not None:
+        ru.fit_length(args, "response_length", None if positions is None else positions - longest,
+                      f"held-out prompts of up to {longest} tokens in the model's {positions} positions")
+    return held_out
+
+
+def micro_batches(batch_index: list, accelerator) -> list:
+    """This process's micro-batches of an optimizer step's items `batch_index` (every process's, in order): micro-batch
+    m of process p is the (m x processes + p)-th slice of len(batch_index) / (processes x accumulation steps) items,
+    so that the step's items and their order are the same for any number of processes."""
+    world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    size = len(batch_index) // (world * steps)
+    return [batch_index[(m * world + accelerator.process_index) * size:][:size] for m in range(steps)]
+
+
+class EpochLoop:
+    """The passes over a fixed training set of the offline scripts (sft, reward, dpo, kto): `num_items` items (rows;
+    kto.py: micro-batches of examples), `batch_size` of them (every process's) per optimizer step. An epoch is
+    steps_per_epoch = num_items // batch_size steps (the remainder is left out); the run is --num_train_epochs of them
+    (at least one step), at most --max_steps: `total_steps`. Epoch e visits the items in du.epoch_permutation(num_items,
+    --seed, e), the same on every process, so a step's items depend on its number alone and a resumed run continues
+    the same order. Also the learning-rate schedule, the metrics every step logs and when to evaluate."""
+
+    def __init__(self, args, num_items: int, batch_size: int, unit: str, rows_per_item: int = 1,
+                 per_step_time: bool = False):
+        """`unit`: what time/<unit>_per_second counts, `rows_per_item` of them per item; `per_step_time` (kto.py): time
+        each step alone (time/step_seconds) instead of the run since it (or its resume) started (time/elapsed)."""
+        self.num_items, self.batch_size, self.seed, self.eval_steps = num_items, batch_size, args.seed, args.eval_steps
+        self.steps_per_epoch = num_items // batch_size
+        if self.steps_per_epoch == 0:
+            world = batch_size // (args.per_device_train_batch_size * args.gradient_accumulation_steps)
+            raise UserError(f"{num_items} training {unit} are fewer than one batch of {batch_size} (per_device_train_"
+                            f"batch_size {args.per_device_train_batch_size} x {world} processes x "
+                            "gradient_accumulation_steps)")
+        total_steps = max(1, int(self.steps_per_epoch * args.num_train_epochs))
+        self.total_steps = min(total_steps, args.max_steps) if args.max_steps else total_steps
+        self.warmup_steps = math.ceil(args.warmup_ratio * self.total_steps)
+        self.unit, self.rows_per_step, self.per_step_time = unit, batch_size * rows_per_item, per_step_time
+        self.order = (None, [])  # (epoch, its permutation)
+
+    def scheduler(self, optimizer):
+        """The learning rate's schedule, stepped once per optimizer step: linear warmup over ceil(--warmup_ratio x
+        total_steps) steps, then linear decay to 0 at total_steps (transformers' "linear"). Not for
+        accelerator.prepare, which would step it on every process; checkpoints carry its state."""
+        from transformers import get_scheduler  # transformers loads slowly: only when a script needs it
+
+        return get_scheduler("linear", optimizer, num_warmup_steps=self.warmup_steps,
+                             num_training_steps=self.total_steps)
+
+    def steps(self, start_step: int):
+        """The steps still to run, start_step + 1 .. total_steps (numbered from 1); time/* counts from here."""
+        self.start_time, self.start_step = time.time(), start_step
+        for step in range(start_step + 1, self.total_steps + 1):
+            self.step_start = time.time()
+            yield step
+
+    def batch_index(self, step: int) -> list:
+        """The items of step `step` (numbered from 1): the next batch_size of its epoch's permutation."""
+        epoch, position = divmod(step - 1, self.steps_per_epoch)
+        if self.order[0] != epoch:
+            self.order = (epoch, du.epoch_permutation(self.num_items, self.seed, epoch))
+        return self.order[1][position * self.batch_size:(position + 1) * self.batch_size]
+
+    def metrics(self, step: int, optimizer_step: OptimizerStep) -> dict:
+        """What every step logs besides the algorithm's own: lr, epoch (passes so far, fractional), nonfinite/skipped,
+        and time/elapsed and time/<unit>_per_second since the loop started (per_step_time: time/step_seconds and
+        time/<unit>_per_second of this step)."""
+        metrics = {"lr": optimizer_step.lr, "epoch": step / self.steps_per_epoch,
+                   "nonfinite/skipped": optimizer_step.skipped}
+        if self.per_step_time:
+            seconds = time.time() - self.step_start
+            return {**metrics, "time/step_seconds": seconds,
+                    f"time/{self.unit}_per_second": self.rows_per_step / seconds}
+        seconds = time.time() - self.start_time
+        return {**metrics, "time/elapsed": seconds,
+                f"time/{self.unit}_per_second": (step - self.start_step) * self.rows_per_step / seconds}
+
+    def evaluate_now(self, step: int) -> bool:
+        """Evaluate after step `step`? Every --eval_steps steps (0: never in between) and after the last."""
+        return step == self.total_steps or bool(self.eval_steps and step % self.eval_steps == 0)
+
+
+def gather_in_order(items: list, compute, accelerator) -> torch.Tensor:
+    """compute(share) -> a tensor with one row per item of `share`, run on this process's even share of `items`
+    (ru.even_share: every process makes the same model calls); every process's rows gathered (one collective) and put
+    back in the order of `items`: (len(items), ...) on every process. E.g. reference log-probs computed once."""
+    share, _ = ru.even_share(items, accelerator)
+    rows = accelerator.gather(compute(share))  # (processes x len(share), ...): process 0's rows, then process 1's...
+    rows = rows.view(accelerator.num_processes, len(share), *rows.shape[1:]).transpose(0, 1)  # share position-major
+    return rows.reshape(-1, *rows.shape[2:])[:len(items)]

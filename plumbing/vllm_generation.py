@@ -32,8 +32,8 @@ import torch
 import torch.nn as nn
 import tyro
 
-from plumbing import models
 import policy_common as pc
+from plumbing import models
 from plumbing.errors import UserError
 
 PAD_LOGIT_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]

@@ -11,7 +11,6 @@ import sys
 import threading
 
 import pytest
-
 from conftest import ROOT, run_script
 
 BENCH = os.path.join(ROOT, "benchmark")
@@ -186,12 +185,12 @@ def test_trl_side_runs(toy, tmp_path):
 def test_speed_tldr_setting_gives_both_implementations_the_same_hyper_parameters():
     """--setting tldr: the flags handed to rloo.py / dpo.py / kto.py / grpo.py parse to exactly the values TRL's config
     receives."""
+    import speed_settings as settings
+
     import dpo
     import grpo
     import kto
     import rloo
-    import speed_settings as settings
-
     from plumbing import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset", "preference_dataset",
@@ -254,10 +253,10 @@ def test_speed_grpo_settings_are_those_of_trls_grpo_config(tmp_path):
     trl.GRPOConfig speed_trl.py builds agree on every hyper-parameter of the algorithm, one generation of
     per_device x accumulation completions per optimizer step; the setting text says what was picked."""
     trl = pytest.importorskip("trl")
-    import grpo
     import speed_settings as settings
     import speed_trl
 
+    import grpo
     from plumbing import run_utils as ru
 
     paths = {k: f"/nowhere/{k}" for k in ("policy", "reward", "prompt_dataset")}

@@ -8,16 +8,15 @@ import math
 
 import pytest
 import torch
+from conftest import read_metrics, run_script
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_scale import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from plumbing import chunked_head
-from plumbing import models
 import policy_common as pc
-from conftest import read_metrics, run_script
-from test_scale import run_distributed
+from plumbing import chunked_head, models
 from plumbing.errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 53

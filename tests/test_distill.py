@@ -136,8 +136,9 @@ def save_teacher(tmp_path, tokenizer, positions=64, extra_token=False):
 
 
 def test_teacher_with_another_vocabulary_or_too_few_positions_is_refused(toy, tmp_path):
-    from plumbing import models
     from conftest import run_script_in_process
+
+    from plumbing import models
 
     other = save_teacher(tmp_path / "vocab", models.load_tokenizer(toy["policy"]), extra_token=True)
     proc = run_script_in_process("distill.py", "--teacher_model", other)

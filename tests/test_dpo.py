@@ -8,14 +8,23 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from plumbing import models
-import policy_common as pc
-from plumbing.errors import UserError
-
 from conftest import read_metrics, run_script, run_script_in_process
 
-from dpo import (Args, completion_sums, concatenated_inputs, dpo_loss, pair_losses, precompute_reference_logps,
-                 reference_logps, tokenize_preferences, validate)
+import policy_common as pc
+from dpo import (
+    Args,
+    completion_sums,
+    dpo_loss,
+    pair_losses,
+    precompute_reference_logps,
+    reference_logps,
+    tokenize_preferences,
+    validate,
+)
+from plumbing import models
+from plumbing import run_utils as ru
+from plumbing.data_utils import concatenated_inputs
+from plumbing.errors import UserError
 
 LN2 = math.log(2)
 REQUIRED = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
@@ -234,7 +243,10 @@ def test_short_run_metrics_and_model(short_run):
 def test_determinism_and_resume(short_run, tmp_path):
     again, resumed = str(tmp_path / "b"), str(tmp_path / "c")
     run_dpo("--output_dir", again, *SHORT)
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
     assert strip(read_metrics(again)) == strip(read_metrics(short_run))
 
     run_dpo("--output_dir", resumed, *SHORT, "--resume_from", os.path.join(short_run, "checkpoint-3"))
@@ -292,7 +304,8 @@ def test_two_processes_match_one_for_the_same_global_batch(short_run, tmp_path):
     for a, b in zip(one, two):
         for k in a:
             if k.endswith("rewards/accuracies") and abs(a[k.replace("accuracies", "margins")]) < 1e-5:
-                continue  # policy still equal to the reference (warm-up): every margin is float noise, its sign arbitrary
+                # policy still equal to the reference (warm-up): every margin is float noise, its sign arbitrary
+                continue
             if not k.startswith("time/"):
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
 
@@ -317,7 +330,10 @@ def test_learns_on_the_toy_task(toy, tmp_path):
     assert train_gain(rows, "eval/gold_score") > 0.25 and train_gain(rows, "eval/loss") < -0.1
     train = [r for r in rows if r["step"] > 0]
     first, last = train[:5], train[-5:]
-    mean = lambda rows, k: sum(r[k] for r in rows) / len(rows)
+
+    def mean(rows, k):
+        return sum(r[k] for r in rows) / len(rows)
+
     # seeds 1-3 measured: loss -0.19, accuracy +0.30..0.39, held-out accuracy 0.81..0.86, gold +0.46..0.49
     assert mean(last, "loss") < mean(first, "loss") - 0.1
     assert mean(last, "rewards/accuracies") > mean(first, "rewards/accuracies") + 0.15
@@ -417,5 +433,7 @@ def test_lengths_fit_a_model_with_32_positions(short_model, toy, tmp_path):
                                          (dict(reference_free=True, precompute_ref_logprobs=True), "reference_free"),
                                          (dict(max_prompt_length=8, max_length=8), "max_length")])
 def test_invalid_hyper_parameters(flags, match):
+    args = Args(**flags)
     with pytest.raises(UserError, match=match):
-        validate(Args(**flags))
+        ru.check_flags(args)  # the flag groups' checks, as ru.parse_args runs them
+        validate(args)

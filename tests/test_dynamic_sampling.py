@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-
-from plumbing import models
-import policy_common as pc
-from plumbing import rollout as ro
 from conftest import ROOT, read_metrics, run_script
 from test_scale import run_distributed
+
+import policy_common as pc
+from plumbing import models
+from plumbing import rollout as ro
 
 EXACT_MATCH = os.path.join(ROOT, "benchmark", "toy_dynamic_sampling.py") + ":exact_match"
 

@@ -14,11 +14,11 @@ import types
 
 import pytest
 import torch
-
-from plumbing import episodes as ep
-import policy_common as pc
-from plumbing import reward_sources as rs
 from conftest import QWEN_TEMPLATE
+
+import policy_common as pc
+from plumbing import episodes as ep
+from plumbing import reward_sources as rs
 from plumbing.errors import UserError
 
 

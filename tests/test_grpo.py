@@ -13,10 +13,10 @@ from collections import defaultdict
 
 import pytest
 import torch
+from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
 from grpo import aggregate_loss, group_advantages, per_token_loss
 
 NAN = math.nan

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 GSM8K = os.path.join(ROOT, "benchmark", "gsm8k")

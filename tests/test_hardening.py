@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import read_metrics, run_script, run_script_in_process
 
 SCRIPTS = ["rloo.py", "ppo.py", "dpo.py", "kto.py"]

@@ -7,18 +7,20 @@ import json
 import math
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import read_metrics, run_script, run_script_in_process
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kto import kl_reference_point, kto_losses, loss_weights, make_kl_groups, weight_advice
 from plumbing import data_utils as du
 from plumbing import models
+from plumbing import train_loop as tl
+from plumbing.data_utils import to_unpaired
 from plumbing.errors import UserError
-
-from conftest import read_metrics, run_script, run_script_in_process
-from kto import kl_reference_point, kto_losses, loss_weights, make_kl_groups, step_groups, to_unpaired, weight_advice
 
 SHORT = ["--num_eval_prompts", "32", "--num_eval_examples", "128"]
 TRAIN_KEYS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected",
@@ -50,10 +52,14 @@ def test_kto_losses_match_hand_written_formula(seed):
     z0 = torch.rand((), generator=g, dtype=torch.float64) * 2
     beta, wd, wu = 0.05 + seed / 10, 1.0 + seed, 0.5 + seed / 3
     losses = kto_losses(rewards, z0, desirable, beta, wd, wu)
-    sigmoid = lambda x: 1 / (1 + math.exp(-x))
+
+    def sigmoid(x):
+        return 1 / (1 + math.exp(-x))
+
     for i in range(B):
         r = rewards[i].item()
-        expected = wd * (1 - sigmoid(beta * (r - z0.item()))) if desirable[i] else wu * (1 - sigmoid(beta * (z0.item() - r)))
+        expected = (wd * (1 - sigmoid(beta * (r - z0.item()))) if desirable[i]
+                    else wu * (1 - sigmoid(beta * (z0.item() - r))))
         assert losses[i].item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -93,11 +99,17 @@ def test_mismatched_pairs_never_use_the_examples_own_completion(n, group_size, s
 
 
 def test_each_epoch_visits_the_micro_batches_in_the_shared_data_order():
-    # 10 micro-batches, 3 per step: 3 steps per epoch, each epoch leaving a different one out
+    # 10 micro-batches, 3 per step (kto.py's loop: tl.EpochLoop over the micro-batches): 3 steps per epoch, each epoch
+    # leaving a different one out
+    flags = SimpleNamespace(seed=5, eval_steps=0, num_train_epochs=3.0, max_steps=None, warmup_ratio=0.0,
+                            per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    loop = tl.EpochLoop(flags, 10, 3, "samples", rows_per_item=2, per_step_time=True)
+    assert (loop.steps_per_epoch, loop.total_steps) == (3, 9)
     for step in range(7):
         epoch, position = divmod(step, 3)
-        assert step_groups(step, 10, 3, seed=5) == du.epoch_permutation(10, 5, epoch)[3 * position:3 * position + 3]
-    assert len(set(sum((step_groups(s, 10, 3, 5) for s in range(3)), []))) == 9
+        expected = du.epoch_permutation(10, 5, epoch)[3 * position:3 * position + 3]
+        assert loop.batch_index(step + 1) == expected
+    assert len(set(sum((loop.batch_index(s) for s in range(1, 4)), []))) == 9
 
 
 def test_mismatched_pairs_need_two_examples_per_batch():
@@ -417,7 +429,8 @@ def test_lengths_and_class_weights_fit_a_model_with_32_positions(short_model, tm
         args = json.load(f)
     # the defaults (640, the longest prompt, 53) are fitted: toy prompts have up to 7 tokens (6 letters and "=")
     assert (args["max_length"], args["max_prompt_length"], args["response_length"]) == (32, 7, 25)
-    assert "--max_length lowered from 640 to 32" in proc.stdout and "--response_length lowered from 53 to 25" in proc.stdout
+    assert "--max_length lowered from 640 to 32" in proc.stdout
+    assert "--response_length lowered from 53 to 25" in proc.stdout
     rows = read_metrics(out)
     assert [r["step"] for r in rows if "eval/gold_score" in r] == [0, 2]
     # no weights given (not the toy alias): lambda_D n_D = lambda_U n_U from the training data's counts

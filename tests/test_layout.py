@@ -8,7 +8,6 @@ import glob
 import os
 
 import pytest
-
 from conftest import ROOT
 
 SHARED_ROOT_MODULE = "policy_common"

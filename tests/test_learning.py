@@ -11,7 +11,6 @@ import os
 import sys
 
 import pytest
-
 from conftest import ROOT, run_script
 
 sys.path.insert(0, os.path.join(ROOT, "benchmark"))

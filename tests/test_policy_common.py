@@ -5,13 +5,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import (GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification,
-                          GenerationConfig)
+from transformers import GenerationConfig, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
-from plumbing import models
 import policy_common as pc
-from plumbing import reward_sources as rs
+from plumbing import models
 from plumbing import prompt_sharing as ps
+from plumbing import reward_sources as rs
 from plumbing.errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 40

@@ -7,13 +7,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from plumbing import data_utils as du
-
 from conftest import read_metrics, run_script_in_process
 from conftest import run_script as _run_script
 
-from ppo import (batch_advantages, compute_gae,
-                 per_token_rewards, ppo_losses)
+from plumbing import data_utils as du
+from ppo import batch_advantages, compute_gae, per_token_rewards, ppo_losses
 
 PAD, EOS = 0, 1
 

@@ -5,9 +5,9 @@ import json
 import os
 
 import pytest
+from conftest import run_script
 
 from plumbing import metrics_log as ml
-from conftest import run_script
 
 NOISE = ("LOAD REPORT", "Setting accelerator", "Saving the dataset", "Loading weights", "Writing model shards")
 

@@ -7,8 +7,8 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import DynamicCache, StaticCache
 
-from plumbing import models
 import policy_common as pc
+from plumbing import models
 from plumbing import prompt_sharing as ps
 
 PAD, VOCAB = 0, 40

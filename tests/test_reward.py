@@ -8,13 +8,23 @@ import os
 
 import pytest
 import torch
-from plumbing import models
-from plumbing.errors import UserError
-
 from conftest import read_metrics, run_script, run_script_in_process
 
-from reward import (Args, RewardModel, bradley_terry_loss, init_score_head, load_reward_model, pair_rewards,
-                    pair_stats, reward_input_ids, tokenize_pairs, validate)
+from plumbing import models
+from plumbing import run_utils as ru
+from plumbing.errors import UserError
+from reward import (
+    Args,
+    RewardModel,
+    bradley_terry_loss,
+    init_score_head,
+    load_reward_model,
+    pair_rewards,
+    pair_stats,
+    reward_input_ids,
+    tokenize_pairs,
+    validate,
+)
 
 REQUIRED = ["loss", "accuracy", "rewards/chosen", "rewards/rejected", "rewards/margins", "grad_norm", "lr", "epoch"]
 EVAL = ["eval/loss", "eval/accuracy", "eval/rewards/chosen", "eval/rewards/rejected", "eval/rewards/margins"]
@@ -55,8 +65,10 @@ def test_margin_column_and_centring_term_by_hand():
                                          (dict(max_prompt_length=8, max_length=8), "max_length"),
                                          (dict(weight_decay=-0.1), "weight_decay")])
 def test_invalid_hyper_parameters(flags, match):
+    args = Args(**flags)
     with pytest.raises(UserError, match=match):
-        validate(Args(**flags))
+        ru.check_flags(args)  # the flag groups' checks, as ru.parse_args runs them
+        validate(args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,7 +224,10 @@ def test_text_mode_is_recorded_and_followed_by_rloo(text_run, tmp_path):
 def test_resume_equals_an_uninterrupted_run(short_run, tmp_path):
     resumed = str(tmp_path / "resumed")
     run_reward("--output_dir", resumed, *SHORT, "--resume_from", os.path.join(short_run, "checkpoint-15"))
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
     got, later = strip(read_metrics(resumed)), [r for r in strip(read_metrics(short_run)) if r["step"] > 15]
     assert [r["step"] for r in got] == list(range(16, 31))
     for a, b in zip(got, later):

@@ -9,15 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import read_metrics, run_script, run_script_in_process
+from test_scale import run_distributed
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import models
-import policy_common as pc
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
 from plumbing.errors import UserError
-from conftest import read_metrics, run_script, run_script_in_process
-from test_scale import run_distributed
 
 
 def toy_batch(toy, completions):

@@ -9,15 +9,14 @@ import shutil
 
 import pytest
 import torch
+from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plumbing import models
 import policy_common as pc
+from plumbing import models
 from plumbing import run_utils as ru
-from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
-from rloo import (clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages,
-                  token_level_returns)
+from rloo import clipped_policy_loss, leave_one_out_baseline, per_token_kl, rloo_advantages, token_level_returns
 
 REQUIRED_TRAIN_METRICS = [
     "objective/scores", "objective/kl", "objective/rlhf_reward", "objective/entropy", "objective/non_score_reward",

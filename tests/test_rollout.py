@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from plumbing import models
 import policy_common as pc
+from plumbing import models
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import vllm_generation as vg
@@ -115,8 +115,8 @@ def test_a_changed_sampler_keeps_the_invariant_or_fails_loudly(toy_sampler_parts
 
 
 def test_training_forward_scores_as_the_rollout_did(toy_sampler_parts):
-    """Sampler.forward_logprobs on a micro-batch (Rollout.subset), prompt sharing on (forced: at toy sizes it does not save enough to be chosen), gives the
-    plain forward's log-probs and entropy for any rows."""
+    """Sampler.forward_logprobs on a micro-batch (Rollout.subset), prompt sharing on (forced: at toy sizes it does not
+    save enough to be chosen), gives the plain forward's log-probs and entropy for any rows."""
     parts = toy_sampler_parts
     sampler = make_sampler(parts)
     assert not sampler.share  # 8 rows of <= 6 prompt tokens: sharing saves fewer than 128 positions

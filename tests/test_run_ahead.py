@@ -9,16 +9,15 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
-import policy_common as pc
+from conftest import read_metrics, run_script, run_script_in_process
+from test_scale import run_distributed
 
 import grpo
+import policy_common as pc
 import rloo
 from plumbing import run_ahead as ra
 from plumbing import vllm_generation as vg
-from conftest import read_metrics, run_script, run_script_in_process
 from plumbing.errors import UserError
-from test_scale import run_distributed
 
 
 def importance(old, behaviour, mask, sampling, sequence_loss=False):

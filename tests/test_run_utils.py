@@ -7,6 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_two_processes
+from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
 
 from plumbing import data_utils as du
@@ -15,8 +17,6 @@ from plumbing import models
 from plumbing import run_utils as ru
 from plumbing import train_loop as tl
 from plumbing.errors import UserError
-from conftest import run_two_processes
-from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 
 
 # --------------------------------------------------------------------------------------------- saving
@@ -122,7 +122,8 @@ def test_render_conversational(toy):
 def eot_tokenizer(turn_end: str):
     """A word-level tokenizer whose EOS is `<eot>` ("\\n" a token of its own), with a chat template that writes each
     turn as `<|role|> CONTENT` + turn_end and `<|assistant|> ` as the generation prompt."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models as tokenizer_models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers
+    from tokenizers import models as tokenizer_models
     from transformers import PreTrainedTokenizerFast
 
     words = ["[PAD]", "<eot>", "[UNK]", "<|user|>", "<|assistant|>", "<|end|>", "\n", "a", "b", "c"]
@@ -146,6 +147,7 @@ def scripts_completion_ids(tokenizer, prompt, completion):
     """The completion tokens that sft.py, reward.py (both modes), dpo.py, kto.py and distill.py train on for one
     (prompt, completion) with room to spare; SFT's completion mask checked to cover all of them."""
     from datasets import Dataset
+
     import distill
     import dpo
     import kto

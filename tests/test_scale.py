@@ -12,7 +12,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, read_metrics, run_script, script_env
 
 SHORT = {  # a few steps of each script on the toy task, small enough for two processes on two cores, with 3

@@ -9,15 +9,23 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from plumbing import data_utils as du
-from plumbing import models
-from plumbing.errors import UserError
-
 from conftest import read_metrics, run_script, run_script_in_process
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-from sft import (Args, accumulate_gradients, completion_token_stats, prompt_completion_pairs, sft_loss,
-                 tokenize_demonstrations, toy_demonstrations, validate)
+from plumbing import data_utils as du
+from plumbing import models
+from plumbing import run_utils as ru
+from plumbing.errors import UserError
+from sft import (
+    Args,
+    accumulate_gradients,
+    completion_token_stats,
+    prompt_completion_pairs,
+    sft_loss,
+    tokenize_demonstrations,
+    toy_demonstrations,
+    validate,
+)
 
 PAD, EOS, VOCAB = 0, 1, 24
 REQUIRED = ["loss", "token_accuracy", "num_tokens", "grad_norm", "lr", "epoch"]
@@ -38,7 +46,8 @@ def hand_rows(lengths, seed=0):
     """Rows of random prompt / completion ids (no PAD among them; completions end with EOS)."""
     g = torch.Generator().manual_seed(seed)
     return [{"prompt": torch.randint(2, VOCAB, (p,), generator=g).tolist(),
-             "completion": torch.randint(2, VOCAB, (c - 1,), generator=g).tolist() + [EOS], "completion_mask": [True] * c}
+             "completion": torch.randint(2, VOCAB, (c - 1,), generator=g).tolist() + [EOS],
+             "completion_mask": [True] * c}
             for p, c in lengths]
 
 
@@ -123,7 +132,8 @@ def step_gradients(rows, accumulation_steps, micro_batch_size):
 
     model = tiny_model(1).train()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation_steps)
-    sums, num_tokens = accumulate_gradients(model, accelerator, rows, list(range(len(rows))), micro_batch_size, PAD)
+    assert len(rows) == accumulation_steps * micro_batch_size  # one process: micro-batches of the step's rows
+    sums, num_tokens = accumulate_gradients(model, accelerator, rows, list(range(len(rows))), PAD)
     Accelerator(cpu=True)  # accelerate's gradient state is shared by the process: leave it as found
     return {n: p.grad.clone() for n, p in model.named_parameters()}, sums, num_tokens
 
@@ -233,8 +243,10 @@ def test_messages_render_with_the_chat_template(toy_tokenizer):
                                          (dict(max_eval_examples=-1), "max_eval_examples"),
                                          (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps")])
 def test_invalid_hyper_parameters(flags, match):
+    args = Args(**flags)
     with pytest.raises(UserError, match=match):
-        validate(Args(**flags))
+        ru.check_flags(args)  # the flag groups' checks, as ru.parse_args runs them
+        validate(args)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,7 +303,7 @@ def test_short_run_learns_and_saves_a_loadable_model(short_run, toy):
 def test_first_logged_loss_is_the_token_mean_of_the_first_batch(short_run, toy, toy_tokenizer):
     """The script's own step 1: the starting policy's token mean over the 64 examples that du.epoch_permutation puts
     first, computed here without the script's batching."""
-    
+
     tokenizer = toy_tokenizer
     demos = toy_demonstrations("train", "sorted", seed=3)
     first = du.epoch_permutation(len(demos), 3, 0)[:64]
@@ -311,7 +323,10 @@ def test_first_logged_loss_is_the_token_mean_of_the_first_batch(short_run, toy, 
 def test_resume_equals_the_uninterrupted_run(short_run, tmp_path):
     resumed = str(tmp_path / "resumed")
     run_sft("--output_dir", resumed, *SHORT, "--resume_from", os.path.join(short_run, "checkpoint-4"))
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+    def strip(rows):
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
     got, later = strip(read_metrics(resumed)), [r for r in strip(read_metrics(short_run)) if r["step"] > 4]
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     for a, b in zip(got, later):

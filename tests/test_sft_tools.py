@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import QWEN_TEMPLATE
+from test_episodes import CALL, PROMPT, lookup, play, toolset_of
 from torch import nn
 
 from plumbing import data_utils as du
 from plumbing.errors import UserError
 from sft import completion_token_stats, prompt_completion_pairs, sft_loss, tokenize_demonstrations
-from conftest import QWEN_TEMPLATE
-from test_episodes import CALL, PROMPT, lookup, play, toolset_of
 
 
 def test_conversation_tokens_are_the_sampled_episode(qwen_tokenizer):

@@ -14,7 +14,6 @@ import re
 from collections import defaultdict
 
 import pytest
-
 from conftest import ROOT
 
 SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))
@@ -61,7 +60,8 @@ def test_every_group_flag_has_a_help_line():
                 fields = [n.target.id for n in body if isinstance(n, ast.AnnAssign)]
                 documented = [n.target.id for i, n in enumerate(body) if isinstance(n, ast.AnnAssign)
                               and i + 1 < len(body) and isinstance(body[i + 1], ast.Expr)]
-                assert fields == documented, f"{cls.__name__}: fields without a docstring {set(fields) - set(documented)}"
+                missing = set(fields) - set(documented)
+                assert fields == documented, f"{cls.__name__}: fields without a docstring {missing}"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -5,7 +5,6 @@ import math
 import os
 
 import pytest
-
 from conftest import read_metrics, run_script
 
 TINY = {  # script -> flags keeping the held-out evaluation to a few items

@@ -91,8 +91,10 @@ def test_imports_nothing_from_the_project():
     root = os.path.dirname(os.path.abspath(toy_task.__file__))
     project = {os.path.splitext(f)[0] for f in os.listdir(root) if f.endswith(".py")}
     tree = ast.parse(open(toy_task.__file__).read())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
     assert not imported & project, imported & project
 
 

@@ -155,8 +155,9 @@ def test_played_episode_is_the_rendered_conversation(tokenizer):
     """Token in, token out on the toy template: an episode played by episodes.run_episodes (a scripted sampler writes
     the call turn and the answer; the lookup tool answers) is exactly the template's rendering of the finished
     conversation, and the action mask is the assistant turns (the template is append-only)."""
-    from plumbing import episodes as ep
     from test_episodes import play
+
+    from plumbing import episodes as ep
 
     toolset = ep.Toolset([toy_tools.lookup], None, toy_tools.tool_schemas())
     [episode] = play(tokenizer, toolset, [[f"<tool_call> {CALL_JSON} </tool_call> [EOS]", "e f h j [EOS]"]],

@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
+from conftest import read_metrics, run_script
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import models
-import policy_common as pc
 from plumbing import vllm_generation as vg
-from conftest import read_metrics, run_script
 from plumbing.errors import UserError
 
 
@@ -144,11 +144,12 @@ def test_importance_sampling_flags_are_trls():
     pytest.importorskip("trl")
     import dataclasses
 
+    from trl import GRPOConfig
+
     import distill
     import grpo
     import rloo
     from plumbing import run_utils as ru
-    from trl import GRPOConfig
 
     trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for script in (grpo, rloo, distill):

@@ -380,7 +380,8 @@ def _build_into(root: str, seed: int, verbose: bool, setting: Setting) -> dict:
         "sft_gold_sampled_T1": round(sample_gold, 4), "sft_gold_greedy": round(greedy_gold, 4),
         "n_prompt_train": len(train_prompts), "n_prompt_test": len(test_prompts),
         "n_preference_train": len(pref_train), "n_preference_test": len(pref_test),
-        "unpaired_desirable_fraction_train": round(sum(r["label"] for r in unpaired["train"]) / len(unpaired["train"]), 4),
+        "unpaired_desirable_fraction_train": round(sum(r["label"] for r in unpaired["train"])
+                                                   / len(unpaired["train"]), 4),
     }
     if setting.name != "toy":
         short = [p for p in pref_test if len(prompt_letters(p["prompt"])) <= setting.rm_max_letters]
