@@ -408,7 +408,9 @@ def main(argv=None):
     results, sfts, budget_notes, figures = {}, {}, {}, []
     t0, load0 = time.time(), os.getloadavg()[0]
     for setting in args.settings:
-        algos = [a for a in args.algos if family(a) in SETTING_ALGOS.get(setting, ALGOS)]
+        # a setting with its own scripts (toy_tools) runs them and their copies, not the variants (rloo-gold...)
+        algos = [a for a in args.algos if setting not in SETTING_ALGOS
+                 or (a not in VARIANTS and family(a) in SETTING_ALGOS[setting])]
         evaluator = None if setting in SETTING_ALGOS else ToyEvaluator(num_prompts=args.num_eval_prompts,
                                                                        setting=setting)
         sft = evaluator.evaluate_sft() if evaluator else None

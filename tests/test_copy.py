@@ -30,8 +30,8 @@ def test_the_rules_hold_for_copied_scripts(tmp_path):
                            "tests/test_shared_flags.py"], cwd=clone, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "rloo_myidea" in subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                                            "tests/test_layout.py"], cwd=clone, capture_output=True,
+    assert "rloo_myidea" in subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-o", "addopts=",
+                                            "-q", "tests/test_layout.py"], cwd=clone, capture_output=True,
                                            text=True).stdout  # the copies were among the scripts checked
 
 
