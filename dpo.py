@@ -256,10 +256,7 @@ def main() -> None:
 
     # 3. models: policy (+ LoRA with --use_peft), reference (frozen copy / adapter-off base / none)
     policy = models.load_policy(policy_path, tokenizer, args)
-    reference = pc.create_reference(
-        policy, tokenizer, policy_name=policy_path, ref_model=args.ref_model and ru.resolve_model(args.ref_model),
-        use_peft=args.use_peft, reference_free=args.reference_free, accelerator=accelerator, bf16=args.bf16,
-        trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator, args.reference_free)
 
     # 4. optimizer, schedule, the run folder, the state (resumed from --resume_from), the logger; reference log-probs
     # once (--precompute_ref_logprobs), then the reference model is freed

@@ -238,10 +238,7 @@ def main():
 
     # 3. models: policy (+LoRA), frozen reference (only when beta > 0); reward sources (reward_sources.py)
     policy = models.load_policy(policy_path, tokenizer, args)
-    reference = None if args.beta == 0 else pc.create_reference(
-        policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft, accelerator=accelerator, bf16=args.bf16,
-        ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
-        trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
+    reference = None if args.beta == 0 else ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
                                      accelerator, environment=toolset and toolset.environment)
 
@@ -295,8 +292,7 @@ def main():
                     new_logprobs, token_entropy = sampler.forward_logprobs(policy, micro, entropy=iteration == 0)
                     # pi_old: the rollout's, or at one iteration this forward's own, detached (a ratio of 1, as TRL)
                     old = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
-                    # sampled by another policy (vLLM, earlier weights: pi_behaviour): each token's surrogate weighted
-                    # by pi_old / pi_behaviour (per token or per completion); None when pi_old sampled them itself
+                    # pi_old / pi_behaviour when another policy sampled (vLLM, earlier weights), else None
                     is_weights = pc.importance_weights(old, micro.behaviour_logprobs, micro.response_mask,
                                                        micro.importance_sampling)
                     token_loss, mb_stats = per_token_loss(
@@ -331,8 +327,7 @@ def main():
             "nonfinite/skipped": float(state["nonfinite_skipped"]),
             **({"objective/kl": torch.cat(kl).mean()} if reference is not None else {}), **sampling_metrics,
         })
-        metrics.update(batch.metrics)
-        metrics.update(reward_sources.metrics(batch.source_scores, accelerator))
+        metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})
         if reference is not None:
             metrics["objective/beta"] = beta
             state["kl_coef"] = tl.adaptive_kl_coef(beta, metrics["objective/kl"], batch_size, args.kl_target,
@@ -348,8 +343,7 @@ def main():
         if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches,
                                  extra_files=rollouts.save):  # with --max_staleness, the batches sampled ahead too
             rollouts.close()
-            logger.close()
-            return
+            return logger.close()
 
     # 10. final save
     rollouts.close()

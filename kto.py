@@ -337,10 +337,7 @@ def main():
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
-                                    ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                                    chunk_tokens=args.logprob_chunk_tokens)
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
     scheduler = loop.scheduler(optimizer)
 
     # 4. reference log-probs once (--precompute_ref_logprobs) of the micro-batches the run visits (all of them unless

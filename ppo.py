@@ -215,16 +215,12 @@ def main():
     output_dir = ru.output_dir(args, data.name, accelerator)
     pad = tokenizer.pad_token_id
 
-    # 3. models: reward sources (a frozen reward model and/or functions: reward_sources.py), policy (+LoRA), value
-    #    model, frozen reference
+    # 3. models: reward sources (a reward model and/or functions: reward_sources.py), policy (+LoRA), value, reference
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
                                      accelerator)
     policy = models.load_policy(policy_path, tokenizer, args)
     value_model, value_path = load_value_model(args, tokenizer, reward_sources, policy_path)
-    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
-                                    ref_model=None if args.ref_model is None else ru.resolve_model(args.ref_model),
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                                    chunk_tokens=args.logprob_chunk_tokens)
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
 
     # 4. one optimizer over policy + value, linear decay per optimizer step, checkpointable state, the sampler
     model = PolicyAndValue(policy, value_model)
@@ -249,8 +245,7 @@ def main():
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
-        # 5. rollout: this process's local_batch_size prompts, one completion each, scored; old and reference
-        #    log-probs (a failure on any process first keeps the finished steps)
+        # 5. rollout: this process's local_batch_size prompts, one completion each, scored; old and reference log-probs
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"])
         query_responses, context_length = batch.query_responses, batch.context_length
@@ -290,9 +285,8 @@ def main():
                         loss = pg_loss + args.vf_coef * vf_loss
                         accelerator.backward(loss)
                     mini_losses.append(loss.detach())
-                    with torch.no_grad():
-                        mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss, "policy/entropy": masked_mean(
-                            entropy, response_mask[mb])})
+                    mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss,
+                                     "policy/entropy": masked_mean(entropy.detach(), response_mask[mb])})
                     for key, value in mb_stats.items():
                         stats.setdefault(key, []).append(value.item())
                 optimizer_step(torch.stack(mini_losses), state, step)  # clip, check, step, schedule
@@ -317,8 +311,7 @@ def main():
                 "nonfinite/skipped": state["nonfinite_skipped"], **pc.importance_sampling_stats(
                     batch.old_logprobs, batch.behaviour_logprobs, response_mask, batch.importance_sampling),
             })
-            metrics.update(batch.metrics)
-            metrics.update(reward_sources.metrics(batch.source_scores, accelerator))
+            metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})
         state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                                args.kl_horizon)
         metrics["time/episodes_per_second"] = (state["episode"] - start_episode) / (time.time() - start_time)
@@ -329,8 +322,7 @@ def main():
         # 11. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
         if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, num_total_batches):
             sampler.close()
-            logger.close()
-            return
+            return logger.close()
 
     # 12. final save
     sampler.close()

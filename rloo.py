@@ -204,10 +204,7 @@ def main():
 
     # 3. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
     policy = models.load_policy(policy_path, tokenizer, args)
-    reference = pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
-                                    ref_model=ru.resolve_model(args.ref_model) if args.ref_model else None,
-                                    accelerator=accelerator, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
-                                    chunk_tokens=args.logprob_chunk_tokens)
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
                                      accelerator, environment=toolset and toolset.environment)
 
@@ -282,8 +279,7 @@ def main():
             "nonfinite/skipped": float(state["nonfinite_skipped"]), **pc.importance_sampling_stats(
                 batch.old_logprobs, batch.behaviour_logprobs, response_mask, batch.importance_sampling),
         })
-        metrics.update(batch.metrics)
-        metrics.update(reward_sources.metrics(batch.source_scores, accelerator))
+        metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})
         metrics["objective/kl_coef"] = kl_coef
         state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                                args.kl_horizon)

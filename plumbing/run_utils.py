@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import metrics_log as ml
 from plumbing import models
@@ -45,6 +46,16 @@ def resolve_model(name: str) -> str:
     if name == du.TOY_TOOLS_ALIAS:
         return du.toy_tools_world()["policy"]
     return MODEL_ALIASES[name][0] if name in MODEL_ALIASES else name
+
+
+def reference_from_flags(args, policy, tokenizer, policy_path: str, accelerator,
+                         reference_free: bool = False) -> pc.Reference:
+    """`policy_common.create_reference` from a script's flags: --ref_model (an alias resolved as --model's),
+    --use_peft, --bf16, --trust_remote_code, --logprob_chunk_tokens."""
+    return pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
+                               ref_model=resolve_model(args.ref_model) if args.ref_model else None,
+                               reference_free=reference_free, accelerator=accelerator, bf16=args.bf16,
+                               trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
 
 
 def resolve_reward_model(name: str) -> str:
@@ -90,6 +101,10 @@ def default_dataset(model: str) -> str:
 _LOADED_FILES: Dict[str, object] = {}  # path -> module: a file named by several flags is imported once
 
 
+# the toy worlds' modules sat at the root before the layout by role: specs written then (--tools toy_tools:lookup) work
+MOVED_MODULES = {"toy_tools": "toy_worlds.toy_tools", "toy_task": "toy_worlds.toy_task"}
+
+
 def load_object(spec: str, flag: str, alternatives: str = "") -> object:
     """`path/to/file.py:name` or `package.module:name` -> that object (a function, a class), for the flags that name
     user code (--reward_funcs, --tools, --environment). Anything that cannot be found or imported is a one-line
@@ -117,7 +132,7 @@ def load_object(spec: str, flag: str, alternatives: str = "") -> object:
         module = _LOADED_FILES[path]
     else:
         try:
-            module = importlib.import_module(where)
+            module = importlib.import_module(MOVED_MODULES.get(where, where))
         except Exception as e:
             raise UserError(f"{flag} {spec!r}: cannot import {where!r} ({type(e).__name__}: "
                             f"{models.first_line(e)})") from None

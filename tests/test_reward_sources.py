@@ -240,6 +240,11 @@ def test_loading_functions_by_name_and_their_errors(tmp_path):
     path.write_text("def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\nvalue = 3\n")
     assert rs.load_reward_function(f"{path}:length", "toy").fn(prompts=["p"], completions=["ab"]) == [2]
     assert rs.load_reward_function("json:dumps", "toy").name == "dumps"  # package.module:function
+    from plumbing import run_utils as ru
+    from toy_worlds import toy_tools
+    # a spec written before the toy worlds moved into toy_worlds/ still names the same function
+    assert ru.load_object("toy_tools:lookup", "--tools") is ru.load_object("toy_worlds.toy_tools:lookup", "--tools") \
+        is toy_tools.lookup
     gold = rs.load_reward_function("gold", "toy")
     assert gold.fn(prompts=["c a b ="], completions=[" a b c"]) == [1.0]
     for spec, message in [("gold", "has no ground-truth scorer"), ("nope", "not a built-in"),

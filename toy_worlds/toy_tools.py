@@ -36,7 +36,7 @@ What gets built (deterministic from a seed, cached beside the toy task's under $
   MAX_SAMPLED sampled tokens), sampled at temperature 1 and greedy: tool-call rate, fraction of calls that succeed,
   gold (all episodes, with a call, without).
 
-Use: `python grpo.py --model toy_tools` (its defaults: --reward_funcs gold --tools toy_tools:lookup).
+Use: `python grpo.py --model toy_tools` (its defaults: --reward_funcs gold --tools toy_worlds.toy_tools:lookup).
 """
 
 from __future__ import annotations
