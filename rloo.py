@@ -206,7 +206,7 @@ def main():
     policy = models.load_policy(policy_path, tokenizer, args)
     reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
-                                     accelerator, environment=toolset and toolset.environment)
+                                     accelerator, environments=toolset and toolset.environment_types)
 
     # 4. optimizer, linear decay per optimizer step, checkpointable state, the sampler
     optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_optimizer_steps)

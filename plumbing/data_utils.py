@@ -310,18 +310,23 @@ def tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length:
 
 def tokenize_prompts(tokenizer, prompts: Sequence, max_prompt_length: Optional[int] = None,
                      tools: Optional[list] = None) -> List[List[int]]:
-    """Token ids of each prompt (rendered with the chat template, and `tools`, if conversational). A prompt longer
-    than `max_prompt_length` (None = no limit) is a UserError: RL scripts refuse rather than silently cut the task."""
-    out = []
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(render_prompt(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
+    """Token ids of each prompt (rendered with the chat template, and `tools`, if conversational), checked by
+    `check_prompt_lengths`."""
+    out = [tokenizer(render_prompt(tokenizer, prompt, tools), add_special_tokens=False)["input_ids"]
+           for prompt in prompts]
+    check_prompt_lengths(out, max_prompt_length)
+    return out
+
+
+def check_prompt_lengths(prompts: Sequence[List[int]], max_prompt_length: Optional[int]) -> None:
+    """A prompt longer than `max_prompt_length` (None = no limit), or empty, is a UserError naming its row: RL scripts
+    refuse rather than silently cut the task."""
+    for i, ids in enumerate(prompts):
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise UserError(f"prompt {i} has {len(ids)} tokens, more than --max_prompt_length {max_prompt_length}; "
                             "raise the limit or filter the dataset")
         if len(ids) == 0:
             raise UserError(f"prompt {i} is empty")
-        out.append(ids)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

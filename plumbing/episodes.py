@@ -4,10 +4,13 @@ The interface is TRL 1.16's (GRPOTrainer `tools=`, `environment_factory=`, `max_
 and environments written for TRL work here unchanged:
 - `--tools FILE.py:fn[,FILE.py:fn2]` (or package.module:fn): plain functions with type hints and a Google-style
   docstring; transformers' `get_json_schema` turns each into the JSON schema the chat template shows the model.
-- `--environment FILE.py:Class`: one instance per episode. `reset(**row)` gets the dataset row and returns None or
-  text appended to the last user message; the public methods (not reset, get_reward, _private) are its tools; an
-  optional `get_reward()` -> float is one more reward source (weight 1, logged under the class name), and reward
-  functions receive the instances as `environments=`.
+- `--environment FILE.py:Class` (or any callable returning an environment: a factory function): one instance per
+  episode, reused across steps (reset each time). `reset(**row)` gets the dataset row and returns None or text
+  appended to the last user message (reward functions then get that prompt, as TRL's); the public methods (not
+  reset, get_reward, _private) are its tools; an optional `get_reward()` -> float is one more reward source (weight
+  1, logged under the class name), and reward functions receive the instances as `environments=`.
+  `--environment name=FILE.py:Class name2=...` (TRL's dict of factories): each row's `environment` column picks
+  one, and only its tools (and --tools) are shown in that row's prompt.
 - `--max_tool_calling_iterations`: tool rounds per episode (None: no limit but the budget).
 
 Token in, token out. An episode is ONE token sequence built by appending, never re-rendered:
@@ -49,6 +52,7 @@ import torch
 
 import policy_common as pc
 from plumbing import data_utils as du
+from plumbing import environments as envs
 from plumbing import run_utils as ru
 from plumbing.errors import UserError
 
@@ -58,10 +62,15 @@ TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 @dataclass
 class ToolFlags:
     """Tools and environments (rloo, grpo): each completion a multi-turn episode (TRL's interface)."""
+    # a --model alias's tools (e.g. toy_tools' lookup) give way to the user's own tools or environment; an
+    # environment's reset text lengthens the prompts, so the alias's --max_prompt_length gives way to the measured one
+    ALIAS_REPLACES = {"tools": ("environment",), "environment": ("tools", "max_prompt_length")}
     tools: Optional[List[str]] = None
-    """tools the policy may call: path/to/file.py:fn or package.module:fn (comma-separated or repeated)"""
-    environment: Optional[str] = None
-    """environment class, one per episode: reset(**row), its public methods are tools, get_reward() (file.py:Class)"""
+    """tools the policy may call: path/to/file.py:fn or package.module:fn (comma-separated or repeated); given, it
+    or --environment replaces a --model alias's tools"""
+    environment: Optional[List[str]] = None
+    """environment factory (file.py:Class or a function returning one), one per episode: reset(**row), its public
+    methods are tools, get_reward(); several as name=file.py:Class, picked by each row's `environment` column"""
     max_tool_calling_iterations: Optional[int] = None
     """tool rounds per episode (None = until a turn calls no tool or --response_length sampled tokens are spent)"""
     tool_timeout: float = 30.0
@@ -90,34 +99,55 @@ def _schema(fn: Callable, flag: str) -> dict:
                         "docstring with an Args: section)") from None
 
 
-def environment_tools(environment) -> List[Callable]:
-    """An environment instance's tools: its public methods other than reset and get_reward (TRL's rule)."""
-    return [getattr(environment, name) for name, _ in inspect.getmembers(type(environment), inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]
-
-
 @dataclass
 class Toolset:
-    """A run's tools: `functions` (--tools), `environment` (the --environment class, or None), `schemas` (every
-    tool's JSON schema, the environment's methods included: what the chat template shows)."""
+    """A run's tools: `functions` (--tools), `environment` (the --environment factory: a class or a function
+    returning an instance; None without one or with several), `schemas` (every tool's JSON schema, the environments'
+    methods included). With several environments, `factories` maps each name to its factory and `environment_schemas`
+    each name to its methods' schemas: a row's prompt shows --tools and its own environment's tools only."""
     functions: List[Callable]
-    environment: Optional[type]
+    environment: Optional[Callable]
     schemas: List[dict]
+    factories: Dict[str, Callable] = field(default_factory=dict)
+    environment_schemas: Dict[str, List[dict]] = field(default_factory=dict)
+    environment_types: List[type] = field(default_factory=list)  # the instances' classes (their get_reward)
 
     @property
     def names(self) -> List[str]:
         """The tools' names, as the schemas show them."""
         return [schema["function"]["name"] for schema in self.schemas]
 
-    def new_environment(self):
-        """A fresh instance of the environment class (None without one)."""
+    @property
+    def has_environment(self) -> bool:
+        return self.environment is not None or bool(self.factories)
+
+    def environment_name(self, row: dict) -> Optional[str]:
+        """The environment a row uses: its `environment` column with several environments, else None."""
+        if not self.factories:
+            return None
+        name = row.get("environment")
+        if name not in self.factories:
+            raise UserError(f"a row's environment column is {name!r}, not one of --environment's names "
+                            f"{sorted(self.factories)}")
+        return name
+
+    def schemas_for(self, row: dict) -> List[dict]:
+        """The tools shown in a row's prompt: every tool, or with several environments --tools and the row's own."""
+        if not self.factories:
+            return self.schemas
+        return self.schemas[:len(self.functions)] + self.environment_schemas[self.environment_name(row)]
+
+    def new_environment(self, name: Optional[str] = None):
+        """A fresh environment instance (None without an environment); `name`: which one, with several."""
+        if self.factories:
+            return self.factories[name]()
         return None if self.environment is None else self.environment()
 
     def tools_for(self, environment) -> Dict[str, Callable]:
         """name -> callable for one episode: the functions, plus its environment instance's methods."""
         tools = {fn.__name__: fn for fn in self.functions}
         if environment is not None:
-            tools.update({fn.__name__: fn for fn in environment_tools(environment)})
+            tools.update({fn.__name__: fn for fn in envs.environment_tools(environment)})
         return tools
 
 
@@ -135,27 +165,32 @@ def load_toolset(args, tokenizer) -> Optional[Toolset]:
             where, _, name = spec.rpartition(":")
             raise UserError(f"--tools {spec!r}: {where!r} has no function {name!r}")
         functions.append(fn)
-    environment, methods = None, []
-    if args.environment:
-        environment = ru.load_object(args.environment, "--environment")
-        if not inspect.isclass(environment):
-            raise UserError(f"--environment {args.environment!r}: not a class (one instance is made per episode)")
-        if not callable(getattr(environment, "reset", None)):
-            raise UserError(f"--environment {args.environment!r}: the class has no reset(**row) method")
-        try:
-            methods = environment_tools(environment())
-        except Exception as e:
-            raise UserError(f"--environment {args.environment!r}: {environment.__name__}() raised "
-                            f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
-    tools = functions + methods
-    names = [fn.__name__ for fn in tools]
-    if len(set(names)) != len(names):
-        raise UserError(f"--tools / --environment: tool names must be unique, got {names}")
-    if not tools:
-        raise UserError(f"--environment {args.environment!r}: the class has no public method to use as a tool")
-    schemas = [_schema(fn, "--tools" if fn in functions else "--environment") for fn in tools]
-    check_chat_template(tokenizer, names[0])
-    return Toolset(functions, environment, schemas)
+    entries = [args.environment] if isinstance(args.environment, str) else list(args.environment or [])
+    named = [entry.partition("=") if "=" in entry.split(":")[0] else (None, "", entry) for entry in entries]
+    if len(named) > 1 and any(name is None for name, _, _ in named):
+        raise UserError(f"--environment {entries}: several environments need a name each (name=file.py:Class), "
+                        "the one a row's `environment` column picks")
+    factories, methods, types = {}, {}, []
+    for name, _, spec in named:
+        factories[name] = ru.load_object(spec, "--environment")
+        probe = envs.probe_environment(factories[name], spec)
+        methods[name] = envs.environment_tools(probe)
+        types += [type(probe)] if type(probe) not in types else []
+        if not methods[name]:
+            raise UserError(f"--environment {spec!r}: the environment has no public method to use as a tool")
+    schemas = [_schema(fn, "--tools") for fn in functions]
+    environment_schemas = {name: [_schema(fn, "--environment") for fn in fns] for name, fns in methods.items()}
+    for fns in [functions] + [functions + fns for fns in methods.values()]:
+        if len({fn.__name__ for fn in fns}) != len(fns):
+            raise UserError(f"--tools / --environment: tool names must be unique, got {[fn.__name__ for fn in fns]}")
+    seen = {schema["function"]["name"] for schema in schemas}
+    for fns in environment_schemas.values():  # every tool once: what check_chat_template and metrics read
+        schemas += [schema for schema in fns if schema["function"]["name"] not in seen]
+        seen |= {schema["function"]["name"] for schema in fns}
+    check_chat_template(tokenizer, schemas[0]["function"]["name"])
+    if None in factories:
+        return Toolset(functions, factories[None], schemas, environment_types=types)
+    return Toolset(functions, None, schemas, factories, environment_schemas, types)
 
 
 def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
@@ -270,10 +305,12 @@ class Episode:
     """One episode: `prompt_ids`, `response_ids` (sampled and tool tokens, in order), `action_mask` (True on the
     sampled ones), `logprobs` / `sampler_logprobs` / `entropy` per response token (0 on tool tokens), `messages`
     (the conversation after the prompt: assistant turns as parsed, tool messages), `environment` (its instance, or
-    None), counts of `tool_calls`, `tool_failures`, `turns`, and how it ended (`truncated`: by the budget)."""
+    None), `prompt` (the prompt messages after the environment's reset), counts of `tool_calls`, `tool_failures`,
+    `turns`, and how it ended (`truncated`: by the budget)."""
     prompt_ids: List[int]
     tools: Dict[str, Callable]
     environment: object = None
+    prompt: object = None  # the prompt messages after the environment's reset (what reward functions get)
     response_ids: List[int] = field(default_factory=list)
     action_mask: List[bool] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
@@ -300,23 +337,32 @@ class Episode:
         self.entropy += list(entropy) if entropy is not None else [0.0] * n
 
 
+def episode_prompt(toolset: Toolset, tokenizer, prompt, row: dict, environment) -> tuple:
+    """A row's prompt as its episode starts -> (messages, token ids): the environment reset with the row (without
+    its `environment` column when that picks one of several), reset's text appended to the last user message (TRL),
+    rendered with the row's tools."""
+    if environment is not None:
+        observation = environment.reset(**{k: v for k, v in row.items() if k != "environment" or not toolset.factories})
+        if observation is not None:
+            prompt = list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
+    text = du.render_prompt(tokenizer, prompt, toolset.schemas_for(row))
+    return prompt, tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def start_episodes(prompts: Sequence, rows: Sequence[dict], toolset: Toolset, tokenizer, environments: list,
                    max_prompt_length: int) -> List[Episode]:
-    """An Episode per (prompt messages, dataset row): its environment instance (from `environments`, one per row,
-    reset with the row; reset's text is appended to the last user message, as TRL), the prompt rendered with the
-    tools. A prompt longer than `max_prompt_length` after reset is a UserError naming the flag."""
+    """An Episode per (prompt messages, dataset row): its environment instance (from `environments`, one per row)
+    reset with the row, the prompt after reset rendered with the row's tools (`episode_prompt`). A prompt longer
+    than `max_prompt_length` after reset is a UserError naming the row and the flag."""
     episodes = []
     for i, (prompt, row) in enumerate(zip(prompts, rows)):
-        environment = environments[i] if toolset.environment is not None else None
-        if environment is not None:
-            observation = environment.reset(**row)
-            if observation is not None:
-                prompt = list(prompt[:-1]) + [{**prompt[-1], "content": prompt[-1]["content"] + observation}]
-        ids = tokenizer(du.render_prompt(tokenizer, prompt, toolset.schemas), add_special_tokens=False)["input_ids"]
+        environment = environments[i] if toolset.has_environment else None
+        prompt, ids = episode_prompt(toolset, tokenizer, prompt, row, environment)
         if len(ids) > max_prompt_length:
-            raise UserError(f"a prompt has {len(ids)} tokens after the environment's reset, more than "
-                            f"--max_prompt_length {max_prompt_length}: raise it")
-        episodes.append(Episode(prompt_ids=ids, tools=toolset.tools_for(environment), environment=environment))
+            raise UserError(f"a prompt ({str(prompt[-1]['content'])[:60]!r}...) has {len(ids)} tokens after the "
+                            f"environment's reset, more than --max_prompt_length {max_prompt_length}: raise it")
+        episodes.append(Episode(prompt_ids=ids, tools=toolset.tools_for(environment), environment=environment,
+                                prompt=prompt))
     return episodes
 
 

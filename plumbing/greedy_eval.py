@@ -18,7 +18,8 @@ from plumbing.errors import UserError
 class GenerationFlags:
     """Completions: their length, and the held-out prompts completed greedily at each evaluation."""
     response_length: int = 53
-    """maximum new tokens per generated completion (a default is lowered to fit the model's positions)"""
+    """maximum new tokens per completion; with tools, the sampled tokens of a whole episode, tool results not counted
+    (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 512
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
 

@@ -17,12 +17,12 @@ How the reward model reads a completion (`--reward_model_input`):
 Reward functions (`--reward_funcs`): `gold` (the dataset's ground-truth scorer, where it has one: the toy task),
 `path/to/file.py:function` or `package.module:function`, called as TRL calls them, by keyword:
     fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list of float or None
-`prompts` are the dataset's prompts (text, or messages), `completions` the decoded completions (text, or
-[{"role": "assistant", "content": text}] for conversational data), `completion_ids` their token ids (EOS
-included), `columns` the dataset's other columns for those rows (e.g. answer=[...]). A function without **kwargs
-is given only the arguments it names. None means "this function does not score this row": it adds nothing to the
-row's reward and is left out of its reward/<name> statistics. A function is code the user named on the command
-line; nothing is ever loaded from a dataset or a hub repository as code.
+`prompts` are the dataset's prompts (text, or messages; with an environment, after its reset text),
+`completions` the decoded completions (text, or [{"role": "assistant", "content": text}] for conversational data),
+`completion_ids` their token ids (EOS included), `columns` the dataset's other columns for those rows (e.g.
+answer=[...]). A function without **kwargs is given only the arguments it names. None means "this function does not
+score this row": it adds nothing to the row's reward and is left out of its reward/<name> statistics. A function is
+code the user named on the command line; nothing is ever loaded from a dataset or a hub repository as code.
 
 The reward of a row = sum over sources of weight * score (`--reward_weights`: the reward model first, then each
 function in order; 1.0 each by default).
@@ -30,6 +30,7 @@ function in order; 1.0 each by default).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import math
 import numbers
@@ -52,8 +53,11 @@ REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metric
 @dataclass
 class RewardFunctionFlags:
     """Reward functions (TRL's signature) and the weights of the reward sources."""
+    # the user's reward functions replace a --model alias's, weights included
+    ALIAS_REPLACES = {"reward_funcs": ("reward_weights",)}
     reward_funcs: Optional[List[str]] = None
-    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function"""
+    """reward functions: gold (the dataset's scorer), path/to/file.py:function or package.module:function; given,
+    they replace a --model alias's reward functions"""
     reward_weights: Optional[List[float]] = None
     """one weight per reward source (the reward model first, then each function); None = 1.0 each"""
 
@@ -130,7 +134,8 @@ def last_content(value, role: str) -> str:
 def environment_reward(environment: type) -> RewardFunction:
     """An --environment class's get_reward() as one more reward source, named after the class (TRL's rule)."""
     def get_reward(environments, **columns):
-        return [e.get_reward() if type(e) is environment else None for e in environments]
+        values = [e.get_reward() if type(e) is environment else None for e in environments]
+        return [asyncio.run(v) if inspect.iscoroutine(v) else v for v in values]  # an async get_reward (TRL's too)
 
     return RewardFunction(environment.__name__, get_reward)
 
@@ -291,8 +296,10 @@ class Rewards:
         arguments = {column: [row[column] for row in rows] for column in rows[0] if column != "prompt"}
         if episodes is not None and any(episode.environment is not None for episode in episodes):
             arguments["environments"] = [episode.environment for episode in episodes]
-        arguments.update(prompts=[row["prompt"] for row in rows], completions=completions,
-                         completion_ids=completion_ids)
+        prompts = [row["prompt"] for row in rows]
+        if episodes is not None:  # the prompt as the episode began: after the environment's reset text (TRL)
+            prompts = [p if episode.prompt is None else episode.prompt for p, episode in zip(prompts, episodes)]
+        arguments.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
         return arguments
 
     @staticmethod
@@ -375,14 +382,14 @@ def reward_model_input(flag: Optional[str], recorded: Optional[str], same_vocabu
 
 
 def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequence, accelerator,
-                 environment: Optional[type] = None) -> Rewards:
+                 environments: Sequence[type] = ()) -> Rewards:
     """The run's Rewards from the shared flags `--reward_model` (None = the one paired with --model, or none when
     --reward_funcs are given), `--reward_model_input`, `--reward_funcs`, `--reward_weights`. Checks, at start-up,
     that every column a function requires is in each of `datasets`, and that conversational data read as text
     has a chat template. The reward model gets a pad token of its own if it has none (the policy's is untouched)."""
     functions = [load_reward_function(spec, dataset) for spec in args.reward_funcs or []]
-    if environment is not None and callable(getattr(environment, "get_reward", None)):
-        functions.append(environment_reward(environment))  # --environment's own reward (TRL's rule)
+    functions += [environment_reward(environment) for environment in environments or ()
+                  if callable(getattr(environment, "get_reward", None))]  # --environment's own reward (TRL's rule)
     for function in functions:
         supplied = {"prompts", "completions", "completion_ids", "environments"}
         for data in datasets:

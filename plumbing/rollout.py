@@ -43,6 +43,7 @@ import torch.nn as nn
 
 import policy_common as pc
 from plumbing import data_utils as du
+from plumbing import environments as envs
 from plumbing import episodes as ep
 from plumbing import greedy_eval as ge
 from plumbing import prompt_sharing as ps
@@ -102,15 +103,21 @@ def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Too
     eval_data = du.load_prompt_dataset(name, args.eval_split)
     du.require_columns(train_data, ["prompt"], name)
     du.require_columns(eval_data, ["prompt"], name)
-    tools = None
-    if toolset is not None:
+    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
+    if toolset is None:
+        train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
+        eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
+    else:
         if not du.is_conversational(train_data[0]["prompt"]):
             raise UserError(f"--tools / --environment need conversational prompts (lists of messages); dataset "
                             f"{name!r} has text prompts")
-        tools = toolset.schemas
-    train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length, tools)
-    eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length, tools)
+        # each row with its own tools; the default --max_prompt_length measures prompts after the environment's reset
+        pool = envs.EnvironmentPool(toolset) if args.max_prompt_length is None else None
+        train_prompts, eval_prompts = (
+            [ep.episode_prompt(toolset, tokenizer, row["prompt"], row, pool and pool.for_rows([row])[0])[1]
+             for row in data] for data in (train_data, eval_data))
+        du.check_prompt_lengths(train_prompts, args.max_prompt_length)
+        du.check_prompt_lengths(eval_prompts, args.max_prompt_length)
     if args.max_prompt_length is None:
         args.max_prompt_length = max(len(p) for p in train_prompts + eval_prompts)
     positions = ru.model_positions(policy_path, args.trust_remote_code)
@@ -259,7 +266,7 @@ class Sampler:
             min(args.per_device_train_batch_size, self.chunk), samples_per_prompt, max_prompt_length,
             args.response_length)
         self.generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
-        self.toolset, self.environments = toolset, []  # multi-turn (episodes.py); environment instances, reused
+        self.toolset, self.environments = toolset, toolset and envs.EnvironmentPool(toolset)  # multi-turn (episodes.py)
         self.max_prompt_length = max_prompt_length
         self.context_limit = context_limit or max_prompt_length + args.response_length
         self.vllm = vg.from_args(args, policy, tokenizer, accelerator, weights_version=weights_version,  # None: HF
@@ -390,10 +397,8 @@ class Sampler:
              use_vllm: bool = True) -> list:
         """Multi-turn episodes of the prompts of `rows` (episodes.py), each turn sampled with `generation_config`
         (its max_new_tokens set per turn) by `sample` (HF only with use_vllm=False). Returns the Episodes."""
-        while len(self.environments) < len(rows):
-            self.environments.append(self.toolset.new_environment())
         episodes = ep.start_episodes([row["prompt"] for row in rows], rows, self.toolset, self.tokenizer,
-                                     self.environments, self.max_prompt_length)
+                                     self.environments.for_rows(rows), self.max_prompt_length)
 
         def generate(sequences, budgets: List[int], first_turn: bool):
             queries = pc.pad_sequences(sequences, self.pad, "left").to(self.accelerator.device)

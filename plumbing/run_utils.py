@@ -156,8 +156,11 @@ def parse_args(args_cls, alias_defaults: Optional[Dict[str, dict]] = None, argv:
     args = args_cls(**values)
     given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     given |= {name[3:] for name in given if name.startswith("no_")}
+    # a flag given also drops the alias's values of the flags it replaces (ALIAS_REPLACES: --environment, the tools)
+    replaced = given | {other for group in type(args).__mro__ for flag, others in
+                        vars(group).get("ALIAS_REPLACES", {}).items() if flag in given for other in others}
     for field, value in (alias_defaults or {}).get(getattr(args, "model", None), {}).items():
-        if field not in given:
+        if field not in replaced:
             setattr(args, field, value)
     args.given_flags = frozenset(given)
     if getattr(args, "exp_name", "") is None:
