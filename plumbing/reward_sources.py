@@ -17,12 +17,14 @@ How the reward model reads a completion (`--reward_model_input`):
 Reward functions (`--reward_funcs`): `gold` (the dataset's ground-truth scorer, where it has one: the toy task),
 `path/to/file.py:function` or `package.module:function`, called as TRL calls them, by keyword:
     fn(prompts=[...], completions=[...], completion_ids=[...], **columns) -> list of float or None
-`prompts` are the dataset's prompts (text, or messages; with an environment, after its reset text),
-`completions` the decoded completions (text, or [{"role": "assistant", "content": text}] for conversational data),
-`completion_ids` their token ids (EOS included), `columns` the dataset's other columns for those rows (e.g.
-answer=[...]). A function without **kwargs is given only the arguments it names. None means "this function does not
-score this row": it adds nothing to the row's reward and is left out of its reward/<name> statistics. A function is
-code the user named on the command line; nothing is ever loaded from a dataset or a hub repository as code.
+`prompts` are the dataset's prompts (text, or messages; with an environment, after its reset text), `completions` the
+decoded completions (text, or [{"role": "assistant", "content": text}] for conversational data), `completion_ids`
+their token ids (EOS included; tool episodes: tool results included), `sampled_lengths` how many of them the policy
+sampled (not TRL's: tool results not counted; given only to a function that names it), `columns` the dataset's other
+columns for those rows (e.g. answer=[...]). A function without **kwargs is given only the arguments it names. None
+means "this function does not score this row": it adds nothing to the row's reward and is left out of its
+reward/<name> statistics. A function is code the user named on the command line; nothing is ever loaded from a
+dataset or a hub repository as code.
 
 The reward of a row = sum over sources of weight * score (`--reward_weights`: the reward model first, then each
 function in order; 1.0 each by default).
@@ -143,16 +145,16 @@ def environment_reward(environment: type) -> RewardFunction:
 def overlong_penalty(response_length: int, buffer_length: int, factor: float) -> RewardFunction:
     """DAPO's overlong reward shaping (Yu et al. 2025, eq. 13; TRL's get_soft_overlong_punishment, times a factor)
     as a reward source named `overlong`: 0 for a completion of at most L = response_length - buffer_length tokens,
-    then a linear penalty factor * (L - |y|) / buffer_length down to -factor at response_length (and below it, for
-    tool episodes longer than the sampling budget, -factor). |y| counts the completion's tokens as completion_ids
-    holds them (EOS included; tool episodes: tool results included)."""
+    then a linear penalty factor * (L - |y|) / buffer_length down to -factor at response_length. |y| counts the
+    tokens the policy sampled (EOS included), what --response_length bounds: in a tool episode the tool results are
+    not counted (TRL's get_soft_overlong_punishment counts them: an ideal tool episode would be penalised)."""
     if not 0 < buffer_length < response_length or factor < 0:
         raise UserError(f"--overlong_buffer_length must be in (0, --response_length = {response_length}) and "
                         f"--overlong_penalty_factor >= 0, got {buffer_length} and {factor}")
     start = response_length - buffer_length
 
-    def overlong(completion_ids, **columns):
-        return [factor * max(-1.0, min(0.0, (start - len(ids)) / buffer_length)) for ids in completion_ids]
+    def overlong(sampled_lengths, **columns):
+        return [factor * max(-1.0, min(0.0, (start - n) / buffer_length)) for n in sampled_lengths]
 
     return RewardFunction("overlong", overlong)
 
@@ -162,12 +164,15 @@ def _short(value, width: int = 60) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+NAMED_ONLY = {"sampled_lengths"}  # arguments TRL does not pass: given to a function only when it names them
+
+
 def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -> tuple:
     """Call `function` on a batch (`arguments`: prompts, completions, completion_ids and the data columns, one list
     entry per row). Returns (values, None): a float or None per row; or (None, message) naming the function and the
     first bad row when it raises, returns the wrong number of values, or a value that is not a finite number."""
-    if not function.takes_kwargs:
-        arguments = {k: v for k, v in arguments.items() if k in function.named}
+    arguments = {k: v for k, v in arguments.items()  # **kwargs gets everything TRL passes; ours only when named
+                 if k in function.named or (function.takes_kwargs and k not in NAMED_ONLY)}
     n = len(arguments["completions"]) if "completions" in arguments else len(next(iter(arguments.values())))
 
     def row(i: int) -> str:
@@ -299,7 +304,9 @@ class Rewards:
         prompts = [row["prompt"] for row in rows]
         if episodes is not None:  # the prompt as the episode began: after the environment's reset text (TRL)
             prompts = [p if episode.prompt is None else episode.prompt for p, episode in zip(prompts, episodes)]
-        arguments.update(prompts=prompts, completions=completions, completion_ids=completion_ids)
+        arguments.update(prompts=prompts, completions=completions, completion_ids=completion_ids,
+                         sampled_lengths=[len(ids) for ids in completion_ids] if episodes is None else
+                         [episode.sampled for episode in episodes])
         return arguments
 
     @staticmethod
@@ -391,7 +398,7 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     functions += [environment_reward(environment) for environment in environments or ()
                   if callable(getattr(environment, "get_reward", None))]  # --environment's own reward (TRL's rule)
     for function in functions:
-        supplied = {"prompts", "completions", "completion_ids", "environments"}
+        supplied = {"prompts", "completions", "completion_ids", "environments", "sampled_lengths"}
         for data in datasets:
             missing = [name for name in function.required if name not in supplied | set(data.column_names)]
             if missing:

@@ -150,13 +150,14 @@ def test_the_toy_reward_model_records_tokens(toy):
 def test_overlong_penalty_hand_worked_and_equal_to_trl():
     # --response_length 10, --overlong_buffer_length 4: no penalty up to 6 tokens, then -1/4 per token, -1 at 10
     completion_ids = [[7] * n for n in range(13)]
-    expected = [0.0] * 7 + [-0.25, -0.5, -0.75, -1.0, -1.0, -1.0]  # longer than the budget (tool episodes): -1
+    sampled_lengths = list(range(13))  # without tools every token of a completion was sampled
+    expected = [0.0] * 7 + [-0.25, -0.5, -0.75, -1.0, -1.0, -1.0]  # past the budget: -1
     overlong = rs.overlong_penalty(10, 4, 1.0)
     assert overlong.name == "overlong"
-    assert overlong.fn(completion_ids=completion_ids) == expected
-    assert rs.overlong_penalty(10, 4, 0.5).fn(completion_ids=completion_ids) == [0.5 * v for v in expected]
+    assert overlong.fn(sampled_lengths=sampled_lengths) == expected
+    assert rs.overlong_penalty(10, 4, 0.5).fn(sampled_lengths=sampled_lengths) == [0.5 * v for v in expected]
     trl_rewards = pytest.importorskip("trl.rewards")
-    assert overlong.fn(completion_ids=completion_ids) == trl_rewards.get_soft_overlong_punishment(10, 4)(
+    assert overlong.fn(sampled_lengths=sampled_lengths) == trl_rewards.get_soft_overlong_punishment(10, 4)(
         completion_ids=completion_ids)
     for bad in ((10, 0, 1.0), (10, 10, 1.0), (10, 4, -1.0)):
         with pytest.raises(UserError, match="--overlong_buffer_length"):

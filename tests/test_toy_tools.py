@@ -248,3 +248,30 @@ def test_built_tokenizer_and_aliases(toy_tools_world, tokenizer):
     assert ru.default_dataset("toy_tools") == "toy_tools"
     with pytest.raises(UserError, match="--reward_funcs gold"):
         ru.default_reward_model("toy_tools")
+
+
+def test_overlong_shaping_counts_the_sampled_tokens_of_an_episode(tokenizer):
+    """The ideal episode on a 5-letter box: 10 sampled tokens (the call, EOS) + 7 tool tokens (`<tool>`, 5 letters,
+    `<assistant>`) + 6 sampled (the answer, EOS) = 16 sampled of 23. With the alias's --response_length 24 and
+    --overlong_buffer_length 8 the penalty starts after 16 sampled tokens: none here (counting the tool tokens too,
+    as completion_ids holds them, gave -0.875). One sampled token more costs 1/8."""
+    from test_episodes import play
+
+    from plumbing import episodes as ep
+    from plumbing import reward_sources as rs
+
+    boxes = [" ".join(f"{n:03d}") for n in range(1000)]
+    boxes = [box for box in boxes if len(toy_tools.hidden_letters(box)) == 5][:2]
+    turns = []
+    for box, extra in zip(boxes, ("", " a")):  # the second answer one letter too long
+        call = f'<tool_call> {{"name": "lookup", "arguments": {{"box": "{box}"}}}} </tool_call> [EOS]'
+        turns.append([call, " ".join(sorted(toy_tools.hidden_letters(box))) + extra + " [EOS]"])
+    prompts = [[{"role": "user", "content": f"sort box {box}"}] for box in boxes]
+    toolset = ep.Toolset([toy_tools.lookup], None, toy_tools.tool_schemas())
+    episodes = play(tokenizer, toolset, turns, prompts=prompts)
+    assert [e.sampled for e in episodes] == [16, 17] and [len(e.response_ids) for e in episodes] == [23, 24]
+    tensors = ep.episode_tensors(episodes, tokenizer.pad_token_id)
+    sources = rs.Rewards(tokenizer, functions=[rs.overlong_penalty(24, 8, 1.0)])
+    scores, _ = sources(tensors["query_responses"], tensors["context_length"], [{"prompt": p} for p in prompts],
+                        episodes=episodes)
+    assert scores.tolist() == [0.0, -0.125]
