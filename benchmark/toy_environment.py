@@ -1,6 +1,7 @@
 """A TRL-style environment for the toy tool world (`--model toy_tools`): one instance per episode, `reset(**row)`, its
 public methods are the policy's tools, `get_reward()` one more reward source. benchmark/same_runs.py runs grpo.py with
-it (`--environment benchmark/toy_environment.py:LookupBox --tools None`, the alias's own lookup tool left out)."""
+it (`--environment benchmark/toy_environment.py:LookupBox --tools None`; --environment alone also replaces the
+alias's tool)."""
 
 from toy_worlds import toy_tools
 
