@@ -4,6 +4,8 @@ toy_tools.py), 1 and 2 processes x seeds, one table.
     python benchmark/toy_tool_world.py                     # grpo, rloo x 1, 2 processes x seeds 1 2 3,
                                                            # ~11 min on 2 cores
     python benchmark/toy_tool_world.py --algos grpo --procs 1 --seeds 1 --max_steps 2    # a smoke run
+    python benchmark/toy_tool_world.py --procs 1 --variants env_class env_factory async_tool trl_reward
+                                                           # the world as TRL users write it -> toy_tools_variants.md
 
 Each run is `python <algo>.py --model toy_tools --seed S` (2 processes: torch.distributed.run, one thread each, and
 --per_device_train_batch_size halved so that the global batch, and so the number of steps, is the 1-process one),
@@ -13,7 +15,8 @@ alone, with its alias defaults. Read back from its metrics.jsonl:
 - sampled tool calls per episode (tools/call_frequency of the training episodes) at the first step (the SFT policy's
   samples) and over the last 10% of the steps, with the sampled gold (objective/scores, the gold reward) likewise;
 - tool failures per call over the run, and the wall time.
-The table goes to RESULTS/toy_tools.md (mean +- std over seeds).
+The table goes to RESULTS/toy_tools.md (mean +- std over seeds). `--variants` other than `alias` train the same
+world through the pieces a TRL user writes (benchmark/toy_environment.py, VARIANTS) -> RESULTS/toy_tools_variants.md.
 """
 
 from __future__ import annotations
@@ -30,6 +33,15 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from toy import fmt, machine, run_child  # noqa: E402
+
+ENV = "benchmark/toy_environment.py"
+VARIANTS = {  # name -> the flags a TRL user passes on top of --model toy_tools
+    "alias": [],  # the alias's own lookup tool and gold reward function
+    "env_class": ["--environment", f"{ENV}:LookupBox"],  # plus its get_reward: a bonus for looking up
+    "env_factory": ["--environment", f"{ENV}:make_lookup_box"],
+    "async_tool": ["--environment", f"{ENV}:AsyncLookupBox"],
+    "trl_reward": ["--reward_funcs", f"{ENV}:gold_with_trl_arguments"],  # the gold score, TRL's extra arguments
+}
 
 
 def summarise(run_dir: str) -> dict:
@@ -56,6 +68,7 @@ def main() -> None:
     parser.add_argument("--algos", nargs="+", default=["grpo", "rloo"])
     parser.add_argument("--procs", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    parser.add_argument("--variants", nargs="+", default=["alias"], choices=list(VARIANTS))
     parser.add_argument("--max_steps", type=int, default=None, help="cap each run (smoke runs)")
     parser.add_argument("--runs", default=os.path.join(ROOT, "runs", "bench_toy_tools"))
     parser.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -73,51 +86,53 @@ def main() -> None:
     batch = {"grpo": grpo.ALIAS_DEFAULTS["toy_tools"]["per_device_train_batch_size"],
              "rloo": rloo.ALIAS_DEFAULTS["toy_tools"]["per_device_train_batch_size"]}
     results = {}
-    for algo in args.algos:
-        for procs in args.procs:
-            for seed in args.seeds:
-                out = os.path.join(args.runs, f"{algo}-{procs}p", f"seed{seed}")
-                done = os.path.exists(os.path.join(out, "model", "config.json"))
-                timing_path = os.path.join(out, "bench_timing.json")
-                if args.force or not done:
-                    if os.path.exists(out):
-                        import shutil
+    runs = [(algo, variant, procs) for algo in args.algos for variant in args.variants for procs in args.procs]
+    for algo, variant, procs in runs:
+        for seed in args.seeds:
+            name = f"{algo}-{procs}p" + ("" if variant == "alias" else f"-{variant}")
+            out = os.path.join(args.runs, name, f"seed{seed}")
+            done = os.path.exists(os.path.join(out, "model", "config.json"))
+            timing_path = os.path.join(out, "bench_timing.json")
+            if args.force or not done:
+                if os.path.exists(out):
+                    import shutil
 
-                        shutil.rmtree(out)
-                    os.makedirs(os.path.dirname(out), exist_ok=True)
-                    flags = ["--model", "toy_tools", "--seed", str(seed), "--output_dir", out,
-                             "--per_device_train_batch_size", str(batch[algo] // procs)]
-                    flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
-                    launcher = [sys.executable] if procs == 1 else [
-                        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
-                    print(f"{algo} x {procs} process(es), seed {seed} ...", flush=True)
-                    timing = run_child([*launcher, os.path.join(ROOT, f"{algo}.py"), *flags], out + ".log",
-                                       threads=2 // procs or 1)
-                    if timing["returncode"] != 0:
-                        raise SystemExit(f"{algo} seed {seed} ({procs} processes) failed: see {out}.log")
-                    with open(timing_path, "w") as f:
-                        json.dump(timing, f)
-                with open(timing_path) as f:
-                    timing = json.load(f)
-                results.setdefault((algo, procs), []).append({**summarise(out), **timing})
-                print(f"  {results[(algo, procs)][-1]}", flush=True)
+                    shutil.rmtree(out)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                flags = ["--model", "toy_tools", "--seed", str(seed), "--output_dir", out,
+                         "--per_device_train_batch_size", str(batch[algo] // procs), *VARIANTS[variant]]
+                flags += ["--max_steps", str(args.max_steps)] if args.max_steps else []
+                launcher = [sys.executable] if procs == 1 else [
+                    sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
+                print(f"{algo} {variant} x {procs} process(es), seed {seed} ...", flush=True)
+                timing = run_child([*launcher, os.path.join(ROOT, f"{algo}.py"), *flags], out + ".log",
+                                   threads=2 // procs or 1)
+                if timing["returncode"] != 0:
+                    raise SystemExit(f"{algo} seed {seed} ({procs} processes) failed: see {out}.log")
+                with open(timing_path, "w") as f:
+                    json.dump(timing, f)
+            with open(timing_path) as f:
+                timing = json.load(f)
+            results.setdefault((algo, variant, procs), []).append({**summarise(out), **timing})
+            print(f"  {results[(algo, variant, procs)][-1]}", flush=True)
 
     lines = [f"# Toy tool world: grpo.py and rloo.py, `--model toy_tools` ({datetime.date.today()})", "",
              f"`python benchmark/toy_tool_world.py`; {machine()}. Seeds {' '.join(map(str, args.seeds))}; mean +- std.",
              "Held-out gold: greedy episodes of 256 held-out prompts (the policy calls the tool itself), before "
              "training -> after the last step. Sampled: the training episodes at the first step (the SFT policy) "
              "-> the mean of the last 10% of the steps. Two processes keep the global batch (64 episodes per step).",
-             "", "| algo | processes | steps | held-out gold before | held-out gold after | gain | sampled tool calls "
-             "/ episode | sampled gold | tool failures / call | wall time (s) |", "|" + "---|" * 10]
-    for (algo, procs), rs in results.items():
+             "", "| algo | variant | processes | steps | held-out gold before | held-out gold after | gain | "
+             "sampled tool calls / episode | sampled reward | tool failures / call | wall time (s) |",
+             "|" + "---|" * 11]
+    for (algo, variant, procs), rs in results.items():
         lines.append(
-            f"| {algo} | {procs} | {rs[0]['steps']} | {fmt([r['gold_before'] for r in rs])} | "
+            f"| {algo} | {variant} | {procs} | {rs[0]['steps']} | {fmt([r['gold_before'] for r in rs])} | "
             f"{fmt([r['gold_after'] for r in rs])} | {fmt([r['gold_after'] - r['gold_before'] for r in rs])} | "
             f"{fmt([r['calls_before'] for r in rs], 2)} -> {fmt([r['calls_after'] for r in rs], 2)} | "
             f"{fmt([r['sampled_gold_before'] for r in rs], 2)} -> {fmt([r['sampled_gold_after'] for r in rs], 2)} | "
             f"{fmt([r['failures'] for r in rs], 3)} | {fmt([r['wall_time_s'] for r in rs], 0)} |")
     os.makedirs(args.results, exist_ok=True)
-    path = os.path.join(args.results, "toy_tools.md")
+    path = os.path.join(args.results, "toy_tools.md" if args.variants == ["alias"] else "toy_tools_variants.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
