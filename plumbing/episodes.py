@@ -42,9 +42,6 @@ on one dummy row, so ZeRO-3's parameter gathering inside generation stays in ste
 from __future__ import annotations
 
 import inspect
-import json
-import re
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -54,9 +51,8 @@ import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import environments as envs
 from plumbing import run_utils as ru
+from plumbing import tool_calls as tc
 from plumbing.errors import UserError
-
-TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -75,6 +71,8 @@ class ToolFlags:
     """tool rounds per episode (None = until a turn calls no tool or --response_length sampled tokens are spent)"""
     tool_timeout: float = 30.0
     """seconds a tool call may run before it is cut off (the model then reads an error)"""
+    max_tool_result_tokens: Optional[int] = None
+    """tokens of a tool result the model reads: a longer one is cut there, with a marker (None = no cap)"""
 
     def check(self) -> None:
         """One-line errors for the tool flags, before anything loads."""
@@ -83,6 +81,8 @@ class ToolFlags:
                             f"{self.max_tool_calling_iterations}")
         if self.tool_timeout <= 0:
             raise UserError(f"--tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+        if self.max_tool_result_tokens is not None and self.max_tool_result_tokens < 1:
+            raise UserError(f"--max_tool_result_tokens must be >= 1 (None: no cap), got {self.max_tool_result_tokens}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -111,6 +111,7 @@ class Toolset:
     factories: Dict[str, Callable] = field(default_factory=dict)
     environment_schemas: Dict[str, List[dict]] = field(default_factory=dict)
     environment_types: List[type] = field(default_factory=list)  # the instances' classes (their get_reward)
+    call_format: str = "hermes"  # how the chat template writes a tool call (tool_calls.call_format)
 
     @property
     def names(self) -> List[str]:
@@ -188,9 +189,10 @@ def load_toolset(args, tokenizer) -> Optional[Toolset]:
         schemas += [schema for schema in fns if schema["function"]["name"] not in seen]
         seen |= {schema["function"]["name"] for schema in fns}
     check_chat_template(tokenizer, schemas[0]["function"]["name"])
+    call_format = tc.call_format(tokenizer, schemas[0]["function"]["name"])
     if None in factories:
-        return Toolset(functions, factories[None], schemas, environment_types=types)
-    return Toolset(functions, None, schemas, factories, environment_schemas, types)
+        return Toolset(functions, factories[None], schemas, environment_types=types, call_format=call_format)
+    return Toolset(functions, None, schemas, factories, environment_schemas, types, call_format)
 
 
 def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
@@ -198,9 +200,7 @@ def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
     them (what `tool_suffix_ids` needs)."""
     if tokenizer.chat_template is None:
         raise UserError("tools need a tokenizer with a chat template (it shows the tools and renders tool results)")
-    call = {"type": "function", "function": {"name": tool_name, "arguments": {"x": "sentinel_argument"}}}
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "name": tool_name, "content": "sentinel_result"}]
+    messages = tc.sentinel_conversation(tool_name)
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False)
     except Exception as e:
@@ -215,7 +215,8 @@ def tool_suffix_ids(tokenizer, tool_messages: List[dict]) -> List[int]:
     """Token ids appended after a turn's EOS: the tool messages and the next generation prompt, as the chat template
     renders them after an assistant turn (anything it writes after EOS included). UserError when the template is
     not prefix-preserving there."""
-    call = {"type": "function", "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}
+    call = {"type": "function", "id": tool_messages[0].get("tool_call_id", tc.SENTINEL_ID),
+            "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}
     head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     prefix = tokenizer.apply_chat_template(head, tokenize=False)
     full = tokenizer.apply_chat_template(head + tool_messages, tokenize=False, add_generation_prompt=True)
@@ -227,74 +228,6 @@ def tool_suffix_ids(tokenizer, tool_messages: List[dict]) -> List[int]:
         raise UserError("the chat template is not prefix-preserving: rendering a tool result changes the tokens "
                         "before it, so tool results cannot be appended to the sampled tokens")
     return full_ids[len(prefix_ids):]
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Parsing a turn and calling its tools
-# ---------------------------------------------------------------------------------------------------------
-def parse_turn(tokenizer, turn_ids: List[int], prefix_ids: List[int], schemas: List[dict]) -> dict:
-    """A sampled turn's token ids -> an assistant message {"role", "content", "tool_calls"?}. Each tool call is
-    {"type": "function", "function": {"name", "arguments"}}, or {"error": why} when it cannot be parsed."""
-    text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-    if getattr(tokenizer, "response_template", None) is not None:
-        try:
-            message = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=schemas)
-            message = {"role": "assistant", **message}
-            message.setdefault("content", "")
-            return message
-        except Exception as e:
-            if "tool_call" not in text:
-                return {"role": "assistant", "content": text}
-            return {"role": "assistant", "content": text, "tool_calls": [{"error": f"could not parse the tool call "
-                                                                           f"({type(e).__name__})"}]}
-    calls = []
-    for block in TOOL_CALL_BLOCK.findall(text):
-        try:
-            call = json.loads(block.strip())
-            arguments = call.get("arguments", {})
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-            if not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-                raise ValueError("needs a name and an arguments object")
-            calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
-        except (ValueError, AttributeError) as e:
-            calls.append({"error": f"could not parse the tool call {block.strip()[:80]!r}: {e}"})
-    content = TOOL_CALL_BLOCK.sub("", text)
-    if "<tool_call>" in content:
-        calls.append({"error": "a <tool_call> block is not closed"})
-    content = content.strip()
-    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-
-
-def call_tool(tools: Dict[str, Callable], call: dict, timeout: float):
-    """Run one parsed tool call -> (result text, failed). Failures (parse error, unknown tool, bad arguments, an
-    exception, no answer within `timeout` seconds) come back as JSON {"error": ...}; a hung call is left running in a
-    daemon thread."""
-    if "error" in call:
-        return json.dumps({"error": call["error"]}), True
-    name, arguments = call["function"]["name"], call["function"]["arguments"]
-    if name not in tools:
-        return json.dumps({"error": f"unknown tool {name!r}; tools: {sorted(tools)}"}), True
-    try:
-        inspect.signature(tools[name]).bind(**arguments)
-    except TypeError as e:
-        return json.dumps({"error": f"bad arguments for {name}: {e}"}), True
-    outcome = {}
-
-    def run():
-        try:
-            outcome["result"] = tools[name](**arguments)
-        except Exception as e:  # noqa: BLE001 - any tool failure becomes a message to the model
-            outcome["error"] = f"{type(e).__name__}: {e}"
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return json.dumps({"error": f"{name} timed out after {timeout:g} s"}), True
-    if "error" in outcome:
-        return json.dumps({"error": outcome["error"]}), True
-    result = outcome["result"]
-    return (json.dumps(result) if isinstance(result, (dict, list)) else str(result)), False
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -319,6 +252,7 @@ class Episode:
     messages: List[dict] = field(default_factory=list)
     tool_calls: int = 0
     tool_failures: int = 0
+    truncated_results: int = 0  # tool results cut to --max_tool_result_tokens
     tool_rounds: int = 0
     turns: int = 0
     done: bool = False
@@ -368,13 +302,13 @@ def start_episodes(prompts: Sequence, rows: Sequence[dict], toolset: Toolset, to
 
 def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset: Toolset, *, response_length: int,
                  context_limit: int, max_tool_calling_iterations: Optional[int], tool_timeout: float,
-                 accelerator=None) -> List[Episode]:
+                 max_tool_result_tokens: Optional[int] = None, accelerator=None) -> List[Episode]:
     """Play `episodes` to the end. generate(sequences: list of token-id lists, budgets: the most new tokens of each,
     first_turn) ->
     (turns: token-id lists, each cut after its EOS; logprobs; sampler_logprobs or None; entropy or None: per-token
     lists) samples one turn per sequence. Each turn gets at most the episode's remaining budget: response_length
-    sampled tokens in all, and context_limit tokens of prompt + response. See the module docstring for how episodes
-    end and for the collectives."""
+    sampled tokens in all, and context_limit tokens of prompt + response; a tool result is cut to
+    max_tool_result_tokens tokens. See the module docstring for how episodes end and for the collectives."""
     eos = tokenizer.eos_token_id
     for turn in range(response_length + 1):  # every turn samples >= 1 token: the budget bounds the loop
         running = [e for e in episodes if not e.done]
@@ -391,8 +325,8 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
             episode.append(ids, True, logprobs[i][cut], None if sampler_logprobs is None else sampler_logprobs[i][cut],
                            None if entropy is None else entropy[i][cut])
             episode.turns += 1
-            message = parse_turn(tokenizer, ids, episode.prompt_ids + episode.response_ids[:-len(ids)],
-                                 toolset.schemas)
+            message = tc.parse_turn(tokenizer, ids, episode.prompt_ids + episode.response_ids[:-len(ids)],
+                                    toolset.schemas, toolset.call_format)
             episode.messages.append(message)
             if not ids or ids[-1] != eos:  # cut by the budget
                 episode.done = episode.truncated = True
@@ -407,11 +341,15 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
                 continue
             results = []
             for call in calls:
-                content, failed = call_tool(episode.tools, call, tool_timeout)
+                content, failed = tc.call_tool(episode.tools, call, tool_timeout)
+                content, cut = tc.truncate_result(tokenizer, content, max_tool_result_tokens)
                 name = call.get("function", {}).get("name", "unknown")
                 results.append({"role": "tool", "name": name, "content": content})
+                if call.get("id") or toolset.call_format == "mistral":  # Mistral's templates need the call's id
+                    results[-1]["tool_call_id"] = call.get("id") or f"call{episode.tool_calls:05d}"
                 episode.tool_calls += 1
                 episode.tool_failures += failed
+                episode.truncated_results += cut
             suffix = tool_suffix_ids(tokenizer, results)
             if len(episode.prompt_ids) + len(episode.response_ids) + len(suffix) >= context_limit:
                 episode.done = episode.truncated = True  # no room for the results and one more token
@@ -450,12 +388,14 @@ def episode_tensors(episodes: List[Episode], pad_token_id: int, device=None) -> 
 def episode_metrics(episodes: List[Episode], accelerator, prefix: str = "") -> Dict[str, float]:
     """Means over every process's episodes (one all-reduce): tools/call_frequency (tool calls per episode, TRL's
     name), tools/failure_frequency (failed calls / calls, TRL's), episodes/turns (sampled turns per episode),
-    episodes/truncated_fraction (episodes ended by the budget)."""
+    episodes/truncated_fraction and episodes/truncated_count (episodes ended by the budget), tools/truncated_results
+    (results cut to --max_tool_result_tokens)."""
     sums = {"calls": sum(e.tool_calls for e in episodes), "failures": sum(e.tool_failures for e in episodes),
             "turns": sum(e.turns for e in episodes), "truncated": sum(e.truncated for e in episodes),
-            "episodes": len(episodes)}
+            "cut": sum(e.truncated_results for e in episodes), "episodes": len(episodes)}
     totals = ru.global_means(accelerator, sums, 1)  # sums over processes
     return {f"{prefix}tools/call_frequency": totals["calls"] / max(totals["episodes"], 1),
             f"{prefix}tools/failure_frequency": totals["failures"] / max(totals["calls"], 1),
             f"{prefix}episodes/turns": totals["turns"] / max(totals["episodes"], 1),
-            f"{prefix}episodes/truncated_fraction": totals["truncated"] / max(totals["episodes"], 1)}
+            f"{prefix}episodes/truncated_fraction": totals["truncated"] / max(totals["episodes"], 1),
+            f"{prefix}episodes/truncated_count": totals["truncated"], f"{prefix}tools/truncated_results": totals["cut"]}

@@ -417,7 +417,8 @@ class Sampler:
         return ep.run_episodes(episodes, generate, self.tokenizer, self.toolset,
                                response_length=generation_config.max_new_tokens, context_limit=self.context_limit,
                                max_tool_calling_iterations=self.args.max_tool_calling_iterations,
-                               tool_timeout=self.args.tool_timeout, accelerator=self.accelerator)
+                               tool_timeout=self.args.tool_timeout,
+                               max_tool_result_tokens=self.args.max_tool_result_tokens, accelerator=self.accelerator)
 
     def check_logprobs(self, query_responses: torch.Tensor, context_length: int, sampled_logprobs: torch.Tensor,
                        response_mask: torch.Tensor, step: int) -> float:

@@ -216,10 +216,9 @@ QWEN_TEMPLATE = r"""
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"""
 
 
-@pytest.fixture(scope="module")
-def qwen_tokenizer():
-    """Characters as tokens (printable ASCII and newline), <|im_start|> / <|im_end|> (EOS) special, <tool_call> and
-    </tool_call> added tokens, the template above."""
+def char_tokenizer(template: str, eos_token: str, special_tokens=(), added_tokens=(), bos_token=None):
+    """A tokenizer built here, offline: characters as tokens (printable ASCII and newline), `eos_token` and
+    `special_tokens` special, `added_tokens` added (not special), `template` its chat template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -228,7 +227,15 @@ def qwen_tokenizer():
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                        eos_token="<|im_end|>", additional_special_tokens=["<|im_start|>"])
-    tokenizer.add_tokens(["<tool_call>", "</tool_call>"])
-    tokenizer.chat_template = QWEN_TEMPLATE
+                                        eos_token=eos_token, bos_token=bos_token,
+                                        additional_special_tokens=list(special_tokens))
+    tokenizer.add_tokens(list(added_tokens))
+    tokenizer.chat_template = template
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def qwen_tokenizer():
+    """Characters as tokens (printable ASCII and newline), <|im_start|> / <|im_end|> (EOS) special, <tool_call> and
+    </tool_call> added tokens, the template above."""
+    return char_tokenizer(QWEN_TEMPLATE, "<|im_end|>", ["<|im_start|>"], ["<tool_call>", "</tool_call>"])

@@ -213,7 +213,7 @@ def _train_sft(tokenizer, conversations, steps: int, batch_size: int, rng: rando
 
 def tool_result(call_text: str) -> str:
     """What the tool says to a `<tool_call> ... </tool_call>` block's inner text: lookup's letters, or, for JSON that
-    does not parse or a call lookup refuses, `{"error": "<exception type>: <message>"}` (as episodes.call_tool)."""
+    does not parse or a call lookup refuses, `{"error": "<exception type>: <message>"}` (as tool_calls.call_tool)."""
     try:
         call = json.loads(call_text)
         if call.get("name") != "lookup":
