@@ -239,8 +239,8 @@ def main():
     # 3. models: policy (+LoRA), frozen reference (only when beta > 0); reward sources (reward_sources.py)
     policy = models.load_policy(policy_path, tokenizer, args)
     reference = None if args.beta == 0 else ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
-    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
-                                     accelerator, environments=toolset and toolset.environment_types)
+    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data], accelerator,
+                                     toolset and toolset.environment_types, max_steps=num_total_batches)
 
     # 4. optimizer, linear decay per optimizer step, checkpointable state (kl_coef: beta), the sampler
     optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_optimizer_steps)

@@ -217,7 +217,7 @@ def main():
 
     # 3. models: reward sources (a reward model and/or functions: reward_sources.py), policy (+LoRA), value, reference
     reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
-                                     accelerator)
+                                     accelerator, max_steps=num_total_batches)
     policy = models.load_policy(policy_path, tokenizer, args)
     value_model, value_path = load_value_model(args, tokenizer, reward_sources, policy_path)
     reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)

@@ -48,7 +48,8 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
         query_responses, context_length, mask, truncated, episodes = sampler.complete(queries, rows, greedy)
         queries, responses = query_responses[:, :context_length], query_responses[:, context_length:]  # (b, R)
         scores, per_source = sampler.reward_sources(query_responses, context_length, rows, accelerator,
-                                                 episodes=episodes)
+                                                 episodes=episodes, step=step)
+        extra_columns = sampler.reward_sources.take_extra_columns()  # reward functions' log_extra
         if episodes is not None:
             tool_sums.append(episodes[:real])  # only the real rows count
         source_scores.append(per_source[:real])
@@ -60,13 +61,13 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
             sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
         sums["response_length"] += mask[:real].sum().item()
         sums["eos_rate"] += (~truncated)[:real].sum().item()
-        for query, response, score in zip(queries[:real], responses[:real], scores[:real].tolist()):
+        for j, (query, response, score) in enumerate(zip(queries[:real], responses[:real], scores[:real].tolist())):
             row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
                        completion=tokenizer.decode(response, skip_special_tokens=True), score=score)
             if held_out.gold is not None:
                 row["gold"] = held_out.gold(row["prompt"], row["completion"])
                 sums["gold_score"] += row["gold"]
-            samples.append(row)
+            samples.append({**row, **{column: values[j] for column, values in extra_columns.items()}})
         if k:  # k sampled completions per prompt, scored by the reward functions only
             rows = [row for row in rows for _ in range(k)]
             query_responses, context_length, _, _, episodes = sampler.complete(queries.repeat_interleave(k, 0), rows,

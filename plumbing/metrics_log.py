@@ -110,7 +110,9 @@ class MetricsLogger:
         start = self.samples_shown % len(rows)
         rows = (rows[start:] + rows[:start])[:count]
         self.samples_shown += count
-        widths = {k: 36 if isinstance(rows[0][k], str) else 8 for k in rows[0]}
+        keys = list(dict.fromkeys(k for row in rows for k in row))  # a reward function's log_extra may add columns
+        rows = [{k: row.get(k, "") for k in keys} for row in rows]
+        widths = {k: 36 if isinstance(rows[0][k], str) else 8 for k in keys}
 
         def cell(value, width: int) -> str:
             return (short_number(value) if isinstance(value, (int, float)) else str(value).replace("\n", " "))[:width]

@@ -21,7 +21,11 @@ Reward functions (`--reward_funcs`): `gold` (the dataset's ground-truth scorer, 
 decoded completions (text, or [{"role": "assistant", "content": text}] for conversational data), `completion_ids`
 their token ids (EOS included; tool episodes: tool results included), `sampled_lengths` how many of them the policy
 sampled (not TRL's: tool results not counted; given only to a function that names it), `columns` the dataset's other
-columns for those rows (e.g. answer=[...]). A function without **kwargs is given only the arguments it names. None
+columns for those rows (e.g. answer=[...]). Also TRL's: `trainer_state` (transformers' TrainerState: global_step, the
+optimizer steps taken when the batch was sampled, and max_steps), `log_metric(name, value)` (averaged over the step's
+calls and every process, logged as `name`, or `eval/name` from an evaluation) and `log_extra(column, values)` (one
+value per row: extra columns of the eval/samples table; training batches have no completions table here). A function
+may be `async def` (awaited). A function without **kwargs is given only the arguments it names. None
 means "this function does not score this row": it adds nothing to the row's reward and is left out of its
 reward/<name> statistics. A function is code the user named on the command line; nothing is ever loaded from a
 dataset or a hub repository as code.
@@ -36,6 +40,7 @@ import asyncio
 import inspect
 import math
 import numbers
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Literal, Optional, Sequence
 
@@ -173,16 +178,18 @@ def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -
     first bad row when it raises, returns the wrong number of values, or a value that is not a finite number."""
     arguments = {k: v for k, v in arguments.items()  # **kwargs gets everything TRL passes; ours only when named
                  if k in function.named or (function.takes_kwargs and k not in NAMED_ONLY)}
-    n = len(arguments["completions"]) if "completions" in arguments else len(next(iter(arguments.values())))
+    lists = {k: v for k, v in arguments.items() if isinstance(v, list)}  # not trainer_state, log_metric, log_extra
+    n = len(arguments["completions"]) if "completions" in arguments else len(next(iter(lists.values()), []))
 
     def row(i: int) -> str:
         prompt = arguments.get("prompts", [None] * n)[i]
         return f"row {i} (prompt {_short(prompt)}, completion {_short(arguments['completions'][i])})"
 
     try:
-        values = function.fn(**arguments)
+        values = _result(function.fn(**arguments))
     except Exception as e:
-        first = next((i for i in range(n) if _raises(function, {k: v[i:i + 1] for k, v in arguments.items()})), None)
+        first = next((i for i in range(n) if _raises(function, {**arguments, **{k: v[i:i + 1] for k, v in
+                                                                                 lists.items()}})), None)
         where = "" if first is None else f" on {row(first)}"
         return None, f"reward function {function.name!r} raised {type(e).__name__}: {models.first_line(e)}{where}"
     try:
@@ -202,9 +209,18 @@ def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -
     return out, None
 
 
+def _result(value):
+    """A reward function's return value, awaited when it is async (TRL awaits them too)."""
+    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
 def _raises(function: RewardFunction, arguments: Dict[str, list]) -> bool:
     try:
-        function.fn(**arguments)
+        _result(function.fn(**arguments))
     except Exception:
         return True
     return False
@@ -219,8 +235,12 @@ class Rewards:
 
     def __init__(self, tokenizer, reward_model=None, reward_tokenizer=None, mode: str = "tokens",
                  functions: Sequence[RewardFunction] = (), weights: Optional[Sequence[float]] = None,
-                 path: Optional[str] = None, required: bool = True):
+                 path: Optional[str] = None, required: bool = True, max_steps: int = 0):
+        from transformers import TrainerState
+
         self.tokenizer, self.reward_model, self.reward_tokenizer = tokenizer, reward_model, reward_tokenizer
+        self.trainer_state = TrainerState(max_steps=max_steps)  # what reward functions get as trainer_state
+        self.logged_metrics, self.extra_columns = defaultdict(list), {}  # log_metric's and log_extra's, not yet read
         self.mode, self.path = mode, path  # path: where the reward model was loaded from
         self.functions = list(functions)
         names = ([REWARD_MODEL] if reward_model is not None else []) + [f.name for f in self.functions]
@@ -235,7 +255,8 @@ class Rewards:
 
     @torch.no_grad()
     def __call__(self, query_responses: torch.Tensor, context_length: int, rows: Sequence[dict], accelerator=None,
-                 chunk_size: Optional[int] = None, share_prompts: bool = False, episodes: Optional[list] = None):
+                 chunk_size: Optional[int] = None, share_prompts: bool = False, episodes: Optional[list] = None,
+                 step: Optional[int] = None):
         """Score B completions. query_responses (B, T) = [left-padded query | response, right-padded];
         `rows` the B dataset rows (dicts with `prompt` and any other columns) the queries came from; `episodes`
         (multi-turn, episodes.py): reward functions see each episode's conversation as its completion, and
@@ -243,8 +264,11 @@ class Rewards:
         results included) as the response: as tokens, scored at its last token; as text, decoded as one completion.
         Returns (scores (B,), per_source (B, S)): per_source holds each source's score, NaN where a function
         returned None; scores = sum over sources of weight * score, NaNs left out (0 for a row no source scored).
-        With reward functions every process must call this together (their failure is agreed: one all-reduce)."""
+        With reward functions every process must call this together (their failure is agreed: one all-reduce).
+        `step`: optimizer steps taken when the batch was sampled (trainer_state.global_step)."""
         responses = query_responses[:, context_length:]
+        if step is not None:
+            self.trainer_state.global_step = step
         columns = []
         if self.reward_model is not None:
             columns.append(self._model_scores(query_responses, context_length, rows, chunk_size, share_prompts))
@@ -306,8 +330,22 @@ class Rewards:
             prompts = [p if episode.prompt is None else episode.prompt for p, episode in zip(prompts, episodes)]
         arguments.update(prompts=prompts, completions=completions, completion_ids=completion_ids,
                          sampled_lengths=[len(ids) for ids in completion_ids] if episodes is None else
-                         [episode.sampled for episode in episodes])
+                         [episode.sampled for episode in episodes],
+                         trainer_state=self.trainer_state, log_metric=self.log_metric, log_extra=self.log_extra)
         return arguments
+
+    def log_metric(self, name: str, value: float) -> None:
+        """TRL's log_metric for reward functions: a scalar, averaged over the step's calls (see `metrics`)."""
+        self.logged_metrics[name].append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        """TRL's log_extra for reward functions: one value per row of the call, a column of the samples table."""
+        self.extra_columns[column] = list(values)
+
+    def take_extra_columns(self) -> Dict[str, list]:
+        """The columns log_extra gave since the last call (then forgotten)."""
+        columns, self.extra_columns = self.extra_columns, {}
+        return columns
 
     @staticmethod
     def _agree(message: Optional[str], accelerator) -> None:
@@ -327,13 +365,28 @@ class Rewards:
         sums = torch.stack([values.sum(0), (values ** 2).sum(0), scored.sum(0).double()])  # (3, S)
         if accelerator is not None and accelerator.num_processes > 1:
             sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum")
-        out = {}
+        out = self._logged_means(accelerator, prefix[:-len("reward/")] if prefix.endswith("reward/") else "")
         for (total, squares, count), name in zip(sums.T.tolist(), self.names):
             if count > 0:
                 mean = total / count
                 out[f"{prefix}{name}/mean"] = mean
                 out[f"{prefix}{name}/std"] = math.sqrt(max(squares / count - mean ** 2, 0.0))
         return out
+
+
+    def _logged_means(self, accelerator, prefix: str) -> Dict[str, float]:
+        """{prefix + name: mean of the values log_metric gave since the last call, over every process} (the values
+        are gathered as objects: a function may log on some processes only)."""
+        logged, self.logged_metrics = self.logged_metrics, defaultdict(list)
+        if accelerator is not None and accelerator.num_processes > 1:
+            from accelerate.utils import gather_object
+
+            merged = defaultdict(list)
+            for process in gather_object([dict(logged)]):
+                for name, values in process.items():
+                    merged[name] += values
+            logged = merged
+        return {f"{prefix}{name}": sum(values) / len(values) for name, values in sorted(logged.items()) if values}
 
 
 def scalar_forward(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
@@ -389,7 +442,7 @@ def reward_model_input(flag: Optional[str], recorded: Optional[str], same_vocabu
 
 
 def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequence, accelerator,
-                 environments: Sequence[type] = ()) -> Rewards:
+                 environments: Sequence[type] = (), max_steps: int = 0) -> Rewards:
     """The run's Rewards from the shared flags `--reward_model` (None = the one paired with --model, or none when
     --reward_funcs are given), `--reward_model_input`, `--reward_funcs`, `--reward_weights`. Checks, at start-up,
     that every column a function requires is in each of `datasets`, and that conversational data read as text
@@ -398,7 +451,8 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     functions += [environment_reward(environment) for environment in environments or ()
                   if callable(getattr(environment, "get_reward", None))]  # --environment's own reward (TRL's rule)
     for function in functions:
-        supplied = {"prompts", "completions", "completion_ids", "environments", "sampled_lengths"}
+        supplied = {"prompts", "completions", "completion_ids", "environments", "sampled_lengths", "trainer_state",
+                    "log_metric", "log_extra"}
         for data in datasets:
             missing = [name for name in function.required if name not in supplied | set(data.column_names)]
             if missing:
@@ -414,7 +468,7 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     if name is None:
         if args.reward_model_input is not None:
             raise UserError("--reward_model_input is given but there is no reward model")
-        return Rewards(tokenizer, functions=functions, weights=weights)
+        return Rewards(tokenizer, functions=functions, weights=weights, max_steps=max_steps)
     path = ru.resolve_reward_model(name)
     reward_tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
     same_vocabulary = reward_tokenizer.get_vocab() == tokenizer.get_vocab()
@@ -429,4 +483,4 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
     accelerator.print(f"reward model {path} reads {mode} ({why})")
     return Rewards(tokenizer, models.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights,
-                   path)
+                   path, max_steps=max_steps)

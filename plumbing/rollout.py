@@ -359,7 +359,8 @@ class Sampler:
 
         # 2. score: each reward source, weighted; the missing-EOS penalty ("EOS trick")
         scores, source_scores = self.reward_sources(query_responses, context_length, samples.rows, self.accelerator,
-                                                    self.chunk, share_prompts=self.share, episodes=samples.episodes)
+                                                    self.chunk, share_prompts=self.share, episodes=samples.episodes,
+                                                    step=samples.weights_version)
         scores = rs.penalise_missing_eos(scores, samples.truncated, args.missing_eos_penalty)  # (B,), (B, S)
 
         # 3. the reference's log-probs

@@ -159,22 +159,29 @@ def parse_turn(tokenizer, turn_ids: List[int], prefix_ids: List[int], schemas: L
     """A sampled turn's token ids -> an assistant message {"role", "content", "tool_calls"?}; each tool call
     normalised (`normalise_call`): {"type": "function", "function": {"name", "arguments"}} or {"error": why}."""
     text = tokenizer.decode(turn_ids, skip_special_tokens=True)
-    if call_format == "response_template":
-        try:
-            parsed = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=schemas)
-        except Exception as e:  # noqa: BLE001 - the tokenizer's parser failing on a malformed turn is data
-            calls = [{"error": f"could not parse the tool call ({type(e).__name__})"}] if "tool_call" in text else []
-            parsed = {"content": text, "tool_calls": calls}
-        parsed = parsed if isinstance(parsed, dict) else {"content": text}
-        calls = parsed.get("tool_calls")
-        calls = calls if isinstance(calls, list) or calls is None else [calls]
-        content = parsed.get("content")
-        message = {**{k: v for k, v in parsed.items() if k != "tool_calls"},  # e.g. reasoning_content kept
-                   "role": "assistant", "content": content if isinstance(content, str) else ""}
-    else:
-        calls, content = FORMATS[call_format](text, tokenizer.decode(turn_ids, skip_special_tokens=False))
-        message = {"role": "assistant", "content": content if call_format == "hermes" else
-                   _strip_special(tokenizer, content)}
+    if call_format != "response_template":
+        return read_turn(tokenizer, text, tokenizer.decode(turn_ids, skip_special_tokens=False), call_format)
+    try:
+        parsed = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=schemas)
+    except Exception as e:  # noqa: BLE001 - the tokenizer's parser failing on a malformed turn is data
+        calls = [{"error": f"could not parse the tool call ({type(e).__name__})"}] if "tool_call" in text else []
+        parsed = {"content": text, "tool_calls": calls}
+    parsed = parsed if isinstance(parsed, dict) else {"content": text}
+    calls = parsed.get("tool_calls")
+    content = parsed.get("content")
+    message = {**{k: v for k, v in parsed.items() if k != "tool_calls"},  # e.g. reasoning_content kept
+               "role": "assistant", "content": content if isinstance(content, str) else ""}
+    return _with_calls(message, calls if isinstance(calls, list) or calls is None else [calls])
+
+
+def read_turn(tokenizer, text: str, raw_text: str, call_format: str) -> dict:
+    """A turn's text (special tokens skipped; `raw_text`: kept) -> an assistant message, read in `call_format`."""
+    calls, content = FORMATS[call_format](text, raw_text)
+    return _with_calls({"role": "assistant", "content": content if call_format == "hermes" else
+                        _strip_special(tokenizer, content)}, calls)
+
+
+def _with_calls(message: dict, calls) -> dict:
     calls = [call if isinstance(call, dict) and set(call) == {"error"} else normalise_call(call)
              for call in calls or []]
     return {**message, **({"tool_calls": calls} if calls else {})}
@@ -204,10 +211,9 @@ def call_format(tokenizer, tool_name: str) -> str:
     prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template([user, assistant], tokenize=False)
     turn = full[len(prompt):] if full.startswith(prompt) else full
-    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
     template = getattr(tokenizer, "name_or_path", "") or "the tokenizer's"
-    for name in FORMATS:
-        message = parse_turn(tokenizer, ids, [], [], name)
+    for name in FORMATS:  # read as text: a small vocabulary need not spell the sentinel call's argument
+        message = read_turn(tokenizer, _strip_special(tokenizer, turn), turn, name)
         if [c.get("function") for c in message.get("tool_calls", [])] == [assistant["tool_calls"][0]["function"]]:
             end = turn.rstrip()
             if tokenizer.eos_token and not end.endswith(tokenizer.eos_token):

@@ -141,15 +141,19 @@ def test_grpo_with_a_factory_whose_reset_lengthens_the_prompt(toy_tools_world, e
     alias's own lookup would clash with the environment's; its reset text would not fit the alias's 16-token prompts)
     trains, reward functions get the prompt after reset, and the environment's get_reward is a reward source."""
     out, log = str(tmp_path / "run"), str(tmp_path / "prompts.jsonl")
+    trl_reward = os.path.join(os.path.dirname(__file__), "..", "benchmark", "toy_environment.py")
+    trl_reward += ":gold_with_trl_arguments"  # a reward function taking TRL's extra arguments
     run_script("grpo.py", "--model", "toy_tools", "--environment", f"{env_file}:make_box", "--reward_funcs", "gold",
-               f"{env_file}:record_prompts", "--max_steps", "2", "--num_eval_prompts", "8", "--eval_steps", "0",
-               "--output_dir", out, env={"PROMPTS_LOG": log})
+               f"{env_file}:record_prompts", trl_reward, "--max_steps", "2", "--num_eval_prompts", "8",
+               "--eval_steps", "0", "--output_dir", out, env={"PROMPTS_LOG": log})
     with open(os.path.join(out, "args.json")) as f:
         recorded = json.load(f)
     assert recorded["tools"] is None and recorded["max_prompt_length"] > 16  # measured after reset's text
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("reward/Box/mean" in r for r in rows[1:]) and "tools/call_frequency" in rows[1]
+    # a reward function using TRL's extra arguments: its log_metric lands in the metrics, train and eval
+    assert 0 <= rows[1]["tool_world/exact"] <= 1 and 0 <= rows[2]["eval/tool_world/exact"] <= 1
     with open(log) as f:
         prompts = [p for line in f for p in json.loads(line)]
     assert prompts and all(p[-1]["content"].endswith(" hint : the box holds 3 to 6 letters") for p in prompts)

@@ -2,6 +2,7 @@
 against independent computations (the reward model's own transformers forward, hand-worked sums), then through
 rloo.py and ppo.py as a user runs them (one process and two)."""
 
+import asyncio
 import json
 import math
 import os
@@ -201,12 +202,50 @@ def test_weighted_sum_with_none_and_statistics_hand_worked(toy):
     assert torch.isnan(per_source[1, 0]) and torch.isnan(per_source[2, 1])
     assert seen["prompts"] == ["f b k c =", "a c b =", "l k j i h g ="] and seen["answer"] == ["x", "y", "z"]
     assert seen["completions"] == ["b c f k", "c a b", "g h i j k l"]  # decoded, EOS and pads skipped
-    assert seen["kwargs"] == ["answer", "completion_ids", "prompts"]
+    assert seen["kwargs"] == ["answer", "completion_ids", "log_extra", "log_metric", "prompts", "trainer_state"]
     metrics = sources.metrics(per_source)
     assert metrics["reward/first/mean"] == pytest.approx(2.0) and metrics["reward/first/std"] == pytest.approx(1.0)
     assert metrics["reward/second/mean"] == pytest.approx(0.75) and metrics["reward/second/std"] == pytest.approx(0.25)
     unscored = sources.metrics(torch.tensor([[float("nan"), 1.0]]))
     assert "reward/first/mean" not in unscored and unscored["reward/second/mean"] == 1.0
+
+
+def test_trl_reward_arguments_and_async_functions(toy):
+    """TRL 1.16 passes trainer_state, log_metric and log_extra; an async function is awaited."""
+    query_responses, context_length, rows, tokenizer = toy_batch(toy, COMPLETIONS[:3])
+
+    def shaped(prompts, completions, completion_ids, trainer_state, log_metric, log_extra):
+        progress = trainer_state.global_step / trainer_state.max_steps
+        log_metric("shaping/progress", progress)
+        log_metric("shaping/progress", progress + 1.0)  # two calls in a step: their mean is logged
+        log_extra("length", [len(ids) for ids in completion_ids])
+        return [progress] * len(completions)
+
+    async def judge(completions, **kwargs):  # an async judge (an LLM call in real use)
+        await asyncio.sleep(0)
+        return [float(len(c.split())) for c in completions]
+
+    sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("shaped", shaped), rs.RewardFunction("judge", judge)],
+                         max_steps=10)
+    _, per_source = sources(query_responses, context_length, rows, step=3)
+    assert per_source[:, 0].tolist() == pytest.approx([0.3] * 3)
+    assert per_source[:, 1].tolist() == [4.0, 3.0, 6.0]  # "b c f k", "c a b", "g h i j k l"
+    metrics = sources.metrics(per_source)
+    assert metrics["shaping/progress"] == pytest.approx((0.3 + 1.3) / 2)
+    responses = query_responses[:, context_length:]
+    assert sources.take_extra_columns() == {"length": (responses != tokenizer.pad_token_id).sum(1).tolist()}
+    assert "shaping/progress" not in sources.metrics(per_source) and sources.take_extra_columns() == {}  # read once
+    sources(query_responses, context_length, rows, step=10)  # an evaluation's call: logged under eval/
+    assert sources.metrics(per_source, prefix="eval/reward/")["eval/shaping/progress"] == pytest.approx(1.5)
+
+
+def test_trl_extra_arguments_are_not_mistaken_for_columns(tmp_path):
+    path = tmp_path / "trl_funcs.py"
+    path.write_text("def r(prompts, completions, trainer_state, log_extra, log_metric, completion_ids):\n"
+                    "    return [0.0] * len(completions)\n")
+    args = SimpleNamespace(reward_funcs=[f"{path}:r"], reward_model=None, reward_model_input=None, reward_weights=None)
+    sources = rs.load_rewards(args, None, "toy", "toy", [SimpleNamespace(column_names=["prompt"])], None)
+    assert sources.names == ["r"]
 
 
 @pytest.mark.parametrize("returned, message", [
@@ -457,9 +496,19 @@ def _disagreeing_worker(rank, port, results, toy):
         sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("fails_on_rank_one", fails_on_rank_one)])
         try:
             sources(query_responses, context_length, rows, accelerator)
-            results[rank] = "returned"
+            outcome = "returned"
         except rs.RewardFunctionError as e:
-            results[rank] = str(e)
+            outcome = str(e)
+
+        def logs(completions, log_metric, **columns):  # log_metric on both processes, and on one only
+            log_metric("both", float(rank))
+            if rank == 1:
+                log_metric("rank_one_only", 5.0)
+            return [1.0] * len(completions)
+
+        sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("logs", logs)])
+        _, per_source = sources(query_responses, context_length, rows, accelerator)
+        results[rank] = (outcome, sources.metrics(per_source, accelerator))
     finally:
         dist.destroy_process_group()
 
@@ -468,9 +517,12 @@ def test_a_function_failing_on_one_process_stops_both(toy):
     """No process is left waiting in a collective: the failure is agreed, and each process raises."""
     from conftest import run_two_processes
 
-    first, second = run_two_processes(_disagreeing_worker, toy)
+    (first, first_metrics), (second, second_metrics) = run_two_processes(_disagreeing_worker, toy)
     assert first == "a reward function failed on another process (its error is above)"
     assert second.startswith("reward function 'fails_on_rank_one' raised KeyError: 'only here' on row 0")
+    # log_metric values are averaged over both processes, even a metric only one of them logged
+    assert first_metrics["both"] == second_metrics["both"] == 0.5
+    assert first_metrics["rank_one_only"] == second_metrics["rank_one_only"] == 5.0
 
 
 def test_missing_eos_penalty():
