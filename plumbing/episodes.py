@@ -28,11 +28,11 @@ sequence wherever the template is prefix-preserving and the sampled text re-toke
 An episode ends at a turn with no tool call, at the budget (`--response_length` sampled tokens in total, or the
 model's context: `truncated`, the missing-EOS penalty applies; a turn that calls a tool with the budget spent
 ends the episode there, its calls not executed), or after --max_tool_calling_iterations tool rounds
-(the last turn's calls are then not executed, as TRL). Tool calls are parsed by the tokenizer's `parse_response`
-when it has a response template (transformers >= 5.13), else from the common `<tool_call>{json}</tool_call>` blocks
-(Qwen 2.5/3, Hermes). A call that cannot be parsed, an unknown tool, bad arguments, an exception and a call that
+(the last turn's calls are then not executed, as TRL). Tool calls are read in the chat template's own format and
+run by tool_calls.py: a call that cannot be parsed, an unknown tool, bad arguments, an exception and a call that
 runs past --tool_timeout seconds each become a tool message `{"error": "..."}` the model reads next turn, counted
-in tools/failure_frequency; the run never stops for them. Results that are dicts or lists are sent as JSON (TRL: str).
+in tools/failure_frequency; the run never stops for them. Results that are dicts or lists are sent as JSON (TRL: str);
+a result longer than --max_tool_result_tokens is cut there, with a marker.
 
 Collectives: `run_episodes` makes the same number of `generate` calls on every process (one per turn until no
 process has a running episode, agreed by one all-reduce per turn): a process whose episodes have all ended calls it
