@@ -49,6 +49,7 @@ import torch
 
 import policy_common as pc
 from plumbing import data_utils as du
+from plumbing import environment_libraries as env_libs
 from plumbing import environments as envs
 from plumbing import run_utils as ru
 from plumbing import tool_calls as tc
@@ -173,7 +174,7 @@ def load_toolset(args, tokenizer) -> Optional[Toolset]:
                         "the one a row's `environment` column picks")
     factories, methods, types = {}, {}, []
     for name, _, spec in named:
-        factories[name] = ru.load_object(spec, "--environment")
+        factories[name] = env_libs.factory(spec) or ru.load_object(spec, "--environment")  # verifiers:, openenv:
         probe = envs.probe_environment(factories[name], spec)
         methods[name] = envs.environment_tools(probe)
         types += [type(probe)] if type(probe) not in types else []

@@ -139,9 +139,14 @@ def last_content(value, role: str) -> str:
 
 
 def environment_reward(environment: type) -> RewardFunction:
-    """An --environment class's get_reward() as one more reward source, named after the class (TRL's rule)."""
-    def get_reward(environments, **columns):
-        values = [e.get_reward() if type(e) is environment else None for e in environments]
+    """An --environment class's get_reward() as one more reward source, named after the class (TRL's rule). A
+    get_reward that names `prompt` or `completion` (ours, not TRL's) gets its episode's prompt (after reset) and
+    conversation: what an environment needs to score the final answer (environment_libraries.py's verifiers one)."""
+    named = set(inspect.signature(environment.get_reward).parameters) & {"prompt", "completion"}
+
+    def get_reward(environments, prompts=None, completions=None, **columns):
+        episode = lambda i: {k: v[i] for k, v in (("prompt", prompts), ("completion", completions)) if k in named}  # noqa: E731
+        values = [e.get_reward(**episode(i)) if type(e) is environment else None for i, e in enumerate(environments)]
         return [asyncio.run(v) if inspect.iscoroutine(v) else v for v in values]  # an async get_reward (TRL's too)
 
     return RewardFunction(environment.__name__, get_reward)
