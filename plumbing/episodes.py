@@ -113,6 +113,7 @@ class Toolset:
     environment_schemas: Dict[str, List[dict]] = field(default_factory=dict)
     environment_types: List[type] = field(default_factory=list)  # the instances' classes (their get_reward)
     call_format: str = "hermes"  # how the chat template writes a tool call (tool_calls.call_format)
+    stop_ids: List[int] = field(default_factory=list)  # the tokens ending a turn (empty: the EOS); GPT-OSS: <|call|>
 
     @property
     def names(self) -> List[str]:
@@ -190,10 +191,11 @@ def load_toolset(args, tokenizer) -> Optional[Toolset]:
         schemas += [schema for schema in fns if schema["function"]["name"] not in seen]
         seen |= {schema["function"]["name"] for schema in fns}
     check_chat_template(tokenizer, schemas[0]["function"]["name"])
-    call_format = tc.call_format(tokenizer, schemas[0]["function"]["name"])
+    call_format, stop_ids = tc.call_format(tokenizer, schemas[0]["function"]["name"])
     if None in factories:
-        return Toolset(functions, factories[None], schemas, environment_types=types, call_format=call_format)
-    return Toolset(functions, None, schemas, factories, environment_schemas, types, call_format)
+        return Toolset(functions, factories[None], schemas, environment_types=types, call_format=call_format,
+                       stop_ids=stop_ids)
+    return Toolset(functions, None, schemas, factories, environment_schemas, types, call_format, stop_ids)
 
 
 def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
@@ -212,10 +214,10 @@ def check_chat_template(tokenizer, tool_name: str = "lookup") -> None:
     tool_suffix_ids(tokenizer, [messages[-1]])
 
 
-def tool_suffix_ids(tokenizer, tool_messages: List[dict]) -> List[int]:
-    """Token ids appended after a turn's EOS: the tool messages and the next generation prompt, as the chat template
-    renders them after an assistant turn (anything it writes after EOS included). UserError when the template is
-    not prefix-preserving there."""
+def tool_suffix_ids(tokenizer, tool_messages: List[dict], stop_ids: Sequence[int] = ()) -> List[int]:
+    """Token ids appended after a turn's EOS (or other `stop_ids` token): the tool messages and the next generation
+    prompt, as the chat template renders them after an assistant turn (anything it writes after EOS included).
+    UserError when the template is not prefix-preserving there."""
     call = {"type": "function", "id": tool_messages[0].get("tool_call_id", tc.SENTINEL_ID),
             "function": {"name": tool_messages[0].get("name", "tool"), "arguments": {}}}
     head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
@@ -223,7 +225,8 @@ def tool_suffix_ids(tokenizer, tool_messages: List[dict]) -> List[int]:
     full = tokenizer.apply_chat_template(head + tool_messages, tokenize=False, add_generation_prompt=True)
     prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
     full_ids = tokenizer(full, add_special_tokens=False)["input_ids"]
-    eos = [i for i, token in enumerate(prefix_ids) if token == tokenizer.eos_token_id]
+    stops = set(stop_ids) | {tokenizer.eos_token_id}
+    eos = [i for i, token in enumerate(prefix_ids) if token in stops]
     prefix_ids = prefix_ids[:eos[-1] + 1] if eos else prefix_ids
     if full_ids[:len(prefix_ids)] != prefix_ids:
         raise UserError("the chat template is not prefix-preserving: rendering a tool result changes the tokens "
@@ -310,7 +313,7 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
     lists) samples one turn per sequence. Each turn gets at most the episode's remaining budget: response_length
     sampled tokens in all, and context_limit tokens of prompt + response; a tool result is cut to
     max_tool_result_tokens tokens. See the module docstring for how episodes end and for the collectives."""
-    eos = tokenizer.eos_token_id
+    stops = set(toolset.stop_ids) | {tokenizer.eos_token_id}  # the EOS, and e.g. GPT-OSS's <|call|>
     for turn in range(response_length + 1):  # every turn samples >= 1 token: the budget bounds the loop
         running = [e for e in episodes if not e.done]
         still_running = len(running) if accelerator is None else ru.global_sum(accelerator, len(running))
@@ -329,7 +332,7 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
             message = tc.parse_turn(tokenizer, ids, episode.prompt_ids + episode.response_ids[:-len(ids)],
                                     toolset.schemas, toolset.call_format)
             episode.messages.append(message)
-            if not ids or ids[-1] != eos:  # cut by the budget
+            if not ids or ids[-1] not in stops:  # cut by the budget
                 episode.done = episode.truncated = True
                 continue
             calls = message.get("tool_calls") or []
@@ -351,7 +354,7 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
                 episode.tool_calls += 1
                 episode.tool_failures += failed
                 episode.truncated_results += cut
-            suffix = tool_suffix_ids(tokenizer, results)
+            suffix = tool_suffix_ids(tokenizer, results, toolset.stop_ids)
             if len(episode.prompt_ids) + len(episode.response_ids) + len(suffix) >= context_limit:
                 episode.done = episode.truncated = True  # no room for the results and one more token
                 continue

@@ -405,6 +405,8 @@ class Sampler:
             queries = pc.pad_sequences(sequences, self.pad, "left").to(self.accelerator.device)
             config = copy.deepcopy(generation_config)
             config.max_new_tokens = max(budgets)
+            if len(self.toolset.stop_ids) > 1:  # a turn also ends at e.g. GPT-OSS's <|call|>
+                config.eos_token_id = list(self.toolset.stop_ids)
             query_responses, logprobs, entropies, sampler_logprobs = self.sample(
                 queries, weights_version, entropy, config, first_turn, budgets, use_vllm)
             responses = query_responses[:, queries.shape[1]:].tolist()

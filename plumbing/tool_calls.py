@@ -8,7 +8,8 @@ back a call rendered by the chat template:
     llama3   the whole turn one JSON object {"name": ..., "parameters": {...}} (Llama 3.1-3.3), after <|python_tag|>
     mistral  `[TOOL_CALLS][{"name": ..., "arguments": {...}, "id": ...}]` (v3 tokenizers) or
              `[TOOL_CALLS]name[ARGS]{...}` once per call (v11+: Mistral Small 3.2, Magistral, Devstral)
-    gpt_oss  harmony: `to=functions.name ... <|message|>{...}<|call|>`
+    gpt_oss  harmony: `to=functions.name ... <|message|>{...}<|call|>` (a calling turn ends at <|call|>, not the EOS:
+             <|call|> then also ends a turn)
 A template that renders tools but whose calls none of these reads stops the run at start-up, naming the template.
 
 Every call, however it was written, goes through `normalise_call`: missing or null arguments are {} (a valid
@@ -201,12 +202,14 @@ def sentinel_conversation(tool_name: str) -> List[dict]:
             {"role": "tool", "name": tool_name, "tool_call_id": SENTINEL_ID, "content": "sentinel_result"}]
 
 
-def call_format(tokenizer, tool_name: str) -> str:
-    """The format the chat template writes tool calls in (see the module docstring): a call to `tool_name` rendered
-    by the template, read back by each parser in turn. UserError, naming the template, when none reads it, or when
-    the template ends a tool-calling turn with something other than the EOS (the turn would never end there)."""
+def call_format(tokenizer, tool_name: str) -> Tuple[str, List[int]]:
+    """(the format the chat template writes tool calls in, the token ids that end a turn): a call to `tool_name`
+    rendered by the template, read back by each parser in turn (see the module docstring). A turn ends at the EOS,
+    and also at the special token a tool-calling turn ends with when that is not the EOS (GPT-OSS's <|call|>).
+    UserError, naming the template, when no parser reads the call or the call's turn ends in no special token."""
+    eos = [tokenizer.eos_token_id]
     if getattr(tokenizer, "response_template", None) is not None:
-        return "response_template"
+        return "response_template", eos
     user, assistant, _ = sentinel_conversation(tool_name)
     prompt = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
     full = tokenizer.apply_chat_template([user, assistant], tokenize=False)
@@ -216,11 +219,13 @@ def call_format(tokenizer, tool_name: str) -> str:
         message = read_turn(tokenizer, _strip_special(tokenizer, turn), turn, name)
         if [c.get("function") for c in message.get("tool_calls", [])] == [assistant["tool_calls"][0]["function"]]:
             end = turn.rstrip()
-            if tokenizer.eos_token and not end.endswith(tokenizer.eos_token):
-                raise UserError(f"the chat template of {template} ends a tool-calling turn with {end[-12:]!r}, not "
-                                f"the EOS {tokenizer.eos_token!r}: turns are cut at the EOS, so a call would never end "
-                                f"its turn ({name} format: not supported for tools yet)")
-            return name
+            if tokenizer.eos_token and end.endswith(tokenizer.eos_token):
+                return name, eos
+            last = next((t for t in tokenizer.all_special_tokens if end.endswith(t)), None)
+            if last is None:
+                raise UserError(f"the chat template of {template} ends a tool-calling turn with {end[-12:]!r}, not a "
+                                f"special token: a sampled call could not end its turn ({name} format)")
+            return name, eos + [tokenizer.convert_tokens_to_ids(last)]
     raise UserError(f"the chat template of {template} writes a tool call as {turn.strip()[:100]!r}, which no "
                     f"parser here reads ({', '.join(FORMATS)}): give the tokenizer a response_template "
                     "(transformers >= 5.13, e.g. TRL's add_response_schema) or use a template in one of these formats")

@@ -257,7 +257,8 @@ class VLLMGenerator:
             top_p=1.0 if greedy else (generation_config.top_p or 1.0),
             top_k=0 if greedy else (generation_config.top_k or 0),  # 0: no top-k, in both libraries
             max_tokens=generation_config.max_new_tokens, min_tokens=generation_config.min_new_tokens or 0,
-            stop_token_ids=[self.tokenizer.eos_token_id], logit_bias={self.tokenizer.pad_token_id: PAD_LOGIT_BIAS},
+            stop_token_ids=stop_token_ids(generation_config, self.tokenizer),
+            logit_bias={self.tokenizer.pad_token_id: PAD_LOGIT_BIAS},
             logprobs=0, detokenize=False)
 
     @torch.no_grad()
@@ -306,6 +307,13 @@ class VLLMGenerator:
             if shutdown is not None:
                 shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def stop_token_ids(generation_config, tokenizer) -> List[int]:
+    """The tokens that end a completion: the config's eos_token_id (a list in tool episodes whose calling turns end
+    at another token, GPT-OSS's <|call|>), else the tokenizer's EOS."""
+    eos = generation_config.eos_token_id
+    return list(eos) if isinstance(eos, (list, tuple)) else [tokenizer.eos_token_id]
 
 
 def draw_seeds(rows: int) -> List[int]:

@@ -136,6 +136,9 @@ def tokenizers():
                                                              "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
                                                              "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
                                        bos_token="<s>"), "mistral"),
+        "gpt_oss": (char_tokenizer(read("gpt_oss.jinja"), "<|return|>", ["<|start|>", "<|end|>", "<|message|>",
+                                                                        "<|channel|>", "<|constrain|>", "<|call|>"]),
+                    "gpt_oss"),
     }
 
 
@@ -158,7 +161,14 @@ def play(tokenizer, toolset, turns, prompt, **kwargs):
                            **kwargs)[0]
 
 
-def rendered_turns(tokenizer, messages):
+def cut_after_stop(tokenizer, text, stop_ids):
+    """`text` up to and including its last turn-ending token (what is sampled; the template's text after it is not)."""
+    stops = [tokenizer.convert_ids_to_tokens(i) for i in set(stop_ids) | {tokenizer.eos_token_id}]
+    end = max(text.rindex(t) + len(t) for t in stops if t in text)
+    return text[:end]
+
+
+def rendered_turns(tokenizer, messages, stop_ids):
     """The text the template writes for each assistant message of `messages` (after the one before it): what a
     model trained on this template samples."""
     out = []
@@ -167,12 +177,11 @@ def rendered_turns(tokenizer, messages):
             before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
             after = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
             assert after.startswith(before)
-            text = after[len(before):]
-            out.append(text[:text.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)])
+            out.append(cut_after_stop(tokenizer, after[len(before):], stop_ids))
     return out
 
 
-@pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5", "llama3.1", "mistral_v3", "mistral_v11"])
+@pytest.mark.parametrize("name", ["qwen2.5", "qwen3.5", "llama3.1", "mistral_v3", "mistral_v11", "gpt_oss"])
 def test_each_format_is_detected_and_its_calls_run_token_for_token(name):
     tokenizer, expected_format = tokenizers()[name]
     toolset = ep.load_toolset(types.SimpleNamespace(tools=[f"{__file__}:lookup"], environment=None), tokenizer)
@@ -185,18 +194,18 @@ def test_each_format_is_detected_and_its_calls_run_token_for_token(name):
                              {"role": "tool", "name": "lookup", "content": "k c f",
                               **({"tool_call_id": "a1b2c3d4e"} if name == "mistral_v3" else {})},
                              {"role": "assistant", "content": "c f k"}]
-    turns = rendered_turns(tokenizer, conversation)
+    turns = rendered_turns(tokenizer, conversation, toolset.stop_ids)
     episode = play(tokenizer, toolset, turns, prompt)
     assert (episode.tool_calls, episode.tool_failures, episode.turns, episode.truncated) == (1, 0, 2, False)
     assert episode.messages[0]["tool_calls"] == [call]
     assert episode.messages[1]["content"] == "k c f" and episode.messages[2]["content"] == "c f k"
     # token in, token out: the episode is the template's rendering of its conversation
-    expected = tokenizer.apply_chat_template(conversation, tokenize=False, tools=toolset.schemas)
-    expected = expected[:expected.rindex(tokenizer.eos_token) + len(tokenizer.eos_token)]  # what follows: not sampled
+    expected = cut_after_stop(tokenizer, tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                                       tools=toolset.schemas), toolset.stop_ids)
     assert tokenizer.decode(episode.prompt_ids + episode.response_ids) == expected
 
 
-def test_gpt_oss_calls_are_read_but_its_call_token_is_refused_at_start_up():
+def test_gpt_oss_harmony_calls_and_their_turn_end():
     # harmony writes the recipient before or after the channel; both read, and the final channel is the content
     for turn in ['<|channel|>commentary to=functions.lookup <|constrain|>json<|message|>{"box": "4 8 2"}<|call|>',
                  ' to=functions.lookup<|channel|>commentary json<|message|>{"box": "4 8 2"}<|call|>']:
@@ -205,10 +214,16 @@ def test_gpt_oss_calls_are_read_but_its_call_token_is_refused_at_start_up():
             {"type": "function", "function": {"name": "lookup", "arguments": {"box": "4 8 2"}}}]
     final = "<|channel|>analysis<|message|>think<|end|><|start|>assistant<|channel|>final<|message|>c f k<|return|>"
     assert tc._gpt_oss(final, final) == ([], "c f k")
-    specials = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|call|>"]
-    tokenizer = char_tokenizer(read("gpt_oss.jinja"), "<|return|>", specials)
-    # the turn ends at <|call|>, which is not the EOS: the run would never see the call end its turn
-    with pytest.raises(UserError, match=r"ends a tool-calling turn with .*<\|call\|>.*not the EOS '<\|return\|>'"):
+    # a calling turn ends at <|call|>, not at the EOS (<|return|>): both end a turn
+    tokenizer, _ = tokenizers()["gpt_oss"]
+    toolset = ep.load_toolset(types.SimpleNamespace(tools=[f"{__file__}:lookup"], environment=None), tokenizer)
+    assert toolset.stop_ids == [tokenizer.convert_tokens_to_ids(t) for t in ("<|return|>", "<|call|>")]
+    # a template whose calling turn ends in plain text could never end a sampled call's turn
+    no_end = QWEN_TEMPLATE.replace("{%- endfor %}{{- '<|im_end|>\\n' }}",
+                                   "{%- endfor %}{{- '' if message.tool_calls else '<|im_end|>\\n' }}")
+    assert no_end != QWEN_TEMPLATE
+    tokenizer = char_tokenizer(no_end, "<|im_end|>", ["<|im_start|>"], ["<tool_call>", "</tool_call>"])
+    with pytest.raises(UserError, match=r"ends a tool-calling turn with .*</tool_call>', not a special token"):
         ep.load_toolset(types.SimpleNamespace(tools=[f"{__file__}:lookup"], environment=None), tokenizer)
 
 
@@ -315,3 +330,15 @@ def test_tool_results_are_cut_to_max_tool_result_tokens():
     assert metrics["tools/truncated_results"] == 1 and metrics["episodes/truncated_count"] == 0
     with pytest.raises(UserError, match="--max_tool_result_tokens must be >= 1"):
         ep.ToolFlags(max_tool_result_tokens=0).check()
+
+
+def test_generation_stops_at_every_turn_end():
+    """HF generate takes the list as the config's eos_token_id; vLLM as its stop_token_ids."""
+    from transformers import GenerationConfig
+
+    from plumbing import vllm_generation as vg
+
+    tokenizer, _ = tokenizers()["gpt_oss"]
+    call, eos = tokenizer.convert_tokens_to_ids("<|call|>"), tokenizer.eos_token_id
+    assert vg.stop_token_ids(GenerationConfig(eos_token_id=[eos, call]), tokenizer) == [eos, call]
+    assert vg.stop_token_ids(GenerationConfig(eos_token_id=eos), tokenizer) == [eos]
