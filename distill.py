@@ -50,7 +50,10 @@ class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, rs.
     seq_kd: bool = False
     """off-policy steps train on teacher-sampled completions (sequence-level KD) instead of the dataset's"""
     loss_top_k: int = 0
-    """gkd: the divergence over the teacher's k most likely tokens, renormalised there (0 = the whole vocabulary)"""
+    """gkd: the divergence over k tokens (TRL's IW-OPD): the teacher's top-k at beta 0, the student's at 1, their
+    union between (0 = the whole vocabulary)"""
+    loss_add_tail: bool = True
+    """with --loss_top_k: one more bucket holds the mass outside the k tokens (else both renormalised over them)"""
     cliprange: float = 0.2
     """clip range of the policy's importance ratio"""
 
@@ -65,16 +68,15 @@ ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, r
 
 # ALGO LOGIC: the distillation losses, pure functions of tensors (tested in tests/test_distill.py)
 def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, beta: float,
-                    top_k: int = 0) -> torch.Tensor:
+                    top_k: int = 0, add_tail: bool = True) -> torch.Tensor:
     """(b, R, V) student and teacher logits (temperature already applied) -> (b, R) per-token generalized JSD
     beta KL(T || M) + (1 - beta) KL(S || M) with M = beta T + (1 - beta) S; beta 0 is KL(T || S) (forward), 1 is
-    KL(S || T) (reverse). top_k > 0: both distributions restricted to the teacher's top_k tokens and renormalised
-    there. The teacher's side carries no gradient."""
+    KL(S || T) (reverse). 0 < top_k < V: over a support of tokens (`top_k_support`). The teacher's side carries no
+    gradient."""
     teacher_logits = teacher_logits.detach()
-    if top_k:
-        index = teacher_logits.topk(min(top_k, teacher_logits.shape[-1]), -1).indices  # (b, R, k)
-        student_logits, teacher_logits = student_logits.gather(-1, index), teacher_logits.gather(-1, index)
     student, teacher = F.log_softmax(student_logits.float(), -1), F.log_softmax(teacher_logits.float(), -1)
+    if 0 < top_k < student.shape[-1]:
+        student, teacher = top_k_support(student, teacher, beta, top_k, add_tail)
 
     def kl(p, q):  # KL(p || q) per position, from log-probs; 0 log 0 = 0
         return (p.exp() * (p - q)).nan_to_num(0.0).sum(-1)
@@ -85,6 +87,27 @@ def generalized_jsd(student_logits: torch.Tensor, teacher_logits: torch.Tensor, 
         return kl(student, teacher)
     mixture = torch.logsumexp(torch.stack([teacher + math.log(beta), student + math.log(1 - beta)]), 0)
     return beta * kl(teacher, mixture) + (1 - beta) * kl(student, mixture)
+
+
+def top_k_support(student: torch.Tensor, teacher: torch.Tensor, beta: float, k: int, add_tail: bool):
+    """(b, R, V) log-probs -> the same over k support tokens, -inf elsewhere, as TRL's IW-OPD defines the support:
+    the teacher's top-k for the forward KL (beta 0), the student's for the reverse KL (beta 1; mass the student puts
+    where the teacher has little is what that KL penalises), their union for the JSD between. With `add_tail`, a
+    (V+1)-th bucket holds each distribution's mass outside the support, log(1 - sum) (so k = 1 does not give 0), else
+    both are renormalised over the support."""
+    tops = ([teacher] if beta < 1 else []) + ([student] if beta > 0 else [])
+    support = torch.zeros_like(student, dtype=torch.bool)
+    for logprobs in tops:
+        support.scatter_(-1, logprobs.detach().topk(k, -1).indices, True)
+    student, teacher = student.masked_fill(~support, -math.inf), teacher.masked_fill(~support, -math.inf)
+    if not add_tail:
+        return student.log_softmax(-1), teacher.log_softmax(-1)
+
+    def with_tail(logprobs):  # TRL's _add_tail_bucket: the support's mass kept below 1
+        inside = logprobs.logsumexp(-1, keepdim=True).clamp(max=-1e-7)
+        return torch.cat([logprobs, torch.log(-torch.expm1(inside))], -1)
+
+    return with_tail(student), with_tail(teacher)
 
 
 def pg_token_loss(new_logprobs, old_logprobs, teacher_logprobs, epsilon: float, is_weights=None):
@@ -105,7 +128,7 @@ def token_terms(student_logits, teacher_chunk, tokens, *, teacher, teacher_hidde
     student's entropy), each (n,). Only the divergence (gkd) or the student's log-probs (pg) carry a gradient."""
     teacher_logits = (chunked_head.head_logits(teacher, teacher_chunk, args.temperature, pad_token_id)
                       if teacher_hidden else teacher_chunk)
-    divergence = (generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k)
+    divergence = (generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k, args.loss_add_tail)
                   if args.loss == "gkd" else torch.zeros_like(tokens, dtype=torch.float))
     with torch.no_grad():
         teacher_logprobs = pc.selective_logprobs(teacher_logits, tokens)
@@ -137,6 +160,9 @@ def validate(args: Args) -> int:
                         "--loss_top_k")
     if args.cliprange <= 0 or args.loss_top_k < 0:
         raise UserError("--cliprange must be > 0, --loss_top_k >= 0")
+    if args.loss_top_k == 1 and not args.loss_add_tail:
+        raise UserError("--loss_top_k 1 without --loss_add_tail compares two distributions on one token: the loss is "
+                        "always 0; use --loss_top_k >= 2 or keep the tail bucket (--loss_add_tail)")
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 

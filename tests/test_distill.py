@@ -53,33 +53,95 @@ def test_beta_zero_and_one_are_forward_and_reverse_kl():
 
 @pytest.mark.parametrize("beta", BETAS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("top_k", [0, 4])
-def test_equals_trl_generalized_jsd_loss(beta, temperature, top_k):
-    """TRL 1.16's GKDTrainer.generalized_jsd_loss on the same logits (top-k: on the logits gathered at the teacher's
-    top-k tokens), padding positions labelled -100: its batchmean is our masked per-token mean."""
+def test_equals_trl_generalized_jsd_loss(beta, temperature):
+    """TRL 1.16's GKDTrainer.generalized_jsd_loss on the same logits, padding positions labelled -100: its batchmean
+    is our masked per-token mean."""
     trl_gkd = pytest.importorskip("trl.experimental.gkd")
     student, teacher = random_logits(2, scale=2.0)
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[0, 3:] = False
     mask[2, 1:] = False
     labels = torch.where(mask, 1, -100)
-    ours = generalized_jsd(student / temperature, teacher / temperature, beta, top_k)
+    ours = generalized_jsd(student / temperature, teacher / temperature, beta)
     ours = ours[mask].sum() / mask.sum()
-    if top_k:
-        index = teacher.topk(top_k, -1).indices
-        student, teacher = student.gather(-1, index), teacher.gather(-1, index)
     theirs = trl_gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta,
                                                      temperature=temperature)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-6)
 
 
-def test_top_k_renormalises_over_the_teachers_top_tokens():
-    student, teacher = random_logits(3, shape=(2, 2, 9))
-    index = teacher.topk(3, -1).indices
-    expected = slow_jsd(student.gather(-1, index), teacher.gather(-1, index), 0.5)
-    assert torch.allclose(generalized_jsd(student, teacher, 0.5, top_k=3).double(), expected, atol=1e-5)
-    assert torch.allclose(generalized_jsd(student, teacher, 0.5, top_k=9), generalized_jsd(student, teacher, 0.5),
+def slow_top_k_jsd(student_logits, teacher_logits, beta, k, add_tail):
+    """TRL IW-OPD's top-k divergence by its definition, one position at a time, in float64: the support is the
+    teacher's top k (beta 0), the student's (beta 1) or both (between); probabilities from the whole vocabulary;
+    a tail bucket of 1 - their sum on each side, or both renormalised over the support."""
+    out = torch.zeros(student_logits.shape[:-1], dtype=torch.float64)
+    for index in torch.cartesian_prod(*[torch.arange(n) for n in student_logits.shape[:-1]]):
+        s = torch.softmax(student_logits[tuple(index)].double(), -1).tolist()
+        t = torch.softmax(teacher_logits[tuple(index)].double(), -1).tolist()
+        top = lambda p: sorted(range(len(p)), key=lambda i: -p[i])[:k]  # noqa: E731
+        support = sorted(set(top(t) if beta < 1 else []) | set(top(s) if beta > 0 else []))
+        s_sup, t_sup = [s[i] for i in support], [t[i] for i in support]
+        if add_tail:
+            s_sup, t_sup = s_sup + [1 - sum(s_sup)], t_sup + [1 - sum(t_sup)]
+        else:
+            s_sup, t_sup = [v / sum(s_sup) for v in s_sup], [v / sum(t_sup) for v in t_sup]
+
+        def kl(p, q):
+            return sum(pv * math.log(pv / qv) for pv, qv in zip(p, q) if pv > 0)
+
+        if beta in (0.0, 1.0):
+            out[tuple(index)] = kl(t_sup, s_sup) if beta == 0 else kl(s_sup, t_sup)
+        else:
+            m = [beta * tv + (1 - beta) * sv for sv, tv in zip(s_sup, t_sup)]
+            out[tuple(index)] = beta * kl(t_sup, m) + (1 - beta) * kl(s_sup, m)
+    return out
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("add_tail", [True, False])
+@pytest.mark.parametrize("k", [1, 3])
+def test_top_k_is_trls_iw_opd_support(beta, add_tail, k):
+    if k == 1 and not add_tail:
+        return  # refused at start-up (test_invalid_flags): one token, renormalised, is always 0
+    student, teacher = random_logits(3, shape=(2, 3, 9))
+    expected = slow_top_k_jsd(student, teacher, beta, k, add_tail)
+    assert torch.allclose(generalized_jsd(student, teacher, beta, k, add_tail).double(), expected, atol=1e-5)
+    assert torch.allclose(generalized_jsd(student, teacher, beta, top_k=9), generalized_jsd(student, teacher, beta),
                           atol=1e-6)  # k = V: the whole vocabulary
+
+
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("add_tail", [True, False])
+def test_top_k_equals_trl_iw_opd(beta, add_tail):
+    """TRL 1.16's IWOPDTrainer.generalized_jsd_loss (experimental/iw_opd) with loss_top_k and loss_add_tail, on the
+    same padded logits."""
+    iw_opd = pytest.importorskip("trl.experimental.iw_opd.iw_opd_trainer")
+    student, teacher = random_logits(5, scale=2.0)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1, 2:] = False
+    ours = generalized_jsd(student, teacher, beta, 3, add_tail)
+    theirs = iw_opd.IWOPDTrainer.generalized_jsd_loss(student, teacher, labels=torch.where(mask, 1, -100), beta=beta,
+                                                       top_k=3, add_tail=add_tail)
+    assert (ours[mask].sum() / mask.sum()).item() == pytest.approx(theirs.item(), rel=1e-5, abs=1e-6)
+
+
+def test_reverse_kl_sees_student_mass_outside_the_teachers_top_k():
+    """The audit's case: the student puts 0.935 on a token the teacher gives 0.0007. Restricted to the teacher's top-2
+    (the old rule) the reverse KL and its gradient were 0; over the student's top-2 with the tail (TRL's rule) the
+    loss is the full reverse KL's order, and the gradient pushes the student off that token."""
+    student_p = torch.tensor([0.935, 0.03249, 0.03249, 0.00001, 0.00001], dtype=torch.float64)
+    teacher_p = torch.tensor([0.0007, 0.49964, 0.49964, 0.00001, 0.00001], dtype=torch.float64)
+    student = student_p.log().float().view(1, 1, 5).requires_grad_()
+    teacher = teacher_p.log().float().view(1, 1, 5)
+    full = (student_p * (student_p.log() - teacher_p.log())).sum().item()  # the whole vocabulary's: 6.55
+    loss = generalized_jsd(student, teacher, 1.0, top_k=2)
+    expected = slow_top_k_jsd(student.detach(), teacher, 1.0, 2, True).item()
+    assert loss.item() == pytest.approx(expected, rel=1e-4) and loss.item() > 0.9 * full
+    loss.sum().backward()
+    assert student.grad[0, 0, 0] > 0  # descending lowers the student's mass where the teacher has little
+    # the teacher's top-2 renormalised (what --loss_top_k did before, at every beta) sees nothing
+    index = teacher.topk(2, -1).indices
+    old = generalized_jsd(student.detach().gather(-1, index), teacher.gather(-1, index), 1.0)
+    assert old.item() < 1e-5
 
 
 def test_kl_gradients_match_their_closed_forms():
@@ -115,7 +177,8 @@ def test_pg_token_loss_hand_worked():
 
 @pytest.mark.parametrize("flags,match", [(["--beta", "1.5"], "--beta and --lmbda"),
                                          (["--loss", "pg", "--lmbda", "0.5"], "needs --lmbda 1"),
-                                         (["--loss_top_k", "-1"], "--loss_top_k >= 0")])
+                                         (["--loss_top_k", "-1"], "--loss_top_k >= 0"),
+                                         (["--loss_top_k", "1", "--no_loss_add_tail"], "the loss is always 0")])
 def test_invalid_flags(flags, match):
     from conftest import run_script_in_process
 
