@@ -65,6 +65,9 @@ class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.
     """DAPO's dynamic sampling: sample more prompts until the batch is filled with groups whose rewards differ"""
     dynamic_sampling_max_rounds: int = 8
     """with --dynamic_sampling, at most this many rollouts per step (then flat groups fill the rest, counted)"""
+    dynamic_sampling_metric: Optional[Literal["accuracy", "reward"]] = None
+    """what a kept group's completions differ in: accuracy (0 < correct < G, DAPO eq. 11: correct = every reward
+    function scoring >= 1, overlong shaping aside) or reward (their rewards); None: accuracy with --reward_funcs"""
     num_eval_generations: int = 0
     """k completions sampled per held-out prompt for eval/pass@k and eval/mean@k with reward functions (0 = off)"""
 
@@ -114,21 +117,33 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     return advantages.nan_to_num(0.0), zero_std
 
 
+def flat_groups(rewards: torch.Tensor, correct: torch.Tensor, num_generations: int, metric: str) -> torch.Tensor:
+    """(P * G,) rewards (NaN: scored by no source), (P * G,) bool correct -> (P,) bool: the groups dynamic sampling
+    drops. accuracy: all correct or all wrong (DAPO eq. 11; with overlong shaping an all-wrong group's rewards differ
+    by length alone); reward: all rewards equal."""
+    if metric == "accuracy":
+        n_correct = correct.view(-1, num_generations).sum(1)  # (P,)
+        return (n_correct == 0) | (n_correct == num_generations)
+    return group_advantages(rewards, num_generations, "none")[1].view(-1, num_generations)[:, 0]
+
+
 def dynamic_sampling_rollout(sampler, accelerator, args, prompts_seen: int, weights_version: int,
                              local_prompts: int, old_logprobs: bool):
-    """DAPO's dynamic sampling (Yu et al. 2025): roll out this process's local_prompts prompts, keep the groups whose
-    rewards differ (a flat group has zero advantage: no signal), and roll out the next prompts of the stream until
+    """DAPO's dynamic sampling (Yu et al. 2025): roll out this process's local_prompts prompts, keep the groups that
+    are neither all correct nor all wrong (DAPO's eq. 11, verl's filter on accuracy; --dynamic_sampling_metric reward:
+    whose rewards differ; a flat group has zero advantage: no signal), and roll out the next prompts of the stream until
     EVERY process holds local_prompts such groups (one all-reduce per round, so all run the same rounds) or
     --dynamic_sampling_max_rounds rounds ran; the batch is the first local_prompts kept groups, topped up with flat
     ones if the cap was reached. Returns (batch, prompts consumed over all processes, metrics)."""
     G, kept, flat, rounds, sampled_flat = args.num_generations, [], [], 0, 0
+    metric = args.dynamic_sampling_metric or ("accuracy" if sampler.reward_sources.verdict_columns else "reward")
     while True:
         rollout = sampler.rollout(prompts_seen + rounds * local_prompts * accelerator.num_processes,
                                   weights_version=weights_version, old_logprobs=old_logprobs)
         rounds += 1
-        _, zero_std = group_advantages(scored_rewards(rollout), G, "none")  # (B,): the row's group is flat
-        group_is_flat = zero_std.view(-1, G)[:, 0]  # (P,)
-        rows = torch.arange(len(zero_std), device=zero_std.device).view(-1, G)  # (P, G)
+        group_is_flat = flat_groups(scored_rewards(rollout), sampler.reward_sources.correct(rollout.source_scores),
+                                    G, metric)  # (P,)
+        rows = torch.arange(len(rollout.rows), device=group_is_flat.device).view(-1, G)  # (P, G)
         kept.append(rollout.subset(rows[~group_is_flat].flatten()))
         flat.append(rollout.subset(rows[group_is_flat].flatten()))
         sampled_flat += group_is_flat.sum().item()
@@ -209,6 +224,9 @@ def validate(args: Args):
                         "starts above 0")
     if min(args.num_iterations, args.dynamic_sampling_max_rounds) < 1 or args.num_eval_generations < 0:
         raise UserError("--num_iterations and --dynamic_sampling_max_rounds must be >= 1, --num_eval_generations >= 0")
+    if args.dynamic_sampling_metric == "accuracy" and not args.reward_funcs:
+        raise UserError("--dynamic_sampling_metric accuracy needs --reward_funcs (a verifier says what is correct); "
+                        "use --dynamic_sampling_metric reward with a reward model")
     if args.importance_sampling_level == "sequence" and args.loss_type != "grpo" and os.environ.get("RANK", "0") == "0":
         print(f"warning: with --importance_sampling_level sequence the '{args.loss_type}' loss sums per-token "
               "contributions, which weights each sequence by its completion length instead of optimising the "

@@ -22,10 +22,10 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
     eval/eos_rate, eval/gold_score (when the task has a gold scorer) and eval/reward/<source>/*; with
     `pass_at_k` = k > 0 and reward functions, k sampled completions per prompt: eval/mean@k (the mean of their
     weighted function rewards) and eval/pass@k (a prompt passes when one of its k completions scores >= 1 by every
-    reward function that scores it: a verifier's "correct"). Every process runs an equal share (padded: only its
-    first n_real rows count), so all make the same model calls. Logs a few rows as eval/samples; returns means
-    over all processes' prompts. Sampling stays on HF generate with --use_vllm: greedy decoding is the ground
-    truth it is compared with."""
+    reward function that scores it, overlong shaping aside: a verifier's "correct", `Rewards.correct`). Every
+    process runs an equal share (padded: only its first n_real rows count), so all make the same model calls. Logs a
+    few rows as eval/samples; returns means over all processes' prompts. Sampling stays on HF generate with
+    --use_vllm: greedy decoding is the ground truth it is compared with."""
     args, accelerator, tokenizer = sampler.args, sampler.accelerator, sampler.tokenizer
     pad, chunk = sampler.pad, sampler.chunk
     greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
@@ -74,7 +74,7 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
                                                                             sampler.generation_config)
             function_reward, verdicts = verifiers(query_responses, context_length, rows, accelerator,
                                                   episodes=episodes)
-            correct = ((verdicts >= 1.0) | verdicts.isnan()).all(1) & ~verdicts.isnan().all(1)  # (b * k,)
+            correct = verifiers.correct(verdicts)  # (b * k,): overlong shaping is no verdict
             sums[f"pass@{k}"] += correct.view(-1, k).any(1)[:real].sum().item()
             sums[f"mean@{k}"] += function_reward.view(-1, k).mean(1)[:real].sum().item()
     sampler.policy.train(training)

@@ -95,7 +95,8 @@ class RewardFunction:
     `takes_kwargs` (has **kwargs: gets every column), `named` (keyword arguments it names), `required` (those
     without a default: the data must supply them)."""
 
-    def __init__(self, name: str, fn: Callable):
+    def __init__(self, name: str, fn: Callable, shaping: bool = False):
+        self.shaping = shaping  # a penalty (overlong), not a verdict on the answer: left out of `Rewards.correct`
         try:
             parameters = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
@@ -166,7 +167,7 @@ def overlong_penalty(response_length: int, buffer_length: int, factor: float) ->
     def overlong(sampled_lengths, **columns):
         return [factor * max(-1.0, min(0.0, (start - n) / buffer_length)) for n in sampled_lengths]
 
-    return RewardFunction("overlong", overlong)
+    return RewardFunction("overlong", overlong, shaping=True)
 
 
 def _short(value, width: int = 60) -> str:
@@ -252,6 +253,8 @@ class Rewards:
         self.names = [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
         if not self.names and required:  # required=False: a run that only logs rewards (distill.py) may have none
             raise UserError("no reward: give a --reward_model, --reward_funcs, or both")
+        offset = int(reward_model is not None)  # the verdicts: the functions' columns, shaping aside
+        self.verdict_columns = [offset + i for i, f in enumerate(self.functions) if not f.shaping]
         weights = [1.0] * len(self.names) if weights is None else list(weights)
         if len(weights) != len(self.names):
             raise UserError(f"--reward_weights has {len(weights)} value(s) for {len(self.names)} reward source(s) "
@@ -290,6 +293,12 @@ class Rewards:
             query_responses.new_zeros(len(query_responses), 0, dtype=torch.float32)  # (B, S)
         scores = torch.nansum(per_source * self.weights.to(per_source.device), 1)  # (B,)
         return scores, per_source
+
+    def correct(self, per_source: torch.Tensor) -> torch.Tensor:
+        """(B, S) per-source scores -> (B,) bool: the completion is correct, a verifier's "pass": every reward
+        function that scored it (the reward model and shaping aside) gave >= 1, and at least one did."""
+        verdicts = per_source[:, self.verdict_columns]  # (B, F)
+        return ((verdicts >= 1.0) | verdicts.isnan()).all(1) & ~verdicts.isnan().all(1)
 
     def _model_scores(self, query_responses, context_length, rows, chunk_size, share_prompts):
         pad = self.tokenizer.pad_token_id

@@ -122,3 +122,35 @@ def test_two_processes_agree_on_the_rounds(toy, tmp_path):
     train = [r for r in read_metrics(out) if r["step"] > 0]
     assert len(train) == 2 and all(r["episode"] == 64 * r["step"] for r in train)
     assert all(r["dynamic_sampling/rounds"] >= 1 and r["objective/frac_reward_zero_std"] == 0.0 for r in train)
+
+
+def test_groups_are_dropped_by_accuracy_or_by_reward():
+    """DAPO's eq. 11 keeps a group when 0 < #correct < G. With overlong shaping an all-wrong group's rewards still
+    differ by length: filtering on rewards (the old rule) kept it, to train on the length penalty alone."""
+    from grpo import flat_groups
+
+    rewards = torch.tensor([0.0, -0.5, -1.0, -0.25,   # all wrong, lengths differ
+                            1.0, 0.0, -0.5, 0.0,      # one right
+                            1.0, 1.0, 0.5, 1.0,       # all right, one long
+                            0.3, 0.3, 0.3, 0.3])      # all wrong, all equal
+    correct = rewards >= 1.0
+    correct[10] = True  # right, and penalised for its length
+    assert flat_groups(rewards, correct, 4, "accuracy").tolist() == [True, False, True, True]
+    assert flat_groups(rewards, correct, 4, "reward").tolist() == [False, False, False, True]
+
+
+def test_correct_is_every_verdict_at_least_one_with_shaping_aside():
+    from plumbing import reward_sources as rs
+
+    def f(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    overlong = rs.overlong_penalty(8, 4, 1.0)
+    sources = rs.Rewards(None, functions=[rs.RewardFunction("a", f), rs.RewardFunction("b", f), overlong])
+    nan = float("nan")
+    per_source = torch.tensor([[1.0, 1.0, -0.5],   # both verifiers pass; the length penalty is no verdict
+                               [1.0, 0.9, 0.0],    # one fails
+                               [1.0, nan, -1.0],   # b does not score it: a alone decides
+                               [nan, nan, 0.0]])   # no verifier scored it: not correct
+    assert sources.correct(per_source).tolist() == [True, False, True, False]
+    assert sources.verdict_columns == [0, 1]

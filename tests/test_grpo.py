@@ -577,6 +577,7 @@ def test_resume_in_place_equals_uninterrupted_run(run_resumable, tmp_path):
     (["--kl_target", "1.0", "--beta", "0"], "--kl_target"),
     (["--num_generations", "1"], "--num_generations"),
     (["--per_device_train_batch_size", "6"], "not divisible"),  # 6 rows, groups of 4
+    (["--dynamic_sampling", "--dynamic_sampling_metric", "accuracy"], "needs --reward_funcs"),  # a reward model only
 ])
 def test_bad_flags_fail_cleanly(toy, tmp_path, args, message):
     out = str(tmp_path / "never")
