@@ -85,8 +85,9 @@ def learn(args) -> list:
              f"`python benchmark/toy_async.py learn`; {machine()}. The toy alias's defaults (128 steps of 64 "
              f"completions), seeds {' '.join(map(str, args.seeds))}; held-out greedy gold after the last step; "
              "difference: paired with N = 0 of the same backend and seed (mean over seeds; largest |difference|). "
-             "Importance weights pi_old / pi_sampler over the stale steps' actions (default "
-             "--vllm_importance_sampling_mode sequence_mask, clip_max 3).", "",
+             "Importance weights pi_old / pi_sampler over the stale steps' actions (the default "
+             "--vllm_importance_sampling_mode: token_mask for grpo, sequence_mask for rloo's sequence view; "
+             "clip_max 3).", "",
              "| script | backend | N | final gold | gold - N=0 (mean) | largest \\|gold - N=0\\| | "
              "weights min .. max |",
              "|---|---|---|---|---|---|---|"]

@@ -13,8 +13,9 @@ trainer's weights at the start of the step (the proximal policy, pi_prox), and t
 decoupled objective of AReaL (Fu et al. 2025) and Hilton et al. 2022 ("Batch size-invariance for policy
 optimization"):
     loss_t = -min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t) * w_t,   r_t = pi / pi_prox,   w_t = pi_prox / pi_behav
-with w truncated or masked as --vllm_importance_sampling_mode / _clip_max / _clip_min say (AReaL's truncation:
-token_truncate; policy_common.importance_weights, computed by the scripts beside their loss). Reference log-probs and
+with w truncated or masked as --vllm_importance_sampling_mode / _clip_max / _clip_min say (by default AReaL's rule,
+token_mask: a token whose weight exceeds the cap is left out; policy_common.importance_weights, computed by the
+scripts beside their loss). Reference log-probs and
 rewards are computed at training time, as in the synchronous loop. At N = 0 the scripts call `Sampler.rollout`
 directly and nothing here runs.
 

@@ -67,11 +67,12 @@ class VLLMFlags:
     """GPUs one vLLM engine is sharded over (with one training process)"""
     vllm_sleep_mode: bool = False
     """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
-    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
-                                           "sequence_mask"] = "sequence_mask"
+    vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate",
+                                                    "sequence_mask"]] = None
     """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
     per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
-    outside (TRL 1.16's default: sequence_mask); rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
+    outside. None: sequence_mask (TRL 1.16's), but token_mask (AReaL's) with --max_staleness > 0 and a loss per
+    token; rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
     vllm_importance_sampling_clip_max: ClipMax = 3.0
     """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap (TRL's older name)
     and --vllm_is_cap (ppo.py's)"""
@@ -83,6 +84,8 @@ class VLLMFlags:
         weights (--max_staleness), so they are checked then too."""
         if self.use_vllm or getattr(self, "max_staleness", 0):
             self.check_importance_sampling()
+        elif self.vllm_importance_sampling_mode is None:
+            self.vllm_importance_sampling_mode = default_importance_sampling_mode(self)  # unused: no other sampler
         if not self.use_vllm:
             return
         require_vllm()
@@ -92,6 +95,8 @@ class VLLMFlags:
             raise UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
 
     def check_importance_sampling(self) -> None:
+        if self.vllm_importance_sampling_mode is None:  # resolved once here, so the run folder records the mode
+            self.vllm_importance_sampling_mode = default_importance_sampling_mode(self)
         mode, low, high = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                            self.vllm_importance_sampling_clip_max)
         if mode not in IS_MODES:
@@ -105,6 +110,15 @@ class VLLMFlags:
         if mode.endswith("_truncate") and low is None and high is None:
             raise UserError(f"--vllm_importance_sampling_mode {mode} clamps the weights: set "
                             "--vllm_importance_sampling_clip_max and/or --vllm_importance_sampling_clip_min")
+
+
+def default_importance_sampling_mode(args) -> str:
+    """--vllm_importance_sampling_mode None: AReaL's token_mask (Fu et al. 2025: tokens whose weight exceeds the cap
+    are left out) for samples of earlier weights, --max_staleness > 0, when the loss has a term per token; a product of
+    a long completion's token ratios leaves [clip_min, clip_max] for most completions, so sequence_mask would drop most
+    of the stale batch (benchmark/results/stale_weights.md). Otherwise TRL 1.16's sequence_mask (vLLM's rounding)."""
+    per_token_loss = getattr(args, "token_level_kl", True)  # rloo.py's sequence view has one term per completion
+    return "token_mask" if getattr(args, "max_staleness", 0) and per_token_loss else "sequence_mask"
 
 
 def merged_state_dict(model: nn.Module) -> dict:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script, run_script_in_process
+from conftest import ROOT, read_metrics, run_script, run_script_in_process
 from test_scale import run_distributed
 
 import grpo
@@ -101,6 +101,36 @@ def test_flag_checks():
     # rloo.py's sequence view weighs a completion, not its tokens
     proc = run_script_in_process("rloo.py", "--max_staleness", "1", "--vllm_importance_sampling_mode", "token_mask")
     assert proc.returncode == 2 and "sequence view" in proc.stderr
+
+
+def test_stale_samples_are_weighted_per_token_by_default():
+    """--vllm_importance_sampling_mode None: AReaL's token_mask for stale samples and a loss per token, TRL's
+    sequence_mask otherwise (vLLM's samples, rloo.py's sequence view); a mode given is kept."""
+    import distill
+    from plumbing import run_utils as ru
+
+    def mode(script, *argv):
+        return ru.parse_args(script.Args, script.ALIAS_DEFAULTS, argv=list(argv)).vllm_importance_sampling_mode
+
+    assert mode(grpo, "--max_staleness", "1") == "token_mask"
+    assert mode(rloo, "--max_staleness", "1", "--token_level_kl") == "token_mask"
+    assert mode(rloo, "--max_staleness", "1") == "sequence_mask"  # one term per completion
+    assert mode(grpo) == mode(rloo) == mode(distill) == "sequence_mask"  # TRL 1.16's default
+    assert mode(grpo, "--max_staleness", "1", "--vllm_importance_sampling_mode", "sequence_truncate") == \
+        "sequence_truncate"
+
+
+def test_the_stale_weights_model_is_its_monte_carlo():
+    """benchmark/stale_weights.py's closed form of the importance mass a sequence mask drops, against sampling."""
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    import stale_weights
+
+    for drift, length in ((0.0356, 512), (0.0356, 2048), (0.0118, 2048), (0.05, 1)):
+        closed, sampled = stale_weights.dropped_mass(drift, length), stale_weights.dropped_mass_sampled(drift, length)
+        assert closed == pytest.approx(sampled, abs=0.015), (drift, length)
+    assert stale_weights.dropped_mass(0.0356, 2048) > 0.6 > 0.2 > stale_weights.dropped_mass(0.0356, 1)
 
 
 SHORT = ["--eval_steps", "0", "--num_eval_prompts", "32", "--seed", "5"]
