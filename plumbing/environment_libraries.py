@@ -28,7 +28,6 @@ The libraries are imported only when their prefix is used."""
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
@@ -55,11 +54,6 @@ def _load(spec: str, rest: str):
         return ru.load_object(rest, "--environment")
     except UserError as e:  # name the whole spec, prefix included
         raise UserError(str(e).replace(repr(rest), repr(spec), 1)) from None
-
-
-def _run(value):
-    """A library's coroutine run to its end (tools run in their own thread and rewards outside any event loop)."""
-    return asyncio.run(value) if inspect.isawaitable(value) else value
 
 
 def _tool_method(name: str, description: str, parameters: list, hints: dict, arguments: dict, call: Callable):
@@ -140,7 +134,7 @@ def verifiers_factory(spec: str, rest: str) -> type:
     task_type, task_config, shared_toolsets = _verifiers_task(spec, rest)
     data_type, state_type = task_type.data_type(), state_cls(task_type)
     for toolset in shared_toolsets:  # taskset-scoped servers: set up once, shared by every episode (verifiers' too)
-        _run(toolset.setup())
+        ru.awaited(toolset.setup())
     probe_tools = _verifiers_tools(shared_toolsets + task_type.toolsets(task_config))
 
     def tool(name):
@@ -148,7 +142,7 @@ def verifiers_factory(spec: str, rest: str) -> type:
             fn, _ = self._tools[name]
             token = _call_state.set(self.state)
             try:
-                return _run(fn(**kwargs))
+                return ru.awaited(fn(**kwargs))
             finally:
                 _call_state.reset(token)
         return call
@@ -156,7 +150,7 @@ def verifiers_factory(spec: str, rest: str) -> type:
     def __init__(self):
         self._toolsets = task_type.toolsets(task_config)  # task-scoped servers: one per episode slot
         for toolset in self._toolsets:
-            _run(toolset.setup())
+            ru.awaited(toolset.setup())
         self._tools = _verifiers_tools(shared_toolsets + self._toolsets)
         self.task, self.state = None, state_type()
 
@@ -169,13 +163,13 @@ def verifiers_factory(spec: str, rest: str) -> type:
                              f"{str(e).splitlines()[0]}") from None
         self.task, self.state = task_type(data, task_config), state_type()
         for toolset in self._toolsets:
-            _run(toolset.setup_task(self.task))
+            ru.awaited(toolset.setup_task(self.task))
         return None
 
     def get_reward(self, prompt, completion) -> float:
         """The Task's score of this episode (verifiers' Task.score on a Trace of it)."""
         trace = verifiers_trace(self.task, prompt, completion, self.state)
-        _run(self.task.score(trace))
+        ru.awaited(self.task.score(trace))
         return trace.reward
 
     methods = {"__init__": __init__, "reset": reset, "get_reward": get_reward, "__doc__": task_type.__doc__}
@@ -302,14 +296,14 @@ def _openenv_class(environment_type: type, action_type: type) -> type:
         accepted = inspect.signature(self.environment.reset).parameters
         takes_all = any(p.kind == p.VAR_KEYWORD for p in accepted.values())
         self.reward, self.done = 0.0, False
-        text = self._observe(_run(self.environment.reset(**{k: v for k, v in row.items() if k in accepted or (
+        text = self._observe(ru.awaited(self.environment.reset(**{k: v for k, v in row.items() if k in accepted or (
             takes_all and k != "prompt")})))
         return "\n" + text if text else None
 
     def step(self, kwargs):
         if self.done:
             raise RuntimeError("the episode is over: the environment returned done")
-        return self._observe(_run(self.environment.step(action_type(**kwargs))))
+        return self._observe(ru.awaited(self.environment.step(action_type(**kwargs))))
 
     def get_reward(self) -> float:
         """The rewards the environment returned in this episode, summed."""

@@ -36,7 +36,6 @@ function in order; 1.0 each by default).
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import math
 import numbers
@@ -148,7 +147,7 @@ def environment_reward(environment: type) -> RewardFunction:
     def get_reward(environments, prompts=None, completions=None, **columns):
         episode = lambda i: {k: v[i] for k, v in (("prompt", prompts), ("completion", completions)) if k in named}  # noqa: E731
         values = [e.get_reward(**episode(i)) if type(e) is environment else None for i, e in enumerate(environments)]
-        return [asyncio.run(v) if inspect.iscoroutine(v) else v for v in values]  # an async get_reward (TRL's too)
+        return [ru.awaited(v) for v in values]  # an async get_reward (TRL's too)
 
     return RewardFunction(environment.__name__, get_reward)
 
@@ -192,7 +191,7 @@ def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -
         return f"row {i} (prompt {_short(prompt)}, completion {_short(arguments['completions'][i])})"
 
     try:
-        values = _result(function.fn(**arguments))
+        values = ru.awaited(function.fn(**arguments))  # an async function: awaited (TRL's too)
     except Exception as e:
         first = next((i for i in range(n) if _raises(function, {**arguments, **{k: v[i:i + 1] for k, v in
                                                                                  lists.items()}})), None)
@@ -215,18 +214,9 @@ def call_reward_function(function: RewardFunction, arguments: Dict[str, list]) -
     return out, None
 
 
-def _result(value):
-    """A reward function's return value, awaited when it is async (TRL awaits them too)."""
-    return asyncio.run(_awaited(value)) if inspect.isawaitable(value) else value
-
-
-async def _awaited(awaitable):
-    return await awaitable
-
-
 def _raises(function: RewardFunction, arguments: Dict[str, list]) -> bool:
     try:
-        _result(function.fn(**arguments))
+        ru.awaited(function.fn(**arguments))
     except Exception:
         return True
     return False

@@ -9,8 +9,10 @@ once per step by every process, never a number of times that depends on one proc
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import dataclasses
+import inspect
 import math
 import os
 import random
@@ -371,6 +373,18 @@ def global_sum(accelerator, value: float) -> float:
     if accelerator.num_processes > 1:
         total = accelerator.reduce(total, reduction="sum")
     return total.item()
+
+
+def awaited(value):
+    """`value`, or when it is awaitable (an async tool's, reward function's or environment method's result) its
+    result, run to the end in an event loop of its own (asyncio.run takes a coroutine only, hence the wrapper)."""
+    if not inspect.isawaitable(value):
+        return value
+
+    async def wait():
+        return await value
+
+    return asyncio.run(wait())
 
 
 def is_finite(value) -> bool:

@@ -22,13 +22,13 @@ counted, because a malformed call is a failed tool use the researcher wants to s
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import json
 import re
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
+from plumbing import run_utils as ru
 from plumbing.errors import UserError
 
 TOOL_CALL_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -251,10 +251,7 @@ def call_tool(tools: Dict[str, Callable], call: dict, timeout: float):
 
     def run():
         try:
-            result = tools[name](**arguments)
-            if inspect.isawaitable(result):  # an async tool (TRL awaits them too)
-                result = asyncio.run(_awaited(result))
-            outcome["result"] = result
+            outcome["result"] = ru.awaited(tools[name](**arguments))  # an async tool: awaited (TRL's too)
         except Exception as e:  # noqa: BLE001 - any tool failure becomes a message to the model
             outcome["error"] = f"{type(e).__name__}: {e}"
 
@@ -267,10 +264,6 @@ def call_tool(tools: Dict[str, Callable], call: dict, timeout: float):
         return json.dumps({"error": outcome["error"]}), True
     result = outcome["result"]
     return (json.dumps(result) if isinstance(result, (dict, list)) else str(result)), False
-
-
-async def _awaited(awaitable):
-    return await awaitable
 
 
 def truncate_result(tokenizer, content: str, max_tokens: Optional[int]) -> Tuple[str, bool]:

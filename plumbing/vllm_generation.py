@@ -82,10 +82,10 @@ class VLLMFlags:
     def check(self) -> None:
         """One-line errors before anything loads; the importance-sampling flags also weight samples of earlier
         weights (--max_staleness), so they are checked then too."""
+        if self.vllm_importance_sampling_mode is None:  # resolved once here, so the run folder records the mode
+            self.vllm_importance_sampling_mode = default_importance_sampling_mode(self)
         if self.use_vllm or getattr(self, "max_staleness", 0):
             self.check_importance_sampling()
-        elif self.vllm_importance_sampling_mode is None:
-            self.vllm_importance_sampling_mode = default_importance_sampling_mode(self)  # unused: no other sampler
         if not self.use_vllm:
             return
         require_vllm()
@@ -95,8 +95,6 @@ class VLLMFlags:
             raise UserError("--use_vllm serves the policy's merged weights: not with --load_in_4bit")
 
     def check_importance_sampling(self) -> None:
-        if self.vllm_importance_sampling_mode is None:  # resolved once here, so the run folder records the mode
-            self.vllm_importance_sampling_mode = default_importance_sampling_mode(self)
         mode, low, high = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                            self.vllm_importance_sampling_clip_max)
         if mode not in IS_MODES:
