@@ -32,8 +32,26 @@ from plumbing.errors import RolloutError, UserError
 
 
 @dataclass
+class EntropyFlags:
+    """grpo.py's entropy bonus and Skywork-OR1's adaptive control of it (TRL 1.16's names and defaults)"""
+    entropy_coef: float = 0.0
+    """entropy bonus: the loss minus entropy_coef x the mean token entropy (with --use_adaptive_entropy: its start)"""
+    use_adaptive_entropy: bool = False
+    """Skywork-OR1: each optimizer step entropy_coef grows by --entropy_coef_delta while the entropy is <=
+    --entropy_target, else shrinks; the bonus applies only at or below the target"""
+    entropy_coef_min: float = 0.0
+    """with --use_adaptive_entropy: the smallest entropy_coef"""
+    entropy_coef_max: float = 1.0
+    """with --use_adaptive_entropy: the largest entropy_coef"""
+    entropy_coef_delta: float = 0.005
+    """with --use_adaptive_entropy: entropy_coef's change per optimizer step"""
+    entropy_target: float = 0.2
+    """with --use_adaptive_entropy: the mean token entropy (nats) at or below which the bonus applies"""
+
+
+@dataclass
 class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.ReferenceFlags, rs.RewardFlags,
-           tl.KLControlFlags, ps.PromptSharingFlags, vg.VLLMFlags, ra.AsyncFlags, ep.ToolFlags):
+           tl.KLControlFlags, ps.PromptSharingFlags, vg.VLLMFlags, ra.AsyncFlags, ep.ToolFlags, EntropyFlags):
     # shared flags whose default differs here (TRL 1.16's GRPOConfig)
     learning_rate: float = 1e-6
     response_length: int = 512
@@ -41,8 +59,19 @@ class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.
     # GRPO (names and defaults of TRL 1.16's GRPOConfig)
     num_generations: int = 8
     """completions sampled per prompt (the group of the group-relative advantage)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide advantages by the std of the group's rewards, of the whole batch's, or not at all (none = Dr. GRPO)"""
+    scale_rewards: Literal["group", "batch", "none", "maxrl"] = "group"
+    """divide advantages by the std of the group's rewards, of the whole batch's, not at all (none = Dr. GRPO), or by
+    the group's mean reward (maxrl: MaxRL, Tajwar et al. 2026, for pass rates: a group of mean <= 0 gets 0)"""
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    """several reward sources: normalise their weighted sum (--scale_rewards), or each in its group, then the weighted
+    sum over the batch (normalize_then_sum: GDPO)"""
+    reward_variance_filtering: Optional[Literal["top_p", "top_k"]] = None
+    """train on the groups of highest reward variance only (RAGEN-2): the fewest holding --reward_variance_top_p of
+    the summed variance, or the --reward_variance_top_k largest; None: every group"""
+    reward_variance_top_p: float = 0.9
+    """with --reward_variance_filtering top_p: the fraction of the batch's summed group reward variance kept"""
+    reward_variance_top_k: int = 1
+    """with --reward_variance_filtering top_k: the number of groups kept, over all processes"""
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = "dapo"
     """how token losses become the step's loss: grpo (sequence means), bnpo (token mean per micro-batch), dr_grpo
     (token sum / constant), dapo (token mean over the global batch); see aggregate_loss"""
@@ -57,6 +86,13 @@ class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.
     """mu: optimizer steps on each generated batch (1: the ratio is 1 and no old-log-prob forward runs)"""
     beta: float = 0.0
     """weight of the k3 KL-to-reference term added to each token's loss (0: no reference model is loaded)"""
+    use_bias_correction_kl: bool = True
+    """multiply each token's KL term by its ratio pi / pi_old (DeepSeek-V3.2's unbiased KL gradient; on-policy too)"""
+    off_policy_mask_threshold: Optional[float] = None
+    """drop from the surrogate completions of negative advantage whose mean log(pi_sampler / pi) is above this
+    (DeepSeek-V3.2's delta: 0.5, say); None: off"""
+    top_entropy_quantile: float = 1.0
+    """train the surrogate on this top fraction of tokens by entropy only ("Beyond the 80/20 rule": 0.2); 1: all"""
     mask_truncated_completions: bool = False
     """leave completions without EOS (cut at response_length) out of the loss (DAPO)"""
     skip_zero_std_groups: bool = False
@@ -92,7 +128,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     """(P * G,) rewards, NaN for a completion no source scored, grouped prompt by prompt (rows [i*G, (i+1)*G) share
     prompt i) -> (advantages (P * G,), zero_std (P * G,) bool: the row's group has no reward spread).
     advantage = reward - mean of its group, divided by (std + 1e-4) of its group (`group`), of all processes'
-    rewards (`batch`), or not (`none`); stds are unbiased, NaN rows are left out and get advantage 0.
+    rewards (`batch`), by the group's mean (`maxrl`: (r - mean) / mean, MaxRL's estimator of the gradient of log pass
+    rate, 0 where the mean is <= 0: no success), or not (`none`); stds are unbiased, NaN rows get advantage 0.
     A group is flat when its scored rewards' maximum equals their minimum, decided on the rewards themselves: in
     float32 the mean of G equal values can be a rounding step off (3 x 1000.1: std 6e-5, advantages +0.35 each),
     so a computed std is never compared with 0; a flat group's advantages are exactly 0."""
@@ -112,9 +149,60 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
         squares = ((rewards[scored] - sums[0] / sums[1]) ** 2).sum()
         squares = squares if accelerator is None else accelerator.reduce(squares, reduction="sum")
         advantages = advantages / ((squares / (sums[1] - 1).clamp(min=1)).sqrt() + 1e-4)
+    elif scale_rewards == "maxrl":
+        mean = mean.expand_as(grouped).reshape(-1)
+        advantages = torch.where(mean > 0, advantages / mean.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
     elif scale_rewards != "none":
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return advantages.nan_to_num(0.0), zero_std
+
+
+def decoupled_advantages(per_source: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                         penalty: Optional[torch.Tensor] = None, accelerator=None):
+    """GDPO (Liu et al. 2026; TRL's multi_objective_aggregation normalize_then_sum): (P * G, S) scores of each reward
+    source (NaN: not scored), (S,) weights -> (advantages (P * G,), zero_std (P * G,) bool: the group is flat).
+    Each source's scores are normalised within their group, (s - mean) / (std + 1e-4), summed weighted (a source
+    that did not score a row adds 0; a row no source scored is left out with advantage 0), `penalty` (P * G,) is
+    subtracted (--missing_eos_penalty, in reward units), and the sums are normalised over every process's batch:
+    (r - batch mean) / (batch std + 1e-4). So a source of large scale or spread cannot drown the others."""
+    grouped = per_source.view(-1, num_generations, per_source.shape[1])  # (P, G, S)
+    mean = grouped.nanmean(1, keepdim=True)
+    count = (~grouped.isnan()).sum(1, keepdim=True)
+    std = (((grouped - mean) ** 2).nansum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()
+    rewards = (((grouped - mean) / (std + 1e-4)) * weights.to(grouped)).nansum(2).reshape(-1)  # (P * G,)
+    rewards = rewards.masked_fill(per_source.isnan().all(1), math.nan)
+    rewards = rewards if penalty is None else rewards - penalty
+    scored = ~rewards.isnan()
+    sums = torch.stack([rewards[scored].sum(), scored.sum().to(rewards.dtype)])
+    sums = sums if accelerator is None else accelerator.reduce(sums, reduction="sum")
+    squares = ((rewards[scored] - sums[0] / sums[1]) ** 2).sum()
+    squares = squares if accelerator is None else accelerator.reduce(squares, reduction="sum")
+    advantages = (rewards - sums[0] / sums[1]) / ((squares / (sums[1] - 1).clamp(min=1)).sqrt() + 1e-4)
+    return advantages.nan_to_num(0.0), group_advantages(rewards, num_generations, "none")[1]
+
+
+def reward_variance_groups(rewards: torch.Tensor, num_generations: int, strategy: str, top_p: float, top_k: int,
+                           accelerator=None) -> torch.Tensor:
+    """RAGEN-2's SNR-aware filtering (Wang et al. 2026; TRL PR #7242): (P * G,) rewards (NaN: not scored) -> (P * G,)
+    bool, the rows of the groups kept. Groups are ranked by the unbiased variance of their scored rewards over every
+    process (ties: the earlier group first); `top_k` keeps the top_k first, `top_p` the fewest first groups whose
+    variances sum to top_p of the total. A group without variance is never kept."""
+    grouped = rewards.view(-1, num_generations)  # (P, G)
+    count = (~grouped.isnan()).sum(1)
+    variance = ((grouped - grouped.nanmean(1, keepdim=True)) ** 2).nansum(1) / (count - 1).clamp(min=1)  # (P,)
+    variance = variance.nan_to_num(0.0)
+    every = variance if accelerator is None or accelerator.num_processes == 1 else accelerator.gather(variance)
+    order = torch.argsort(every, descending=True, stable=True)
+    order = order[every[order] > 0]
+    if strategy == "top_k":
+        chosen = order[:top_k]
+    else:  # the first index where the running sum reaches top_p of the total (relative slack for rounding)
+        cutoff = torch.searchsorted(every[order].cumsum(0), top_p * every.sum() * (1 - 1e-6)).item()
+        chosen = order[:cutoff + 1]
+    kept = torch.zeros_like(every, dtype=torch.bool)
+    kept[chosen] = True
+    first = 0 if accelerator is None else accelerator.process_index * len(variance)
+    return kept[first:first + len(variance)].repeat_interleave(num_generations)
 
 
 def flat_groups(rewards: torch.Tensor, correct: torch.Tensor, num_generations: int, metric: str) -> torch.Tensor:
@@ -161,13 +249,48 @@ def scored_rewards(batch) -> torch.Tensor:
     return batch.scores.masked_fill(batch.source_scores.isnan().all(1), math.nan)
 
 
+def off_policy_mask(advantages, new_logprobs, sampling_logprobs, mask, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2's off-policy sequence masking (its eq. 9; TRL's off_policy_mask_threshold): (b,) advantages,
+    (b, R) log-probs of the policy now and of the policy that sampled, (b, R) loss mask -> (b, 1): 0 for a completion
+    of negative advantage whose mean over its loss tokens of log pi_sampler - log pi is above `threshold`, else 1.
+    A token the sampler could not score (NaN) counts 0."""
+    mask = mask.to(new_logprobs.dtype)
+    log_ratio = torch.where(mask > 0, (sampling_logprobs - new_logprobs.detach()).nan_to_num(0.0), 0.0)
+    mean_kl = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)  # (b, 1)
+    return ((advantages[:, None] >= 0) | (mean_kl <= threshold)).to(new_logprobs.dtype)
+
+
+def high_entropy_mask(entropy, mask, quantile: float, accelerator=None) -> torch.Tensor:
+    """(b, R) token entropies and loss mask -> (b, R): 1 on the loss tokens whose entropy is at least the
+    (1 - quantile) quantile of every process's loss-token entropies (Wang et al. 2025, "Beyond the 80/20 rule": the
+    forking tokens; TRL's top_entropy_quantile), 0 elsewhere. quantile 0 keeps the highest-entropy token(s)."""
+    mask = mask.bool()
+    values = entropy.detach()[mask]
+    values = values if values.dtype in (torch.float32, torch.float64) else values.float()  # quantile's dtypes
+    if accelerator is not None and accelerator.num_processes > 1:  # entropies are >= 0: -1 marks the padding
+        values = accelerator.gather(accelerator.pad_across_processes(values, dim=0, pad_index=-1.0))
+        values = values[values >= 0]
+    if values.numel() == 0:
+        return torch.zeros_like(entropy)
+    return ((entropy.detach() >= torch.quantile(values, 1 - quantile)) & mask).to(entropy.dtype)
+
+
+def adaptive_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float):
+    """Skywork-OR1's adaptive entropy control (He et al. 2025, TRL's use_adaptive_entropy): after an optimizer step
+    whose mean token entropy was `entropy`, the coefficient moves by delta towards more bonus at or below `target`,
+    less above it, within [low, high]."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+
+
 def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *, importance_sampling_level: str,
-                   epsilon: float, epsilon_high: float, beta: float, is_weights=None):
+                   epsilon: float, epsilon_high: float, beta: float, is_weights=None, keep=None,
+                   use_bias_correction_kl: bool = False):
     """The clipped surrogate (+ beta x k3 KL to the reference) per token. new/old/ref_logprobs, mask: (b, R);
     advantages (b,). Token level: ratio_t = exp(new_t - old_t); sequence level (GSPO): one ratio per sequence,
-    exp(mean over its tokens of new - old). is_weights (b, R): the surrogate of each token times its weight
-    (pc.importance_weights: samples of another policy; the KL term is not reweighted, as TRL). Returns (loss (b, R),
-    stats)."""
+    exp(mean over its tokens of new - old). keep (b, R) or (b, 1): 0 leaves a token's (a completion's) surrogate out
+    (off_policy_mask, high_entropy_mask). is_weights (b, R): the surrogate of each token times its weight
+    (pc.importance_weights: samples of another policy). The KL term is neither masked nor reweighted (as TRL); with
+    use_bias_correction_kl it is multiplied by the ratio (DeepSeek-V3.2). Returns (loss (b, R), stats)."""
     mask = mask.to(new_logprobs.dtype)
     log_ratio = new_logprobs - old_logprobs  # (b, R)
     if importance_sampling_level == "sequence":
@@ -175,11 +298,13 @@ def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])  # (b, R) or (b, 1)
+    if keep is not None:
+        loss = loss * keep
     if is_weights is not None:
         loss = loss * is_weights  # (b, R)
     if beta != 0.0:
         kl = torch.exp(ref_logprobs - new_logprobs) - (ref_logprobs - new_logprobs) - 1  # k3, >= 0
-        loss = loss + beta * kl
+        loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
     loss = loss.expand_as(mask)
     with torch.no_grad():  # means over the actions (tokens or sequences) in the loss; 0 when there are none
         actions = mask if ratio.shape == mask.shape else (mask.sum(1, keepdim=True) > 0).to(mask.dtype)
@@ -211,6 +336,36 @@ def aggregate_loss(token_loss, mask, loss_type: str, response_length: int, token
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def micro_batch_loss(args, new_logprobs, token_entropy, old_logprobs, sampling_logprobs, ref_logprobs, advantages,
+                     loss_mask, is_weights, *, beta: float, entropy_coef: float, tokens_per_micro_batch: float,
+                     accelerator=None):
+    """One micro-batch's loss, composed as TRL 1.16's GRPOTrainer._compute_loss: the surrogate of the tokens kept
+    (off_policy_mask vs the sampler's log-probs, high_entropy_mask) times the importance weights, + beta x KL, then
+    aggregated (--loss_type), minus entropy_coef x the mean entropy of the loss tokens the surrogate trains on (the
+    bonus: `token_entropy` with gradient; not rescaled by the loss type, as TRL). (b, R) tensors, (b,) advantages.
+    Returns (loss, stats, (2,) entropy sum and token count of those tokens: adaptive entropy control's measure)."""
+    keep, trained, stats = None, loss_mask, {}
+    if args.off_policy_mask_threshold is not None:
+        keep = off_policy_mask(advantages, new_logprobs, sampling_logprobs, loss_mask, args.off_policy_mask_threshold)
+        stats["policy/off_policy_masked_fraction"] = 1 - keep.mean()
+    if args.top_entropy_quantile < 1:
+        high = high_entropy_mask(token_entropy, loss_mask, args.top_entropy_quantile, accelerator)
+        keep, trained = (high if keep is None else keep * high), loss_mask.bool() & (high > 0)
+    token_loss, loss_stats = per_token_loss(
+        new_logprobs, old_logprobs, ref_logprobs, advantages, loss_mask,
+        importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
+        epsilon_high=args.epsilon_high, beta=beta, is_weights=is_weights, keep=keep,
+        use_bias_correction_kl=args.use_bias_correction_kl)
+    loss = aggregate_loss(token_loss, loss_mask, args.loss_type, args.response_length, tokens_per_micro_batch)
+    window = torch.zeros(2, device=new_logprobs.device)
+    if args.entropy_coef != 0 or args.use_adaptive_entropy:
+        trained = trained.to(token_entropy.dtype)
+        entropy_sum, tokens = (token_entropy * trained).sum(), trained.sum()
+        loss = loss - entropy_coef * entropy_sum / tokens.clamp(min=1.0)
+        window = torch.stack([entropy_sum.detach(), tokens]).to(window)
+    return loss, {**loss_stats, **stats}, window
+
+
 def validate(args: Args):
     """Check GRPO's flags (each flag group checked its own in ru.parse_args) and derive the per-process sizes once:
     returns (local_batch_size, local_prompts): completions per process per step, and the prompts they sample (the
@@ -224,6 +379,17 @@ def validate(args: Args):
                         "starts above 0")
     if min(args.num_iterations, args.dynamic_sampling_max_rounds) < 1 or args.num_eval_generations < 0:
         raise UserError("--num_iterations and --dynamic_sampling_max_rounds must be >= 1, --num_eval_generations >= 0")
+    if not 0 <= args.top_entropy_quantile <= 1 or not 0 < args.reward_variance_top_p <= 1 \
+            or args.reward_variance_top_k < 1:
+        raise UserError("--top_entropy_quantile must be in [0, 1], --reward_variance_top_p in (0, 1] and "
+                        "--reward_variance_top_k >= 1")
+    if args.use_adaptive_entropy and not (args.entropy_coef_min <= args.entropy_coef_max and
+                                          args.entropy_coef_delta >= 0):
+        raise UserError("--use_adaptive_entropy needs --entropy_coef_min <= --entropy_coef_max and "
+                        "--entropy_coef_delta >= 0")
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards != "group":
+        raise UserError("--multi_objective_aggregation normalize_then_sum normalises each source within its group and "
+                        "the sum over the batch itself: leave --scale_rewards at its default (group)")
     if args.dynamic_sampling_metric == "accuracy" and not args.reward_funcs:
         raise UserError("--dynamic_sampling_metric accuracy needs --reward_funcs (a verifier says what is correct); "
                         "use --dynamic_sampling_metric reward with a reward model")
@@ -263,7 +429,8 @@ def main():
     # 4. optimizer, linear decay per optimizer step, checkpointable state (kl_coef: beta), the sampler
     optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_optimizer_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.beta)
+    state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.beta,
+                 entropy_coef=args.entropy_coef, last_entropy=math.inf)  # the last two: adaptive entropy control
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
@@ -277,6 +444,9 @@ def main():
     if state["step"] == 0:
         logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0, pass_at_k=args.num_eval_generations), step=0)
 
+    # the policy's entropy in every forward: the high-entropy tokens, an entropy bonus (then with its gradient)
+    entropy_bonus = args.entropy_coef != 0 or args.use_adaptive_entropy
+    needs_entropy = entropy_bonus or args.top_entropy_quantile < 1
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, beta = state["step"] + 1, state["kl_coef"]
@@ -294,42 +464,64 @@ def main():
         response_mask, truncated = batch.response_mask, batch.truncated  # (B, R), (B,)
         scores = scored_rewards(batch)  # (B,): scored by no source: NaN, left out
 
-        # 6. group-relative advantages; the loss mask and its token count over all processes (for dapo)
-        advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, accelerator)
+        # 6. group-relative advantages (GDPO: each reward source normalised in its group); the loss mask and its
+        #    token count over all processes (for dapo)
+        if args.multi_objective_aggregation == "normalize_then_sum":
+            penalty = truncated.float() * (args.missing_eos_penalty or 0.0)
+            advantages, zero_std = decoupled_advantages(batch.source_scores, reward_sources.weights,
+                                                        args.num_generations, penalty, accelerator)
+        else:
+            advantages, zero_std = group_advantages(scores, args.num_generations, args.scale_rewards, accelerator)
         loss_mask = response_mask & ~(truncated[:, None] & args.mask_truncated_completions)  # DAPO: no cut ones
         loss_mask &= ~(zero_std[:, None] & args.skip_zero_std_groups)  # flat groups: no signal
+        if args.reward_variance_filtering:  # RAGEN-2: the groups of highest reward variance only
+            kept_groups = reward_variance_groups(scores, args.num_generations, args.reward_variance_filtering,
+                                                 args.reward_variance_top_p, args.reward_variance_top_k, accelerator)
+            loss_mask &= kept_groups[:, None]
+            sampling_metrics["reward_variance/frac_groups_kept"] = kept_groups.float().mean()
         global_tokens = ru.global_sum(accelerator, loss_mask.sum().item())
         tokens_per_micro_batch = global_tokens / (accelerator.num_processes * args.gradient_accumulation_steps)
 
         # 7. policy update: num_iterations optimizer steps on this batch, micro-batches accumulated
         losses, stats, entropy, kl = [], {}, [], []
         for iteration in range(args.num_iterations):
+            window_entropy = torch.zeros(2, device=accelerator.device)  # (sum, tokens) for adaptive entropy control
+            # the entropy bonus's weight this step: Skywork-OR1's applies only once the entropy fell to the target
+            entropy_coef = state["entropy_coef"] if not args.use_adaptive_entropy or \
+                state["last_entropy"] <= args.entropy_target else 0.0
             for mb in batch.shuffled_rows().view(args.gradient_accumulation_steps, -1):  # per_device rows each
                 micro = batch.subset(mb)
                 with accelerator.accumulate(policy):
-                    new_logprobs, token_entropy = sampler.forward_logprobs(policy, micro, entropy=iteration == 0)
+                    new_logprobs, token_entropy = sampler.forward_logprobs(
+                        policy, micro, entropy=iteration == 0 or needs_entropy, entropy_grad=entropy_bonus)
                     # pi_old: the rollout's, or at one iteration this forward's own, detached (a ratio of 1, as TRL)
                     old = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
                     # pi_old / pi_behaviour when another policy sampled (vLLM, earlier weights), else None
                     is_weights = pc.importance_weights(old, micro.behaviour_logprobs, micro.response_mask,
                                                        micro.importance_sampling)
-                    token_loss, mb_stats = per_token_loss(
-                        new_logprobs, old, micro.ref_logprobs, advantages[mb], loss_mask[mb],
-                        importance_sampling_level=args.importance_sampling_level, epsilon=args.epsilon,
-                        epsilon_high=args.epsilon_high, beta=beta, is_weights=is_weights)
-                    loss = aggregate_loss(token_loss, loss_mask[mb], args.loss_type, args.response_length,
-                                          tokens_per_micro_batch)
+                    sampled_by = old if micro.behaviour_logprobs is None else micro.behaviour_logprobs
+                    loss, mb_stats, mb_entropy = micro_batch_loss(
+                        args, new_logprobs, token_entropy, old, sampled_by, micro.ref_logprobs, advantages[mb],
+                        loss_mask[mb], is_weights, beta=beta, entropy_coef=entropy_coef,
+                        tokens_per_micro_batch=tokens_per_micro_batch, accelerator=accelerator)
                     accelerator.backward(loss)
                 losses.append(loss.detach())
+                window_entropy += mb_entropy
                 if iteration == 0:  # the importance weights, the sampling policy's entropy and KL to the reference
                     mb_stats.update(pc.importance_sampling_stats(old, micro.behaviour_logprobs, micro.response_mask,
                                                                  micro.importance_sampling))
-                    entropy.append((token_entropy * micro.response_mask).sum(1))
+                    entropy.append((token_entropy.detach() * micro.response_mask).sum(1))
                     if micro.ref_logprobs is not None:
                         kl.append(((old - micro.ref_logprobs) * micro.response_mask).sum(1))
                 for key, value in mb_stats.items():
                     stats.setdefault(key, []).append(value)
             optimizer_step(torch.stack(losses[-args.gradient_accumulation_steps:]), state, step)
+            if args.use_adaptive_entropy:  # the window's entropy over all processes sets the next step's coefficient
+                window_entropy = accelerator.reduce(window_entropy, reduction="sum")
+                state["last_entropy"] = (window_entropy[0] / window_entropy[1].clamp(min=1)).item()
+                state["entropy_coef"] = adaptive_entropy_coef(
+                    state["entropy_coef"], state["last_entropy"], args.entropy_target, args.entropy_coef_delta,
+                    args.entropy_coef_min, args.entropy_coef_max)
         state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
                      prompts_seen=state["prompts_seen"] + prompts_used)
 
@@ -343,6 +535,7 @@ def main():
             "val/num_eos_tokens": (~truncated).sum().float(), "val/truncated_fraction": truncated.float().mean(),
             "val/response_length": response_mask.sum(1).float().mean(),
             "nonfinite/skipped": float(state["nonfinite_skipped"]),
+            **({"objective/entropy_coef": state["entropy_coef"]} if entropy_bonus else {}),
             **({"objective/kl": torch.cat(kl).mean()} if reference is not None else {}), **sampling_metrics,
         })
         metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})

@@ -34,9 +34,11 @@ ALIAS_DEFAULTS = {
                 per_device_eval_batch_size=64, num_eval_examples=512, num_eval_prompts=256),
 }
 # toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers; its labels
-# are imbalanced (about 7% desirable), so the class weights are derived from the counts (`loss_weights`, the paper's)
+# are imbalanced (about 7% desirable), so the class weights are derived from the counts (`loss_weights`, the paper's).
+# beta 1.0: the undesirable examples are the reference's own samples, so z0 stays clamped at 0 and only beta bounds how
+# far they (and the EOS token they share with the good answers) are pushed down (benchmark/results/kto_toy_hard.md)
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10, desirable_weight=None,
-                                  undesirable_weight=None)
+                                  undesirable_weight=None, beta=1.0)
 
 
 @dataclass

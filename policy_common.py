@@ -313,15 +313,22 @@ def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # map_re
     return selective_logprobs(logits, tokens), entropy
 
 
+def _logprobs_and_entropy_with_grad(logits: torch.Tensor, tokens: torch.Tensor):  # the same, entropy with gradient
+    return selective_logprobs(logits, tokens), entropy_from_logits(logits)           # (an entropy bonus in the loss)
+
+
 def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                       temperature: float = 1.0, share_prompts: bool = False, grad_rows: Optional[int] = None, *,
-                      return_entropy: bool = False, mask_pad: bool = True, chunk_tokens: Optional[int] = 0):
+                      return_entropy: bool = False, mask_pad: bool = True, chunk_tokens: Optional[int] = 0,
+                      entropy_grad: bool = False):
     """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature, or
-    ((B, R) log-probs, (B, R) entropy at each response position, without gradient) with `return_entropy`
-    (`share_prompts`, `grad_rows`, `mask_pad`: as in `forward_logits`; `chunk_tokens`: `map_response_logits`'s).
-    Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
+    ((B, R) log-probs, (B, R) entropy at each response position, without gradient unless `entropy_grad`) with
+    `return_entropy` (`share_prompts`, `grad_rows`, `mask_pad`: as in `forward_logits`; `chunk_tokens`:
+    `map_response_logits`'s). Positions holding pad carry meaningless values: mask them with
+    `responses != pad_token_id`."""
+    fn = _logprobs_and_entropy_with_grad if entropy_grad else _logprobs_and_entropy
     results = map_response_logits(model, query_responses, context_length, pad_token_id,
-                                  _logprobs_and_entropy if return_entropy else lambda *a: (selective_logprobs(*a),),
+                                  fn if return_entropy else lambda *a: (selective_logprobs(*a),),
                                   query_responses[:, context_length:], temperature=temperature, mask_pad=mask_pad,
                                   share_prompts=share_prompts, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
     return results if return_entropy else results[0]

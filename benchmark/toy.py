@@ -57,6 +57,15 @@ VARIANTS = {"rloo-gold": ("rloo", ["--reward_funcs", "gold"]), "ppo-gold": ("ppo
             "grpo-bnpo": ("grpo", ["--loss_type", "bnpo"]), "grpo-dr_grpo": ("grpo", ["--loss_type", "dr_grpo"])}
 BASE_ALGOS = ("sft", "reward", "rloo", "ppo", "grpo", "dpo", "kto", "distill")
 ALGOS = (*BASE_ALGOS, *VARIANTS)  # the default run; --algos also takes any script at the root (a copy: `family`)
+# grpo.py's 2026 settings (issue 47), run on demand only (--algos grpo-gdpo ...; benchmark/results/grpo_settings.md).
+# `{setting}` in a flag becomes the setting's name: its reward model beside the verifier.
+VARIANTS.update({
+    "grpo-no_bias_kl": ("grpo", ["--no_use_bias_correction_kl"]),
+    "grpo-rm_gold": ("grpo", ["--reward_model", "{setting}", "--reward_funcs", "gold"]),
+    "grpo-gdpo": ("grpo", ["--reward_model", "{setting}", "--reward_funcs", "gold",
+                           "--multi_objective_aggregation", "normalize_then_sum"]),
+    "grpo-top_entropy": ("grpo", ["--top_entropy_quantile", "0.2"]),
+    "grpo-maxrl": ("grpo", ["--reward_funcs", "gold", "--scale_rewards", "maxrl"])})
 SETTINGS = ("toy", "toy_hard", "toy_tools")
 # toy_tools (toy_tools.py, multi-turn episodes with a lookup tool): the scripts with a tool-world default, scored by
 # their own held-out evaluation (greedy episodes in which the policy calls the tool), not by uniform_eval.py
@@ -329,7 +338,7 @@ def run_one(setting: str, algo: str, seed: int, args, extra: dict, evaluator, sf
     if family(script) in SAVE_STEPS and evaluator is not None:
         cmd += ["--save_steps", str(args.save_steps or SAVE_STEPS[family(script)])]
     if algo in VARIANTS:
-        cmd += ["--exp_name", algo, *variant_flags]
+        cmd += ["--exp_name", algo, *(flag.replace("{setting}", setting) for flag in variant_flags)]
     if args.max_steps:
         cmd += ["--max_steps", str(args.max_steps)]
     if args.script_eval_prompts and family(script) != "reward":
@@ -391,7 +400,8 @@ def main(argv=None):
     parser.add_argument("--extra", action="append", default=[], metavar="ALGO:FLAGS",
                         help="extra flags for one algorithm, e.g. --extra 'rloo:--kl_coef 0.05' (repeatable)")
     args = parser.parse_args(argv)
-    unknown = [a for a in args.algos if a not in ALGOS and not os.path.isfile(os.path.join(ROOT, f"{a}.py"))]
+    unknown = [a for a in args.algos
+               if a not in (*BASE_ALGOS, *VARIANTS) and not os.path.isfile(os.path.join(ROOT, f"{a}.py"))]
     if unknown or any(family(a) not in BASE_ALGOS for a in args.algos):
         parser.error(f"--algos: {unknown or args.algos} is neither {', '.join(ALGOS)} nor a script at the root named "
                      "after one of them (rloo_myidea.py)")

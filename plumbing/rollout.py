@@ -447,14 +447,15 @@ class Sampler:
                 "the losses would use wrong old log-probs (rollout.py's docstring)")
         return largest
 
-    def forward_logprobs(self, model: nn.Module, batch: Rollout, *, entropy: bool = False):
+    def forward_logprobs(self, model: nn.Module, batch: Rollout, *, entropy: bool = False,
+                         entropy_grad: bool = False):
         """The training forward: ((b, R) log-probs of `batch`'s responses (a micro-batch: `Rollout.subset`) under
-        `model`, with gradient unless called under no_grad; (b, R) entropy at each response position with `entropy`,
-        else None), scored as the rollout scored them (logits / temperature, pad masked, the prompt sharing decided
-        for it)."""
+        `model`, with gradient unless called under no_grad; (b, R) entropy at each response position with `entropy`
+        (with gradient too with `entropy_grad`: an entropy bonus), else None), scored as the rollout scored them
+        (logits / temperature, pad masked, the prompt sharing decided for it)."""
         results = pc.response_logprobs(model, batch.query_responses, batch.context_length, self.pad,
                                        self.args.temperature, share_prompts=self.share, return_entropy=entropy,
-                                       chunk_tokens=self.args.logprob_chunk_tokens)
+                                       chunk_tokens=self.args.logprob_chunk_tokens, entropy_grad=entropy_grad)
         return results if entropy else (results, None)
 
     def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config):

@@ -4,6 +4,7 @@ the adaptive KL coefficient), the same numbers as TRL 1.16's GRPOTrainer._comput
 short real runs on the toy task (learning with a reward model and with the gold verifier, every variant option,
 resume in place, the adaptive KL controller, bad flags)."""
 
+import functools
 import json
 import math
 import os
@@ -336,9 +337,16 @@ class _FakeAccelerator:
     def reduce(self, x, reduction="sum"):
         return x
 
+    def pad_across_processes(self, x, dim=0, pad_index=0):
+        return x
 
-def trl_loss(new, entropies, inputs, *, loss_type, level, beta, epsilon, epsilon_high, max_completion_length):
-    """TRL's real `_compute_loss`, unbound, on a stand-in trainer whose forward returns `new`."""
+
+def trl_loss(new, entropies, inputs, *, loss_type, level, beta, epsilon, epsilon_high, max_completion_length,
+             use_bias_correction_kl=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+             entropy_coef=0.0, use_adaptive_entropy=False, last_world_entropy=math.inf, entropy_target=0.2,
+             entropy_coef_delta=0.005, entropy_coef_min=0.0, entropy_coef_max=1.0):
+    """TRL's real `_compute_loss`, unbound, on a stand-in trainer whose forward returns `new` and `entropies`; its
+    adapted entropy coefficient is in metrics["train"]["entropy_coef"] when the entropy bonus is on."""
     trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
     def per_token_logps(model, input_ids, attention_mask, logits_to_keep, **kwargs):
@@ -346,13 +354,20 @@ def trl_loss(new, entropies, inputs, *, loss_type, level, beta, epsilon, epsilon
         return new, entropies, None
 
     fake = types.SimpleNamespace(
-        _get_per_token_logps_and_entropies=per_token_logps, aux_loss_enabled=False, top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None, importance_sampling_level=level, beta=beta, loss_type=loss_type,
+        _get_per_token_logps_and_entropies=per_token_logps, aux_loss_enabled=False,
+        top_entropy_quantile=top_entropy_quantile, off_policy_mask_threshold=off_policy_mask_threshold,
+        importance_sampling_level=level, beta=beta, loss_type=loss_type,
         epsilon_low=epsilon, epsilon_high=epsilon_high, use_vllm=False, vllm_importance_sampling_correction=False,
         model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=max_completion_length, accelerator=_FakeAccelerator(),
-        _metrics=defaultdict(lambda: defaultdict(list)), _entropy_bonus_enabled=False,
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1))
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        entropy_coef=entropy_coef, use_adaptive_entropy=use_adaptive_entropy,
+        _entropy_bonus_enabled=entropy_coef != 0 or use_adaptive_entropy, _last_world_entropy=last_world_entropy,
+        _entropy_window_stats=None, get_off_policy_mask=trl_grpo.GRPOTrainer.get_off_policy_mask,
+        args=types.SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=None, steps_per_generation=1,
+                                   entropy_target=entropy_target, entropy_coef_delta=entropy_coef_delta,
+                                   entropy_coef_min=entropy_coef_min, entropy_coef_max=entropy_coef_max))
+    fake.get_high_entropy_mask = functools.partial(trl_grpo.GRPOTrainer.get_high_entropy_mask, fake)
     return trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs), fake._metrics
 
 
