@@ -169,3 +169,53 @@ def test_server_dying_mid_run_keeps_the_finished_steps(toy, server, tmp_path):
     assert "stopped answering" in stderr.strip().splitlines()[-1] and "Traceback" not in stderr
     checkpoints = [name for name in os.listdir(out) if name.startswith("checkpoint-")]
     assert checkpoints and int(checkpoints[0].split("-")[1]) >= 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the NCCL weight transfer needs a GPU")
+def test_nccl_transfer_on_a_gpu(toy, tmp_path):
+    """On a GPU: a server started with the NCCL weight-transfer backend takes the trainer's weights over NCCL (vLLM's
+    trainer-side engine); its greedy completions then equal the trainer's."""
+    import requests
+    from accelerate import Accelerator
+
+    from plumbing.vllm_server import VLLMServerGenerator
+
+    port = free_port()
+    log = open(tmp_path / "server.log", "w")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", toy["policy"],
+                             "--port", str(port), "--dtype", "float32", "--max-model-len", "64",
+                             "--gpu-memory-utilization", "0.2", "--logprobs-mode", "processed_logprobs",
+                             "--max-logprobs", "-1", "--weight-transfer-config", '{"backend": "nccl"}'],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.exceptions.RequestException:
+                pass
+            assert proc.poll() is None, f"the vLLM server exited: see {log.name}"
+            time.sleep(1)
+        accelerator = Accelerator()
+        tokenizer = models.load_tokenizer(toy["policy"])
+        policy = models.load_causal_lm(toy["policy"], tokenizer).to(accelerator.device)
+        prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:32])
+        queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left").to(accelerator.device)
+        generator = VLLMServerGenerator(policy, tokenizer, accelerator, base_url=url, timeout=120,
+                                        max_model_len=queries.shape[1] + 8, group_port=free_port())
+        assert generator.transfer == "nccl"
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        config = pc.make_generation_config(tokenizer, 8, greedy=True)
+        served, _ = generator.generate(policy, 1, queries, config)
+        trainer, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
+                                         len(queries))
+        assert (served == trainer).all(1).float().mean() > 0.9  # TF32 / kernel rounding may flip a near tie
+        generator.close()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+        log.close()
