@@ -26,6 +26,7 @@ from plumbing import evaluation as ev
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru
+from plumbing import throughput as tp
 from plumbing import train_loop as tl
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError, UserError
@@ -250,9 +251,11 @@ def main():
     if state["step"] == 0:
         logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0), step=0)
 
+    meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step = state["step"] + 1
+        meter.start()
         # 5. the batch's completions: the student's samples (probability lmbda; the same draw on every process), else
         #    the dataset's or, with --seq_kd, the teacher's
         on_policy = random.Random(f"distill-{args.seed}-{step}").random() < args.lmbda
@@ -323,6 +326,8 @@ def main():
             metrics.update(batch.metrics)
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
+        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(query_responses, pad)),
+                                     batch.metrics if on_policy else None))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

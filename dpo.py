@@ -23,6 +23,7 @@ from plumbing import greedy_eval as ge
 from plumbing import models
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
+from plumbing import throughput as tp
 from plumbing import train_loop as tl
 from plumbing.errors import UserError
 
@@ -281,7 +282,10 @@ def main() -> None:
 
     stop = tl.StopSignal()
     policy.train()
+    meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
+    row_tokens = [du.row_tokens(row) for row in train_rows]  # chosen and rejected, each with its prompt
     for step in loop.steps(state["step"]):
+        meter.start()
         # 5. one optimizer step over the next `batch_size` pairs of the epoch's order, micro-batches accumulated
         sums = {}
         for index in tl.micro_batches(loop.batch_index(step), accelerator):
@@ -297,7 +301,8 @@ def main() -> None:
 
         # 6. log, evaluate every eval_steps steps and after the last
         metrics = ru.reduce_metrics(accelerator, {**sums, **({} if grad_norm is None else {"grad_norm": grad_norm})})
-        metrics.update(loop.metrics(step, optimizer_step))
+        metrics.update({**loop.metrics(step, optimizer_step),
+                        **meter.metrics(sum(row_tokens[i] for i in loop.batch_index(step)))})
         if loop.evaluate_now(step):
             metrics.update(evaluate(args, accelerator, policy, reference, held_out, logger, step))
         logger.log(metrics, step=step)

@@ -26,6 +26,7 @@ from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_ahead as ra
 from plumbing import run_utils as ru
+from plumbing import throughput as tp
 from plumbing import train_loop as tl
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError, UserError
@@ -447,9 +448,11 @@ def main():
     # the policy's entropy in every forward: the high-entropy tokens, an entropy bonus (then with its gradient)
     entropy_bonus = args.entropy_coef != 0 or args.use_adaptive_entropy
     needs_entropy = entropy_bonus or args.top_entropy_quantile < 1
+    meter = tp.StepMeter(accelerator, models.unwrap(policy), passes=args.num_iterations)  # perf/*
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, beta = state["step"] + 1, state["kl_coef"]
+        meter.start()
         # 5. rollout: local_prompts prompts x num_generations completions, scored; reference log-probs when beta > 0;
         #    old log-probs for reused batches only (--dynamic_sampling: more prompts until groups' rewards differ)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
@@ -545,6 +548,9 @@ def main():
                                                    args.kl_horizon)
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
+        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(batch.query_responses,
+                                                                                   tokenizer.pad_token_id)),
+                                     batch.metrics))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step,
                                               pass_at_k=args.num_eval_generations))

@@ -23,6 +23,7 @@ from plumbing import greedy_eval as ge
 from plumbing import models
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
+from plumbing import throughput as tp
 from plumbing import train_loop as tl
 from plumbing.errors import UserError
 
@@ -363,7 +364,11 @@ def main():
 
     stop = tl.StopSignal()
     policy.train()
+    meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
+    group_tokens = [sum(du.row_tokens(e, ("completion_ids", "kl_completion_ids"), "prompt_ids") for e in group)
+                    for group in groups]  # each example with its own and its mismatched completion
     for step in loop.steps(state["step"]):
+        meter.start()
         # 5. one optimizer step: the epoch's next gradient_accumulation_steps micro-batches on every process
         total, losses = {}, []
         for (group_index,) in tl.micro_batches(loop.batch_index(step), accelerator):
@@ -380,7 +385,8 @@ def main():
         metrics = finish_metrics(total, args.gradient_accumulation_steps, accelerator)
         if grad_norm is not None:
             metrics["grad_norm"] = float(grad_norm)
-        logger.log({**metrics, **loop.metrics(step, optimizer_step)}, step=step)
+        logger.log({**metrics, **loop.metrics(step, optimizer_step),
+                    **meter.metrics(sum(group_tokens[g] for g in loop.batch_index(step)))}, step=step)
         if loop.evaluate_now(step):
             logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, step), step=step)
 

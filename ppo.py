@@ -9,7 +9,7 @@
 # policy/*, val/*, adv/*, returns/mean, lr, episode; eval/* (greedy, held-out prompts): scores, kl, response_length,
 # eos_rate, reward/<source>/*, gold_score (when the task has a ground-truth scorer).
 # --use_vllm samples with a colocated vLLM engine (vllm_generation.py) and adds vllm/logprob_diff, vllm/is_weight_*,
-# vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/vllm_sync.
+# vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/weight_sync_seconds.
 import math
 import os
 import time
@@ -27,6 +27,7 @@ from plumbing import models
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru
+from plumbing import throughput as tp
 from plumbing import train_loop as tl
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError, UserError, require_positive
@@ -242,9 +243,12 @@ def main():
     if state["step"] == 0:
         logger.log({**ev.evaluate_policy(sampler, data.held_out, logger, 0), "episode": 0}, step=0)
 
+    meter = tp.StepMeter(accelerator, models.unwrap(model).policy, models.unwrap(model).value_model,
+                         passes=args.num_ppo_epochs)  # perf/*
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
+        meter.start()
         # 5. rollout: this process's local_batch_size prompts, one completion each, scored; old and reference log-probs
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
             batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"])
@@ -315,6 +319,8 @@ def main():
         state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                                args.kl_horizon)
         metrics["time/episodes_per_second"] = (state["episode"] - start_episode) / (time.time() - start_time)
+        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(query_responses, pad)),
+                                     batch.metrics))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

@@ -25,6 +25,7 @@ from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_ahead as ra
 from plumbing import run_utils as ru
+from plumbing import throughput as tp
 from plumbing import train_loop as tl
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError, UserError
@@ -225,9 +226,11 @@ def main():
     if state["step"] == 0:
         logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0), step=0)
 
+    meter = tp.StepMeter(accelerator, models.unwrap(policy), passes=args.num_ppo_epochs)  # perf/*
     start_time, start_episode = time.time(), state["episode"]
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
+        meter.start()
         # 5. rollout: this process's local_prompts prompts, rloo_k completions each, scored; old and reference
         #    log-probs (a failure on any process first keeps the finished steps)
         with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
@@ -285,6 +288,9 @@ def main():
                                                args.kl_horizon)
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
+        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(batch.query_responses,
+                                                                                   tokenizer.pad_token_id)),
+                                     batch.metrics))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

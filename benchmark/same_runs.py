@@ -105,8 +105,8 @@ def metric_rows(run_folder: str) -> list:
 
 
 def is_wall_clock(key: str) -> bool:
-    """time/* and the *_seconds metrics (async/trainer_wait_seconds, ...) measure the machine, not the run."""
-    return key.startswith("time/") or key.endswith("_seconds")
+    """time/*, perf/* and the *_seconds metrics (async/trainer_wait_seconds, ...) measure the machine, not the run."""
+    return key.startswith(("time/", "perf/")) or key.endswith("_seconds")
 
 
 def compare_run(before: str, after: str) -> tuple:

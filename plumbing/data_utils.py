@@ -401,3 +401,9 @@ def concatenated_inputs(rows: Sequence[dict], pad_token_id: int, completions: Se
     prompts = pc.pad_sequences([row[prompt] for row in rows], pad_token_id, "left")  # (b, Lq)
     responses = pc.pad_sequences([row[key] for key in completions for row in rows], pad_token_id, "right")  # (k b, R)
     return torch.cat([prompts.repeat(len(completions), 1), responses], 1), prompts.shape[1]
+
+
+def row_tokens(row: dict, completions: Sequence[str] = ("chosen", "rejected"), prompt: str = "prompt") -> int:
+    """The tokens of the sequences `concatenated_inputs` makes of `row` (padding left out): its prompt once per
+    completion, and the completions."""
+    return len(row[prompt]) * len(completions) + sum(len(row[key]) for key in completions)

@@ -15,6 +15,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from plumbing import throughput as tp
 from plumbing.errors import UserError
 
 
@@ -150,6 +151,9 @@ class MetricsLogger:
             width = max(len(k) for k in keys) if keys else 0
             lines += [f"  {k.ljust(width)}  {short_number(first[k])} -> {short_number(last[k])}   "
                       f"(step {first['step']} -> {last['step']})" for k in keys]
+        perf = tp.summary_line(rows)
+        if perf:
+            lines.append(perf)
         if model_path:
             lines.append(f"  model:   {model_path}")
         lines += [f"  metrics: {self.path}", f"  plot:    python benchmark/plot.py {self.output_dir}"]

@@ -164,7 +164,7 @@ class Rollout:
     # (B, R) pi_behaviour: the log-probs of the policy that sampled (a vLLM engine, or earlier weights with
     # --max_staleness), whose samples the loss reweights (pc.importance_weights); None: pi_old sampled them itself
     behaviour_logprobs: Optional[torch.Tensor]
-    metrics: dict  # rollout/logprob_check (at the steps checked), time/vllm_sync (vLLM)
+    metrics: dict  # rollout/logprob_check (at the steps checked), time/weight_sync_seconds (vLLM)
     pad_token_id: int
     eos_token_id: int
     action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
@@ -210,7 +210,8 @@ class Rollout:
 def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     """Several rollouts of one step as one (rows in order; e.g. dynamic sampling's rounds): prompts re-padded on the
     left to the longest context, responses on the right to the longest (pad; PADDING_LOGPROB for old log-probs,
-    0 elsewhere, outside the response mask either way); numeric metrics averaged over the rounds that have them."""
+    0 elsewhere, outside the response mask either way); numeric metrics averaged over the rounds that have them, but
+    durations (*_seconds) summed."""
     if len(rollouts) == 1:
         return rollouts[0]
     first, pad = rollouts[0], rollouts[0].pad_token_id
@@ -229,7 +230,7 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
     metrics = {}
     for key in {key for r in rollouts for key in r.metrics}:
         values = [r.metrics[key] for r in rollouts if key in r.metrics]
-        metrics[key] = sum(values) / len(values)
+        metrics[key] = sum(values) / (1 if key.endswith("_seconds") else len(values))  # durations add up
     return dataclasses.replace(
         first, query_responses=query_responses, context_length=context_length,
         rows=[row for r in rollouts for row in r.rows],
@@ -326,7 +327,7 @@ class Sampler:
         if self.vllm is None and weights_version % LOGPROB_CHECK_EVERY == 0:
             metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
                                                                    response_mask, weights_version + 1)
-        metrics.update({"time/vllm_sync": self.vllm.last_sync_seconds} if self.vllm is not None else {})
+        metrics.update({"time/weight_sync_seconds": self.vllm.last_sync_seconds} if self.vllm is not None else {})
         if hf:
             self.policy.train(training)
         metrics["time/generate_seconds"] = time.perf_counter() - start

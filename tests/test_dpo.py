@@ -245,7 +245,7 @@ def test_determinism_and_resume(short_run, tmp_path):
     run_dpo("--output_dir", again, *SHORT)
 
     def strip(rows):
-        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
     assert strip(read_metrics(again)) == strip(read_metrics(short_run))
 
@@ -276,7 +276,7 @@ def test_resume_without_output_dir_continues_in_the_checkpoint_folder(short_run,
     for a, b in zip(rows[4:], original[4:]):
         assert a.keys() == b.keys()
         for k in a:
-            if not k.startswith("time/"):
+            if not k.startswith(("time/", "perf/")):
                 assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     wa, wb = load_weights(os.path.join(run, "model")), load_weights(os.path.join(short_run, "model"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wb)
@@ -306,7 +306,7 @@ def test_two_processes_match_one_for_the_same_global_batch(short_run, tmp_path):
             if k.endswith("rewards/accuracies") and abs(a[k.replace("accuracies", "margins")]) < 1e-5:
                 # policy still equal to the reference (warm-up): every margin is float noise, its sign arbitrary
                 continue
-            if not k.startswith("time/"):
+            if not k.startswith(("time/", "perf/")):
                 assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
 
 

@@ -31,8 +31,8 @@ def make_rollout(tokenizer, policy, prompts, k, seed):
                       rows=[{"prompt": i, "seed": seed} for i in range(B)], scores=torch.arange(B) + seed / 10,
                       source_scores=(torch.arange(B) + seed / 10)[:, None], old_logprobs=logprobs.masked_fill(
                           ~mask, pc.PADDING_LOGPROB), ref_logprobs=torch.randn(B, R), entropy=torch.rand(B, R),
-                      behaviour_logprobs=None, metrics={"m": float(seed)}, pad_token_id=pad,
-                      eos_token_id=eos)
+                      behaviour_logprobs=None, metrics={"m": float(seed), "time/generate_seconds": 0.5 * seed},
+                      pad_token_id=pad, eos_token_id=eos)
 
 
 @torch.no_grad()
@@ -45,7 +45,8 @@ def test_concatenated_rounds_keep_every_row_and_its_log_probs(toy):
     second = make_rollout(tokenizer, policy, [ids("d e f a b ="), ids("b ="), ids("f e d c b =")], 2, seed=2)
     joined = ro.concat_rollouts([first, second])
     assert joined.context_length == 6 and len(joined.rows) == 10
-    assert joined.rows == first.rows + second.rows and joined.metrics == {"m": 1.5}
+    assert joined.rows == first.rows + second.rows
+    assert joined.metrics == {"m": 1.5, "time/generate_seconds": 0.5 + 1.0}  # a mean, but durations add up
     torch.testing.assert_close(joined.scores, torch.cat([first.scores, second.scores]))
     for part, rows in ((first, range(0, 4)), (second, range(4, 10))):
         for i, j in zip(range(len(part.rows)), rows):
@@ -109,7 +110,7 @@ def test_one_round_of_dynamic_sampling_is_the_plain_loop(toy, tmp_path):
     assert one_round["dynamic_sampling/frac_flat_sampled"] == pytest.approx(plain["objective/frac_reward_zero_std"])
     assert plain["objective/frac_reward_zero_std"] > 0  # flat groups were there to move
     for key, value in plain.items():
-        if not key.startswith(("time/", "eval/")):
+        if not key.startswith(("time/", "perf/", "eval/")):
             assert one_round[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 

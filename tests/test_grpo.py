@@ -454,7 +454,7 @@ def all_finite(rows):
 
 
 def without_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
 @pytest.fixture(scope="module")

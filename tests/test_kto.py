@@ -29,7 +29,7 @@ EVAL_KEYS = ["eval/" + k for k in TRAIN_KEYS[:9]] + ["eval/gold_score"]
 
 
 def strip_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
 def assert_rows_close(a, b, rel=1e-5, abs_=1e-6):

