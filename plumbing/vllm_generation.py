@@ -4,10 +4,12 @@ Each training process drives its own engine on its own device ("colocate", as TR
 engine runs in a child process (vLLM's V1 multiprocessing): an engine in the trainer's process patches transformers'
 model classes (the trainer's own forward then fails), and the child keeps the trainer's models untouched.
 
-Weights reach the engine through a folder: the policy's weights (LoRA merged in, ZeRO-3 shards gathered) are saved
-as safetensors, in /dev/shm when it exists (a memory copy, no disk), and the engine reloads them in place
-(`reload_weights`, which also repacks them for vLLM's CPU kernels), then drops its prefix cache (KV of the old
-weights). `VLLMGenerator.generate` syncs whenever the caller's weights version moved since the last sync.
+Weights reach the engine through a folder: the policy's weights (ZeRO-3 shards gathered) are saved as safetensors,
+in /dev/shm when it exists (a memory copy, no disk), and the engine reloads them in place (`reload_weights`, which also
+repacks them for vLLM's CPU kernels), then drops its prefix cache (KV of the old weights). A LoRA policy
+(--use_peft) ships its adapter only (--vllm_lora_sync adapter): the engine serves the base weights, loaded once, with
+the adapter of the current version as a vLLM LoRA; --vllm_lora_sync merged ships the base with the adapter merged in.
+`VLLMGenerator.generate` syncs whenever the caller's weights version moved since the last sync.
 
 Sampling uses the same generation config as `policy_common.batch_generation`: temperature, top-p/top-k, max new
 tokens, stop at EOS, the pad token suppressed (a -100 logit bias, vLLM's largest: pad keeps under e^-100 of the top
@@ -81,6 +83,10 @@ class VLLMFlags:
     """GPUs one vLLM engine is sharded over (with one training process)"""
     vllm_sleep_mode: bool = False
     """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
+    vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
+    """with --use_peft: adapter: the colocated engine serves the base weights and each sync loads the LoRA adapter
+    only (falls back to merged, with a line, where vLLM cannot serve it); merged: every weight, the adapter merged in
+    (a server always takes merged weights)"""
     vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate",
                                                     "sequence_mask"]] = None
     """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
@@ -142,10 +148,10 @@ def default_importance_sampling_mode(args) -> str:
     return "token_mask" if getattr(args, "max_staleness", 0) and per_token_loss else "sequence_mask"
 
 
-def merged_state_dict(model: nn.Module) -> dict:
+def merged_state_dict(model: nn.Module, merge: bool = True) -> dict:
     """The weights vLLM serves: a plain causal LM's state dict, or for a PEFT (LoRA) model its base weights with
     each adapter's delta W + scale * B @ A added, out of place (the trained weights stay exactly as they are),
-    under the base model's own key names."""
+    under the base model's own key names; `merge=False`: the base weights alone (the adapter served as a LoRA)."""
     if not hasattr(model, "get_base_model"):
         return model.state_dict()
     from peft.tuners.lora import LoraLayer
@@ -153,7 +159,7 @@ def merged_state_dict(model: nn.Module) -> dict:
     base = model.get_base_model()
     deltas = {}
     for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
+        if isinstance(module, LoraLayer) and merge:
             for adapter in module.active_adapters:
                 delta = module.get_delta_weight(adapter)
                 deltas[name] = deltas[name] + delta if name in deltas else delta
@@ -169,15 +175,42 @@ def merged_state_dict(model: nn.Module) -> dict:
     return merged
 
 
-def engine_state_dict(policy: nn.Module, accelerator) -> dict:
-    """The weights an engine serves, on the CPU: LoRA merged in (`merged_state_dict`), ZeRO-3 shards gathered and FSDP
-    DTensors made whole (collectives: every process calls it, in the same order)."""
+def engine_state_dict(policy: nn.Module, accelerator, merge: bool = True) -> dict:
+    """The weights an engine serves, on the CPU: LoRA merged in (`merged_state_dict`; `merge=False`: the base alone),
+    ZeRO-3 shards gathered and FSDP DTensors made whole (collectives: every process calls it, in the same order)."""
     with models.unwrap_for_generation(policy, accelerator) as model:
-        state = {}
-        for key, value in merged_state_dict(model).items():
-            full = getattr(value, "full_tensor", None)
-            state[key] = (full() if callable(full) else value).detach().to("cpu").contiguous()
-    return state
+        return _on_cpu(merged_state_dict(model, merge))
+
+
+def adapter_state_dict(policy: nn.Module, accelerator) -> tuple:
+    """A LoRA policy's adapter as PEFT saves it, on the CPU: (its state dict under PEFT's key names, its LoraConfig);
+    ZeRO-3 shards gathered (a collective: every process calls it)."""
+    from peft import get_peft_model_state_dict
+
+    with models.unwrap_for_generation(policy, accelerator) as model:
+        return _on_cpu(get_peft_model_state_dict(model)), model.peft_config[model.active_adapter]
+
+
+def _on_cpu(state: dict) -> dict:
+    out = {}
+    for key, value in state.items():
+        full = getattr(value, "full_tensor", None)  # an FSDP DTensor: made whole
+        out[key] = (full() if callable(full) else value).detach().to("cpu").contiguous()
+    return out
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's allowed --max-lora-rank values
+
+
+def servable_lora_rank(policy: nn.Module) -> Optional[int]:
+    """The max_lora_rank a vLLM engine needs to serve `policy`'s adapter as a LoRA, or None when it cannot: not a
+    LoRA policy, DoRA, extra trained modules (modules_to_save) or a rank above vLLM's largest."""
+    model = models.unwrap(policy)
+    config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", None))
+    if config is None or config.peft_type != "LORA" or getattr(config, "use_dora", False) or config.modules_to_save:
+        return None
+    ranks = [config.r, *getattr(config, "rank_pattern", {}).values()]
+    return next((r for r in LORA_RANKS if r >= max(ranks)), None)
 
 
 def _kv_cache_gib(config, tokens: int, dtype_bytes: int) -> int:
@@ -199,11 +232,14 @@ class VLLMGenerator:
     one `generate` call asks for (sizes the CPU KV cache). On GPUs `gpu_memory_utilization` is the fraction of the
     device the engine may take (weights + KV cache), `tensor_parallel_size` shards it over that many devices (one
     training process only), and `sleep_mode` frees its memory between generations (weights and KV cache).
-    weights_version: the caller's count of optimizer steps behind the weights it starts from (see `generate`)."""
+    weights_version: the caller's count of optimizer steps behind the weights it starts from (see `generate`).
+    lora_sync: "adapter": a LoRA policy's engine serves the base weights and takes the adapter only at each sync
+    (`self.lora_rank` set; else, or where vLLM cannot serve the adapter, "merged": every weight)."""
 
     def __init__(self, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
                  seed: int, bf16: bool = False, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, verbose: bool = False, weights_version: int = 0):
+                 sleep_mode: bool = False, verbose: bool = False, weights_version: int = 0,
+                 lora_sync: str = "merged"):
         on_gpu = accelerator.device.type == "cuda"
         if tensor_parallel_size > 1 and accelerator.num_processes > 1:
             raise UserError("--vllm_tensor_parallel_size > 1 shards one engine over several GPUs: launch one "
@@ -219,6 +255,12 @@ class VLLMGenerator:
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.folder = tempfile.mkdtemp(prefix="vllm-weights-", dir=shm)
         atexit.register(shutil.rmtree, self.folder, True)  # a crashed run leaves no weights behind in /dev/shm
+        self.lora_rank = servable_lora_rank(policy) if lora_sync == "adapter" else None
+        if lora_sync == "adapter" and self.lora_rank is None and hasattr(models.unwrap(policy), "peft_config") \
+                and accelerator.is_main_process:
+            print("--vllm_lora_sync adapter: vLLM serves plain LoRA adapters of rank <= 512 only (no DoRA, no "
+                  "modules_to_save): syncing the merged weights instead", flush=True)
+        self.lora_request, self.weights_version = None, weights_version
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
         config = models.unwrap(policy).config  # no gather needed for it
@@ -231,6 +273,7 @@ class VLLMGenerator:
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             index = accelerator.device.index or 0
             os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
+        lora = dict(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1) if self.lora_rank else {}
         try:
             self.llm = vllm.LLM(
                 model=self.folder, tokenizer=self.folder, dtype=dtype, seed=seed, max_model_len=max_model_len,
@@ -240,25 +283,66 @@ class VLLMGenerator:
                 enforce_eager=not on_gpu,  # on a CPU compiling costs more start-up time than it saves
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)
                 generation_config="vllm",  # ignore the model's own sampling defaults, as batch_generation does
-                disable_log_stats=True)
+                disable_log_stats=True, **lora)
         finally:
             for key, value in saved_env.items():
                 if value is None:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
-        self.weights_version, self.last_sync_seconds = weights_version, 0.0
+        self.last_sync_seconds, self.last_sync_bytes = 0.0, 0
         self.staged, self.stage_seconds = {}, {}  # weights_version -> folder of its weights, seconds staging them
+        if self.lora_rank:
+            self.load_adapter(policy, weights_version)
         if sleep_mode:
             self.llm.sleep(level=1)
 
-    def save_weights(self, policy: nn.Module, folder: Optional[str] = None) -> None:
-        """Write the policy's current (merged) weights and config into `folder` (None: the engine's own; ZeRO-3
-        shards gathered for the copy)."""
-        state = engine_state_dict(policy, self.accelerator)
-        base = models.unwrap(policy)
-        base = base.get_base_model() if hasattr(base, "get_base_model") else base
-        base.save_pretrained(folder or self.folder, state_dict=state, safe_serialization=True)
+    def load_adapter(self, policy: Optional[nn.Module], weights_version: int) -> None:
+        """Serve the adapter of `weights_version` (staged, else the policy's now) from the next request on: a new LoRA
+        id, the previous one dropped. The first load of a model whose layers vLLM cannot serve with a LoRA falls back
+        to merged weights (one line)."""
+        from vllm.lora.request import LoRARequest
+
+        folder = self.staged.pop(weights_version, None) or self.save_weights(policy, os.path.join(
+            self.folder, f"adapter-{weights_version}"))
+        previous, self.lora_request = self.lora_request, LoRARequest(f"policy-{weights_version}",
+                                                                     weights_version + 1, folder)
+        try:
+            self.llm.llm_engine.add_lora(self.lora_request)  # loaded now, not at the next generate
+        except Exception as e:  # vLLM raises several types for an adapter its model cannot take
+            if previous is not None:
+                raise
+            if self.accelerator.is_main_process:
+                print(f"--vllm_lora_sync adapter: vLLM cannot serve this adapter ({models.first_line(e)}): syncing "
+                      "the merged weights instead", flush=True)
+            self.lora_rank, self.lora_request = None, None
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.save_weights(policy),
+                                                              "is_checkpoint_format": True})
+            return
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def save_weights(self, policy: nn.Module, folder: Optional[str] = None) -> str:
+        """Write what a sync ships into `folder` (None: the engine's own; ZeRO-3 shards gathered for the copy): the
+        policy's current (merged) weights and config; with a LoRA served as such, the adapter alone, except into the
+        engine's own folder (the base weights it starts from). Returns the folder; its size is last_sync_bytes."""
+        folder = folder or self.folder
+        if self.lora_rank and folder != self.folder:
+            from safetensors.torch import save_file
+
+            state, config = adapter_state_dict(policy, self.accelerator)
+            os.makedirs(folder, exist_ok=True)
+            config.save_pretrained(folder)
+            save_file(state, os.path.join(folder, "adapter_model.safetensors"))
+        else:
+            state = engine_state_dict(policy, self.accelerator, merge=not self.lora_rank)
+            base = models.unwrap(policy)
+            base = base.get_base_model() if hasattr(base, "get_base_model") else base
+            base.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        self.last_sync_bytes = sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder)
+                                   if name.endswith(".safetensors"))
+        return folder
 
     def stage(self, policy: nn.Module, weights_version: int) -> None:
         """Keep a copy of the policy's weights now, as `weights_version`, for a later `generate` at that version
@@ -267,7 +351,7 @@ class VLLMGenerator:
         if weights_version in self.staged:
             return
         start = time.perf_counter()
-        folder = os.path.join(self.folder, f"weights-{weights_version}")
+        folder = os.path.join(self.folder, f"{'adapter' if self.lora_rank else 'weights'}-{weights_version}")
         self.save_weights(policy, folder)
         self.staged[weights_version] = folder
         self.stage_seconds[weights_version] = time.perf_counter() - start
@@ -276,14 +360,17 @@ class VLLMGenerator:
         """Load the weights of `weights_version` into the engine (staged ones, else the policy's now); returns the
         seconds it took (with the staging)."""
         start = time.perf_counter()
-        folder = self.staged.pop(weights_version, None)
-        if folder is None:
+        folder = None if self.lora_rank else self.staged.pop(weights_version, None)
+        if folder is None and not self.lora_rank:
             self.save_weights(policy)
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder or self.folder,
-                                                          "is_checkpoint_format": True})
-        self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+        if self.lora_rank:  # the adapter only: the base weights never change (its KV is cached under its LoRA id)
+            self.load_adapter(policy, weights_version)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder or self.folder,
+                                                              "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
         if self.sleep_mode:
             self.llm.sleep(level=1)
         if folder is not None:
@@ -327,7 +414,7 @@ class VLLMGenerator:
         params = [self.sampling_params(generation_config, seed) for seed in seeds]
         for param, budget in zip(params, max_new_tokens or []):
             param.max_tokens = budget
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         if self.sleep_mode:
             self.llm.sleep(level=1)
         completions = [output.outputs[0] for output in outputs]
@@ -388,4 +475,4 @@ def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len:
                          seed=args.seed + accelerator.process_index, bf16=args.bf16,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_mode=args.vllm_sleep_mode,
-                         verbose=args.verbose, weights_version=weights_version)
+                         verbose=args.verbose, weights_version=weights_version, lora_sync=args.vllm_lora_sync)

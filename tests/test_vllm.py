@@ -362,6 +362,75 @@ def test_sync_moves_the_trained_weights_into_the_engine(engine):
     generator.sync(policy, version + 3)  # leave the module's engine as it started
 
 
+def test_lora_adapter_sync_ships_the_adapter_only(toy):
+    """--vllm_lora_sync adapter: the engine serves the base weights with the policy's adapter as a vLLM LoRA. Greedy
+    completions equal the trainer's (and differ from the base's: the adapter is applied), sampled log-probs agree,
+    a trained adapter reaches the engine at the next version only, and a sync writes the adapter's bytes, not the
+    model's. The unservable cases fall back to merged."""
+    from accelerate import Accelerator
+
+    tokenizer = models.load_tokenizer(toy["policy"])
+    base = models.load_causal_lm(toy["policy"], tokenizer)
+    prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:32])
+    queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                      pc.make_generation_config(tokenizer, 8, greedy=True), len(queries))[0]
+    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
+
+    def perturb_adapter():
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)
+
+    perturb_adapter()
+    merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
+    generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
+                                 rows_per_call=4 * len(queries), seed=0, lora_sync="adapter")
+    try:
+        assert generator.lora_rank == 8  # r=4: vLLM's smallest allowed max_lora_rank above it
+        served, trainer = greedy_both(generator, policy, tokenizer, queries, 0)
+        assert torch.equal(served, trainer) and not torch.equal(served, base_greedy)
+        config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
+        query_responses, sampler_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
+        mask = query_responses[:, queries.shape[1]:] != tokenizer.pad_token_id
+        trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1],
+                                                        tokenizer.pad_token_id, 0.7)
+        assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+        perturb_adapter()
+        stale, fresh = greedy_both(generator, policy, tokenizer, queries, 0)  # same version: the old adapter
+        assert not torch.equal(stale, fresh)
+        synced, fresh = greedy_both(generator, policy, tokenizer, queries, 1)
+        assert torch.equal(synced, fresh)
+        adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if "lora_" in n)
+        assert adapter_bytes <= generator.last_sync_bytes < adapter_bytes + 4096  # + the safetensors header
+        assert generator.last_sync_bytes < merged_bytes / 10
+        print(f"bytes per sync: adapter {generator.last_sync_bytes}, merged {merged_bytes}; "
+              f"adapter sync {generator.last_sync_seconds:.4f} s")
+    finally:
+        generator.close()
+    # what vLLM cannot serve as a LoRA is synced merged: DoRA, extra trained modules, not a LoRA policy
+    from peft import LoraConfig, get_peft_model
+
+    for config in (LoraConfig(r=4, target_modules=["query_key_value"], use_dora=True),
+                   LoraConfig(r=4, target_modules=["query_key_value"], modules_to_save=["embed_out"])):
+        assert vg.servable_lora_rank(get_peft_model(copy.deepcopy(base), config)) is None
+    assert vg.servable_lora_rank(base) is None
+    assert vg.servable_lora_rank(models.add_lora(copy.deepcopy(base), r=17, alpha=8, dropout=0.0)) == 32
+
+
+def test_grpo_with_lora_over_adapter_sync(toy, tmp_path):
+    """--use_peft --use_vllm (adapter sync, the default): every step's samples come from the adapter just trained."""
+    out = str(tmp_path / "grpo_lora_vllm")
+    run_script("grpo.py", "--use_peft", "--use_vllm", "--max_steps", "3", "--eval_steps", "0", "--num_eval_prompts",
+               "16", "--output_dir", out)
+    rows = [r for r in read_metrics(out) if r["step"] > 0]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+    assert all(row["time/weight_sync_seconds"] > 0 for row in rows[1:])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A seeded toy run learns by the same margin as without vLLM (tests/test_rloo.py::test_learns_on_toy_task)
 # ---------------------------------------------------------------------------------------------------------
