@@ -326,8 +326,7 @@ def main():
             metrics.update(batch.metrics)
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
-        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(query_responses, pad)),
-                                     batch.metrics if on_policy else None))
+        metrics.update(meter.batch_metrics(query_responses, pad, batch.metrics if on_policy else None))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

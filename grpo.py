@@ -548,9 +548,7 @@ def main():
                                                    args.kl_horizon)
         metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
-        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(batch.query_responses,
-                                                                                   tokenizer.pad_token_id)),
-                                     batch.metrics))
+        metrics.update(meter.batch_metrics(batch.query_responses, tokenizer.pad_token_id, batch.metrics))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step,
                                               pass_at_k=args.num_eval_generations))

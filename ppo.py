@@ -319,8 +319,7 @@ def main():
         state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                                args.kl_horizon)
         metrics["time/episodes_per_second"] = (state["episode"] - start_episode) / (time.time() - start_time)
-        metrics.update(meter.metrics(ru.global_sum(accelerator, tp.sequence_tokens(query_responses, pad)),
-                                     batch.metrics))
+        metrics.update(meter.batch_metrics(query_responses, pad, batch.metrics))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

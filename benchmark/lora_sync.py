@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,19 +27,13 @@ for p in (ROOT, os.path.dirname(os.path.abspath(__file__))):
 def measure(layers: int, width: int, rounds: int) -> list:
     import torch
     from accelerate import Accelerator
-    from speed_settings import build_tldr_shaped
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from vllm_speed import random_policy
 
     import policy_common as pc
     from plumbing import models
     from plumbing import vllm_generation as vg
 
-    paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))
-    tokenizer = models.load_tokenizer(paths["policy"])
-    torch.manual_seed(0)
-    base = GPTNeoXForCausalLM(GPTNeoXConfig(
-        vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,
-        intermediate_size=4 * width, max_position_embeddings=512, bos_token_id=1, eos_token_id=1, pad_token_id=0))
+    tokenizer, base = random_policy(layers, width)
     policy = models.add_lora(base, r=16, alpha=32, dropout=0.0)
     queries = torch.randint(2, len(tokenizer), (8, 16))
     config = pc.make_generation_config(tokenizer, 8, greedy=True)

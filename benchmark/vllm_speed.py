@@ -103,22 +103,31 @@ def run(name: str, rounds: int) -> dict:
                 batch_generation_completions_per_s=len(queries) / medians["batch_generation"])
 
 
-def sync_only(layers: int, width: int, rounds: int) -> dict:
-    """Start an engine on a random GPT-NeoX of `layers` x `width` (fp32) and time `rounds` syncs."""
+def random_policy(layers: int, width: int):
+    """(the TL;DR stand-in's tokenizer, a random-weight fp32 GPT-NeoX of `layers` x `width` over its vocabulary,
+    seeded) for timing weight syncs."""
     import torch
-    from accelerate import Accelerator
     from speed_settings import build_tldr_shaped
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from plumbing import models
-    from plumbing import vllm_generation as vg
 
     paths = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "tldr_shaped_bench"))
     tokenizer = models.load_tokenizer(paths["policy"])
     torch.manual_seed(0)
-    policy = GPTNeoXForCausalLM(GPTNeoXConfig(
+    return tokenizer, GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=len(tokenizer), hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,
         intermediate_size=4 * width, max_position_embeddings=512, bos_token_id=1, eos_token_id=1, pad_token_id=0))
+
+
+def sync_only(layers: int, width: int, rounds: int) -> dict:
+    """Start an engine on a random GPT-NeoX of `layers` x `width` (fp32) and time `rounds` syncs."""
+    import torch
+    from accelerate import Accelerator
+
+    from plumbing import vllm_generation as vg
+
+    tokenizer, policy = random_policy(layers, width)
     generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=64, rows_per_call=1, seed=0)
     times = []
     for r in range(rounds):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, is_dataclass
@@ -15,7 +16,6 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from plumbing import throughput as tp
 from plumbing.errors import UserError
 
 
@@ -151,13 +151,30 @@ class MetricsLogger:
             width = max(len(k) for k in keys) if keys else 0
             lines += [f"  {k.ljust(width)}  {short_number(first[k])} -> {short_number(last[k])}   "
                       f"(step {first['step']} -> {last['step']})" for k in keys]
-        perf = tp.summary_line(rows)
+        perf = perf_line(rows)
         if perf:
             lines.append(perf)
         if model_path:
             lines.append(f"  model:   {model_path}")
         lines += [f"  metrics: {self.path}", f"  plot:    python benchmark/plot.py {self.output_dir}"]
         return "\n".join(lines)
+
+
+def perf_line(rows: list) -> Optional[str]:
+    """The run summary's perf line: medians over the steps of tokens/s, generation share and MFU; the largest peak
+    memory. None when no row has perf/* metrics."""
+    def values(key):
+        return [r[key] for r in rows if key in r]
+
+    if not values("perf/tokens_per_second"):
+        return None
+    parts = [f"{statistics.median(values('perf/tokens_per_second')):,.0f} tokens/s"]
+    if values("perf/generation_share"):
+        parts.append(f"generation {statistics.median(values('perf/generation_share')):.0%} of the step")
+    if values("perf/mfu"):
+        parts.append(f"MFU {statistics.median(values('perf/mfu')):.1%}")
+    parts.append(f"peak memory {max(values('perf/peak_memory_gib')):.2f} GiB")
+    return "  perf:    " + ", ".join(parts) + " (medians over the steps)"
 
 
 def run_logger(args, accelerator, output_dir: str, resume_step: Optional[int] = None) -> MetricsLogger:

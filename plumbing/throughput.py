@@ -1,4 +1,5 @@
-"""What a training step costs: the perf/* metrics every script logs (docs/metrics.md), and the run summary's line.
+"""What a training step costs: the perf/* metrics every script logs (docs/metrics.md; metrics_log.perf_line
+prints their medians in the run summary).
 
     perf/step_seconds         the step's wall time, its evaluation left out
     perf/tokens_per_second    the tokens the step trained on (every sequence's prompt and completion, padding left out;
@@ -15,13 +16,14 @@
 from __future__ import annotations
 
 import resource
-import statistics
 import sys
 import time
 from typing import Dict, Optional
 
 import torch
 from torch import nn
+
+from plumbing import run_utils as ru
 
 # peak dense bf16 tensor FLOP/s per GPU from the vendors' data sheets, by a substring of torch.cuda.get_device_name
 # (first match wins: the more specific names first)
@@ -68,7 +70,7 @@ class StepMeter:
     the batch (rloo/ppo: num_ppo_epochs, grpo: num_iterations)."""
 
     def __init__(self, accelerator, *models: nn.Module, passes: int = 1):
-        self.device = accelerator.device
+        self.accelerator, self.device = accelerator, accelerator.device
         self.flops_per_token = 6 * matmul_parameters(*models) * passes
         peak = peak_flops(self.device)
         self.peak = None if peak is None else peak * accelerator.num_processes
@@ -96,24 +98,14 @@ class StepMeter:
             metrics["perf/mfu"] = self.flops_per_token * tokens / (seconds * self.peak)
         return metrics
 
+    def batch_metrics(self, query_responses: torch.Tensor, pad_token_id: int,
+                      rollout_metrics: Optional[dict] = None) -> Dict[str, float]:
+        """`metrics` of a step that trained on this process's `query_responses` (B, T): their tokens summed over all
+        processes (a collective: every process calls it)."""
+        return self.metrics(ru.global_sum(self.accelerator, sequence_tokens(query_responses, pad_token_id)),
+                            rollout_metrics)
+
 
 def sequence_tokens(query_responses: torch.Tensor, pad_token_id: int) -> int:
     """The tokens of a batch of sequences, padding left out."""
     return int((query_responses != pad_token_id).sum())
-
-
-def summary_line(rows: list) -> Optional[str]:
-    """The run summary's perf line: medians over the steps of tokens/s, generation share and MFU; the largest peak
-    memory. None when no row has perf/* metrics."""
-    def values(key):
-        return [r[key] for r in rows if key in r]
-
-    if not values("perf/tokens_per_second"):
-        return None
-    parts = [f"{statistics.median(values('perf/tokens_per_second')):,.0f} tokens/s"]
-    if values("perf/generation_share"):
-        parts.append(f"generation {statistics.median(values('perf/generation_share')):.0%} of the step")
-    if values("perf/mfu"):
-        parts.append(f"MFU {statistics.median(values('perf/mfu')):.1%}")
-    parts.append(f"peak memory {max(values('perf/peak_memory_gib')):.2f} GiB")
-    return "  perf:    " + ", ".join(parts) + " (medians over the steps)"

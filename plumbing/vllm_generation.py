@@ -360,9 +360,11 @@ class VLLMGenerator:
         """Load the weights of `weights_version` into the engine (staged ones, else the policy's now); returns the
         seconds it took (with the staging)."""
         start = time.perf_counter()
-        folder = None if self.lora_rank else self.staged.pop(weights_version, None)
-        if folder is None and not self.lora_rank:
-            self.save_weights(policy)
+        folder = None  # merged weights staged for this version (--max_staleness), deleted once loaded
+        if not self.lora_rank:
+            folder = self.staged.pop(weights_version, None)
+            if folder is None:  # the policy's weights now, into the engine's own folder
+                self.save_weights(policy)
         if self.sleep_mode:
             self.llm.wake_up(tags=["weights"])
         if self.lora_rank:  # the adapter only: the base weights never change (its KV is cached under its LoRA id)

@@ -1,5 +1,5 @@
 """The perf/* metrics (plumbing/throughput.py): parameter and token counts against hand counts, the metrics' formulas
-on a hand-worked step, the peak-FLOPs table's lookups, and the run summary's line."""
+on a hand-worked step, the peak-FLOPs table's lookups, and the run summary's line (metrics_log.perf_line)."""
 import resource
 import time
 
@@ -9,6 +9,7 @@ from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from plumbing import data_utils as du
+from plumbing import metrics_log as ml
 from plumbing import throughput as tp
 
 pytestmark = pytest.mark.fast
@@ -89,6 +90,6 @@ def test_summary_line():
             {"step": 1, "perf/tokens_per_second": 100.0, "perf/generation_share": 0.2, "perf/peak_memory_gib": 1.0},
             {"step": 2, "perf/tokens_per_second": 300.0, "perf/generation_share": 0.4, "perf/peak_memory_gib": 1.5},
             {"step": 3, "perf/tokens_per_second": 200.0, "perf/generation_share": 0.9, "perf/peak_memory_gib": 1.25}]
-    assert tp.summary_line(rows) == "  perf:    200 tokens/s, generation 40% of the step, peak memory 1.50 GiB " \
+    assert ml.perf_line(rows) == "  perf:    200 tokens/s, generation 40% of the step, peak memory 1.50 GiB " \
                                     "(medians over the steps)"
-    assert tp.summary_line(rows[:1]) is None
+    assert ml.perf_line(rows[:1]) is None
