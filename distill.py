@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import policy_common as pc
-from plumbing import chunked_head, models
+from plumbing import chunked_head, models, packing
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
 from plumbing import reward_sources as rs
@@ -147,8 +147,7 @@ def teacher_outputs(teacher, query_responses, context_length: int, pad_token_id:
     `hidden` its (b, R, H) last hidden states there (chunked_head.head_logits turns a chunk into those logits)."""
     if not hidden:
         return pc.forward_logits(teacher, query_responses, context_length, pad_token_id, temperature)
-    with chunked_head.hidden_instead_of_logits(teacher):
-        return pc.response_outputs(teacher, query_responses, context_length, pad_token_id)
+    return pc.response_outputs(teacher, query_responses, context_length, pad_token_id, hidden=True)
 
 
 def validate(args: Args) -> int:
@@ -215,6 +214,7 @@ def main():
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size = validate(args)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    packing.use_padding_free(args.padding_free)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     ru.seed_everything(args.seed, accelerator.process_index)

@@ -20,7 +20,7 @@ import torch
 import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import greedy_eval as ge
-from plumbing import models
+from plumbing import models, packing
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
@@ -298,6 +298,7 @@ def main():
     validate(args)
     dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    packing.use_padding_free(args.padding_free)
     world = accelerator.num_processes
     groups_per_step = world * args.gradient_accumulation_steps  # micro-batches per optimizer step, all processes
     batch_size = args.per_device_train_batch_size * groups_per_step  # examples per optimizer step

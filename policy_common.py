@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import chunked_head, models, prompt_sharing
+from plumbing import chunked_head, models, packing, prompt_sharing
 from plumbing.errors import UserError
 
 PADDING_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
@@ -219,11 +219,18 @@ def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_leng
 
 
 def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                     share_prompts: bool = False, grad_rows: Optional[int] = None) -> torch.Tensor:
-    """(B, T) ids -> (B, T - context_length, X) model output (`logits`) at the positions predicting the response:
-    X = V, or H within chunked_head.hidden_instead_of_logits. `share_prompts`, `grad_rows`: as in `forward_logits`."""
-    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
+                     share_prompts: bool = False, grad_rows: Optional[int] = None, hidden: bool = False):
+    """(B, T) ids -> (B, T - context_length, X) model output at the positions predicting the response: X = V (logits),
+    or with `hidden` H (last hidden states). `share_prompts`, `grad_rows`: as in `forward_logits`. --padding_free:
+    packed rows (packing.py), a query shared by rows with `share_prompts`, zeros at positions holding pad."""
     R = query_responses.shape[1] - context_length
+    if packing.enabled() and R > 0 and packing.lm_supported(model, pad_token_id):
+        return packing.response_outputs(model, query_responses, context_length, pad_token_id, share_prompts,
+                                        grad_rows, hidden)
+    if hidden:
+        with chunked_head.hidden_instead_of_logits(model):
+            return response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
+    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
     split = grad_rows is not None and 0 < grad_rows < len(query_responses)
     if share_prompts and R > 0 and prompt_sharing.takes_cache(models.unwrap(model)):
         logits = (prompt_sharing.split_logits(model, query_responses, attention_mask, position_ids, context_length,
@@ -263,8 +270,8 @@ def map_response_logits(model: nn.Module, query_responses: torch.Tensor, context
                                 mask_pad, grad_rows)
         results = fn(logits.reshape(B * R, -1), *flat)
     else:
-        with chunked_head.hidden_instead_of_logits(model):
-            hidden = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
+        hidden = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows,
+                                  hidden=True)
         results = chunked_head.map_chunks(model, fn, hidden.reshape(B * R, -1), flat, chunk_tokens=chunk_tokens,
                                           temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad,
                                           grad_positions=None if grad_rows is None else grad_rows * R)

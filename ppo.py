@@ -23,7 +23,7 @@ import torch.nn as nn
 import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
-from plumbing import models
+from plumbing import models, packing
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru
@@ -206,6 +206,7 @@ def main():
     # 1. arguments, batch sizes, accelerator, seeding
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    packing.use_padding_free(args.padding_free)
     local_batch_size, batch_size, num_total_batches, num_optimizer_steps = validate(args, accelerator.num_processes)
     ru.seed_everything(args.seed, accelerator.process_index)
 

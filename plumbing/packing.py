@@ -1,0 +1,332 @@
+"""Padding-free forwards (--padding_free): the real tokens of a batch's rows packed into a few sequences, so that
+no forward or backward runs on padding.
+
+Rows are [left pads | query | response | right pads] (policy_common's layout). Each row's real tokens become a
+*segment*; with `share` the rows that repeat one query (RLOO's k samples, DPO's chosen and rejected) make one
+segment: the query's tokens once, then each row's response, every response attending to the query and to itself
+only (a tree: the packed form of prompt_sharing.py). Position ids restart at each segment and count real tokens
+as policy_common.padding_inputs does (a response continues from its query's length), so every token sees the same
+positions and the same context as in the padded forward: the numbers are the padded forward's to float rounding
+(tests/test_packing.py: log-probs, rewards, values and gradients, per script).
+
+The attention is kept within a segment by a 4D attention mask (P, 1, C, C), which transformers hands to sdpa and
+eager attention as it is. That mask is dense, so the attention costs C^2 per packed sequence: segments are binned
+first-fit decreasing into sequences of at most a few times the longest segment, the length chosen by the FLOPs it
+costs (`bins`: longer sequences leave less padding at their ends and cost more attention), not all into one. A
+flash-attention implementation (GPU) takes no 4D mask: there every row goes into one sequence and transformers
+finds the boundaries from the restarting position ids (varlen kernels), without query sharing.
+
+Whether a model honours the packed inputs is checked once per model class on a tiny batch (`supported`): a model
+whose packed forward differs from its padded one (custom code that ignores the mask, sliding-window attention)
+runs padded, with one log line. Nothing here keeps per-run state but the switch set from --padding_free and that
+per-class verdict, and every process makes the same model calls whatever its data (one forward per call).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from plumbing import chunked_head
+
+_ENABLED = False  # set once from --padding_free (use_padding_free)
+_VERDICTS: dict = {}  # (model class, kind) -> packed forward supported?
+
+
+def use_padding_free(on: bool) -> None:
+    """Run the forwards of policy_common and reward_sources on packed rows from now on (--padding_free)."""
+    global _ENABLED
+    _ENABLED = bool(on)
+
+
+def enabled() -> bool:
+    return _ENABLED
+
+
+@contextlib.contextmanager
+def padding_free(on: bool = True):
+    """`use_padding_free(on)` within the block (tests, benchmarks), the previous setting restored after it."""
+    saved = _ENABLED
+    use_padding_free(on)
+    try:
+        yield
+    finally:
+        use_padding_free(saved)
+
+
+@dataclass
+class Layout:
+    """A batch packed: P sequences of C positions.
+    input_ids, position_ids: (P, C); attention_mask: (P, 1, C, C) additive float mask (0 where a position may look,
+    the dtype's minimum elsewhere), or None for flash attention (boundaries from position_ids); index: (B, T) the
+    flat position (in P * C) holding each padded row's token, -1 at padding."""
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    index: torch.Tensor
+
+    def gather(self, outputs: torch.Tensor, columns: slice, keep: Optional[torch.Tensor] = None):
+        """(P, C, X) packed outputs -> ((n, X) the outputs at the real tokens of query_responses[:, columns] (where
+        `keep`, (B, c) bool, allows), (B, c) bool where those are): put results back with `out[where] = results`."""
+        index = self.index[:, columns]
+        where = index >= 0 if keep is None else (index >= 0) & keep
+        return outputs.reshape(-1, outputs.shape[-1])[index[where]], where
+
+
+def flash_attention(model: torch.nn.Module) -> bool:
+    """Does the model attend with a flash-attention kernel (which takes position ids, not a 4D mask)?"""
+    config = getattr(model, "config", None)
+    return "flash" in str(getattr(config, "_attn_implementation", "") or "")
+
+
+def hidden_width(model: torch.nn.Module) -> Optional[int]:
+    """The model's hidden size (from its config), which prices a packed sequence's attention (`bins`)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "hidden_size", None)
+
+
+def sliding_window(model: torch.nn.Module) -> bool:
+    """Does some layer attend within a sliding window (Mistral, Gemma 2/3, Qwen2 with use_sliding_window)?"""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def first_fit_decreasing(lengths: list, capacity: int) -> list:
+    """Segment lengths -> a bin index per segment: longest first, each into the first bin with room (bins of at
+    most `capacity`, which must be >= every length)."""
+    free, bins = [], [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = next((b for b, room in enumerate(free) if room >= lengths[i]), len(free))
+        if b == len(free):
+            free.append(capacity)
+        free[b] -= lengths[i]
+        bins[i] = b
+    return bins
+
+
+def bins(lengths: list, width: Optional[int] = None) -> tuple:
+    """Segment lengths -> (capacity, bin of each segment): first-fit decreasing at the capacity whose packed batch
+    costs least, P bins x C positions x (1 + C / (6 x width)): a position's projections and MLP cost about 24 x
+    width^2 FLOPs, its attention over C keys (dense with a mask) about 4 x width x C. Capacities from the longest
+    segment up to 4x it are tried; `width` None: the attention is free (flash attention), one bin of everything."""
+    longest, total = max(lengths), sum(lengths)
+    if width is None:
+        return max(1, total), [0] * len(lengths)
+    best = None
+    for capacity in sorted({min(total, longest + (longest * k) // 4) for k in range(13)}):
+        assigned = first_fit_decreasing(lengths, capacity)
+        cost = (max(assigned) + 1) * capacity * (1 + capacity / (6 * width))
+        if best is None or cost < best[0]:
+            best = (cost, capacity, assigned)
+    return best[1], best[2]
+
+
+def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0, share: bool = False,
+           one_sequence: bool = False, dtype: torch.dtype = torch.float32, width: Optional[int] = None) -> Layout:
+    """Pack (B, T) rows: a query in the first `context_length` columns, a response after them, any padding around
+    (policy_common's layout, or context_length 0 for whole rows). Each row's real tokens keep their order and are
+    counted as padding_inputs counts them. Identical rows are packed once (they get the same numbers, as in a padded
+    batch). `share`: rows whose query columns are identical make one tree segment (their query once). `one_sequence`:
+    every segment in one packed sequence and no mask (flash attention); `share` is then ignored. `dtype`: the
+    mask's (the model's). `width`: the model's hidden size, which sets how long the packed sequences are (`bins`);
+    None: as long as the longest segment."""
+    B, T = query_responses.shape
+    ids = query_responses.cpu()
+    real = ids != pad_token_id
+    _, same_row = torch.unique(ids, dim=0, return_inverse=True)
+    first_of: dict = {}  # a distinct row -> the first row holding it
+    for r, u in enumerate(same_row.tolist()):
+        first_of.setdefault(u, r)
+    unique_rows = sorted(first_of.values())
+    query_cols = {r: real[r, :context_length].nonzero().flatten() for r in unique_rows}
+    response_cols = {r: context_length + real[r, context_length:].nonzero().flatten() for r in unique_rows}
+    groups: dict = {}
+    if share and not one_sequence and context_length > 0:
+        _, query_of = torch.unique(ids[:, :context_length], dim=0, return_inverse=True)
+        for r in unique_rows:
+            groups.setdefault(int(query_of[r]), []).append(r)
+    else:
+        groups = {r: [r] for r in unique_rows}
+    segments = list(groups.values())  # rows of each segment, in row order
+    lengths = [len(query_cols[rows[0]]) + sum(len(response_cols[r]) for r in rows) for rows in segments]
+    if one_sequence:
+        capacity, bin_of = bins(lengths, None)
+    elif width is None:
+        capacity = max(1, max(lengths))
+        bin_of = first_fit_decreasing(lengths, capacity)
+    else:
+        capacity, bin_of = bins(lengths, width)
+    P = max(bin_of) + 1
+
+    packed_ids = torch.zeros(P, capacity, dtype=torch.long)  # id 0 at padding (a pad id may have no embedding)
+    positions = torch.zeros(P, capacity, dtype=torch.long)
+    segment = torch.full((P, capacity), -1, dtype=torch.long)  # segment id of each position, -1 at padding
+    branch = torch.zeros(P, capacity, dtype=torch.long)  # 0: a query token; r + 1: row r's response token
+    index = torch.full((B, T), -1, dtype=torch.long)
+    used = [0] * P
+    for s, rows in enumerate(segments):
+        p = bin_of[s]
+        start = used[p]
+        cols = query_cols[rows[0]]
+        q = len(cols)
+        packed_ids[p, start:start + q] = ids[rows[0], cols]
+        positions[p, start:start + q] = torch.arange(q)
+        segment[p, start:start + q] = s
+        for r in rows:
+            index[r, cols] = p * capacity + start + torch.arange(q)
+        at = start + q
+        for r in rows:
+            cols = response_cols[r]
+            n = len(cols)
+            packed_ids[p, at:at + n] = ids[r, cols]
+            positions[p, at:at + n] = q + torch.arange(n)
+            segment[p, at:at + n] = s
+            branch[p, at:at + n] = r + 1
+            index[r, cols] = p * capacity + at + torch.arange(n)
+            at += n
+        used[p] = at
+    index = index[torch.tensor([first_of[u] for u in same_row.tolist()])]  # a repeated row reads its first
+    device = query_responses.device
+    mask = None
+    if not one_sequence:
+        # i may look at j: j <= i, the same segment, and j a query token or a token of i's own response; padding
+        # looks at itself only (no row of the softmax is empty)
+        causal = torch.ones(capacity, capacity, dtype=torch.bool).tril()
+        same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0)
+        own = (branch[:, None, :] == 0) | (branch[:, :, None] == branch[:, None, :])
+        allowed = (causal & same & own) | torch.eye(capacity, dtype=torch.bool)
+        mask = torch.zeros(P, 1, capacity, capacity, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed[:, None].to(device), torch.finfo(dtype).min)
+    return Layout(packed_ids.to(device), positions.to(device), mask, index.to(device))
+
+
+def supported(model: torch.nn.Module, run: Callable, kind: str, vocab_size: int, pad_token_id: int,
+              device, dtype) -> bool:
+    """Does `run(input_ids, attention_mask, position_ids) -> (b, t, H)` give the same outputs packed as padded? Tried
+    once per model class and `kind` on a tiny batch (three rows, two sharing a query), without gradient and in eval
+    mode; a model that does not is run padded, with one log line."""
+    key = (type(model), kind)
+    if key in _VERDICTS:
+        return _VERDICTS[key]
+    if sliding_window(model):
+        print(f"note: --padding_free: {type(model).__name__} attends within a sliding window, which the packed mask "
+              "does not reproduce; its forwards run padded", flush=True)
+        _VERDICTS[key] = False
+        return False
+    context = 3
+    tokens = [(7 * i + 3) % vocab_size for i in range(12)]
+    tokens = [t if t != pad_token_id else (t + 1) % vocab_size for t in tokens]
+    rows = [tokens[0:3] + tokens[3:5] + [pad_token_id],
+            tokens[0:3] + tokens[5:8],
+            [pad_token_id] + tokens[8:10] + tokens[10:11] + [pad_token_id] * 2]
+    query_responses = torch.tensor(rows, device=device)
+    attention_mask = (query_responses != pad_token_id).long()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    one = flash_attention(model)
+    packed = layout(query_responses, pad_token_id, context, share=True, one_sequence=one, dtype=dtype)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            padded_out = run(query_responses.masked_fill(attention_mask == 0, 0), attention_mask, position_ids)
+            packed_out = run(packed.input_ids, packed.attention_mask, packed.position_ids)
+        where = packed.index >= 0
+        expected = padded_out[where].float()
+        got = packed_out.reshape(-1, packed_out.shape[-1])[packed.index[where]].float()
+        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        difference = (expected - got).abs().max().item()
+        ok = difference <= tolerance * max(1.0, expected.abs().max().item())
+    except Exception as e:  # a forward that refuses the packed inputs
+        ok, difference = False, f"{type(e).__name__}: {e}"
+    finally:
+        model.train(training)
+    if not ok:
+        print(f"note: --padding_free: {type(model).__name__}'s packed forward differs from its padded one "
+              f"({difference}); its forwards run padded", flush=True)
+    _VERDICTS[key] = ok
+    return ok
+
+
+# ---- The forwards of policy_common (causal LMs) and reward_sources (reward and value models), packed
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def lm_supported(model: torch.nn.Module, pad_token_id: int) -> bool:
+    """Can this causal LM's forwards run packed? `supported`, and an output layer that can be applied apart from the
+    forward (chunked_head.supported: no soft-capping or logit scale)."""
+    lm = chunked_head.causal_lm(model)
+    if not chunked_head.supported(model) or lm.get_output_embeddings() is None:
+        return False
+
+    def run(input_ids, attention_mask, position_ids):
+        with chunked_head.hidden_instead_of_logits(model):
+            return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).logits
+
+    return supported(lm, run, "causal_lm", lm.get_output_embeddings().weight.shape[0], pad_token_id, _device(lm),
+                     getattr(lm, "dtype", torch.float32))
+
+
+def response_outputs(model: torch.nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                     share_prompts: bool = False, grad_rows: Optional[int] = None,
+                     hidden: bool = False) -> torch.Tensor:
+    """policy_common.response_outputs on packed rows: one forward over the packed sequences, the hidden states of the
+    real positions that predict a response token gathered, the output layer run on those only (not with `hidden`):
+    (B, R, V) logits, or (B, R, H) hidden states, zeros at pad positions. `grad_rows=n`: rows n.. packed and run
+    apart, without gradient."""
+    B, T = query_responses.shape
+    if grad_rows is not None and 0 < grad_rows < B:
+        first = response_outputs(model, query_responses[:grad_rows], context_length, pad_token_id, share_prompts,
+                                 None, hidden)
+        with torch.no_grad():
+            other = response_outputs(model, query_responses[grad_rows:], context_length, pad_token_id, share_prompts,
+                                     None, hidden)
+        return torch.cat([first, other])
+    lm = chunked_head.causal_lm(model)
+    packed = layout(query_responses, pad_token_id, context_length, share=share_prompts,
+                    one_sequence=flash_attention(lm), dtype=getattr(lm, "dtype", torch.float32),
+                    width=hidden_width(lm))
+    with chunked_head.hidden_instead_of_logits(model):
+        states = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                       position_ids=packed.position_ids, use_cache=False).logits  # (P, C, H)
+    # the token at column c - 1 predicts the response token at column c; a response token's predecessor is real
+    predicting, where = packed.gather(states, slice(context_length - 1, T - 1),
+                                      keep=query_responses[:, context_length:] != pad_token_id)
+    outputs = predicting if hidden else chunked_head.output_layer(model)(predicting)  # (n, X)
+    result = outputs.new_zeros(B, T - context_length, outputs.shape[-1])
+    result[where] = outputs
+    return result
+
+
+def backbone_supported(backbone: torch.nn.Module, pad_token_id: int) -> bool:
+    """Can this backbone (a reward or value model's, under its score head) run packed (`supported`)?"""
+    def run(input_ids, attention_mask, position_ids):
+        return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False).last_hidden_state
+
+    return supported(backbone, run, "backbone", backbone.get_input_embeddings().weight.shape[0], pad_token_id,
+                     _device(backbone), getattr(backbone, "dtype", torch.float32))
+
+
+def scalar_outputs(model: torch.nn.Module, backbone: torch.nn.Module, query_responses: torch.Tensor,
+                   pad_token_id: int, context_length: int = 0, share_prompts: bool = False) -> torch.Tensor:
+    """reward_sources.scalar_forward on packed rows: (B, T) -> (B, T) the sequence classifier `model`'s score head
+    on its `backbone`'s last hidden states at every real token, 0 at padding."""
+    packed = layout(query_responses, pad_token_id, context_length, share=share_prompts,
+                    one_sequence=flash_attention(backbone), dtype=getattr(backbone, "dtype", torch.float32),
+                    width=hidden_width(backbone))
+    hidden = backbone(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
+                      position_ids=packed.position_ids, use_cache=False).last_hidden_state  # (P, C, H)
+    real_hidden, where = packed.gather(hidden, slice(None))
+    scores = model.score(real_hidden).squeeze(-1)
+    values = scores.new_zeros(query_responses.shape)
+    values[where] = scores
+    return values

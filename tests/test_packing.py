@@ -1,0 +1,334 @@
+"""Padding-free forwards (packing.py, --padding_free): the packed layout on a hand-worked batch; log-probs, entropies,
+rewards and values equal to each row run alone without padding (GPT-NeoX, Llama, LoRA; prompts shared or not;
+temperature; the output layer in chunks); gradients equal to the padded forward's; rows without gradient keep none;
+models whose attention cannot take the packed inputs fall back to padding with one line; every script runs packed
+with the padded run's numbers."""
+
+import pytest
+import torch
+from conftest import read_metrics, run_script
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_scale import run_distributed
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    GPTNeoXForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
+
+import policy_common as pc
+from plumbing import models, packing
+from plumbing import reward_sources as rs
+
+PAD, VOCAB = 0, 40
+
+
+def neox_config(**kw):
+    return GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
+                         eos_token_id=1, pad_token_id=PAD, **kw)
+
+
+def neox():
+    torch.manual_seed(0)
+    return GPTNeoXForCausalLM(neox_config())
+
+
+def llama():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        pad_token_id=PAD, eos_token_id=1, bos_token_id=1))
+
+
+def lora():
+    model = models.add_lora(neox(), r=4, alpha=8, dropout=0.0)
+    with torch.no_grad():  # a trained-looking adapter (PEFT starts B at zero)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+MODELS = {"neox": neox, "llama": llama, "lora": lora}
+
+
+def grouped_batch(seed: int, group_sizes, max_query=6, max_response=5):
+    """Rows in a shuffled order, the rows of group g sharing one query; returns (query_responses, Lq, [(query,
+    response)] per row, unpadded)."""
+    gen = torch.Generator().manual_seed(seed)
+    draw = lambda n: torch.randint(2, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    queries = [draw(int(torch.randint(1, max_query + 1, (1,), generator=gen))) for _ in group_sizes]
+    rows = [(queries[g], draw(int(torch.randint(1, max_response + 1, (1,), generator=gen))))
+            for g, n in enumerate(group_sizes) for _ in range(n)]
+    rows = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+    q = pc.pad_sequences([r[0] for r in rows], PAD, "left")
+    return torch.cat([q, pc.pad_sequences([r[1] for r in rows], PAD, "right")], 1), q.shape[1], rows
+
+
+def unpadded_logprobs(model, query, response, temperature=1.0):
+    """The obvious computation: one row alone, no padding, softmax(logits / T) without the pad token."""
+    p = (model(input_ids=torch.tensor([query + response])).logits[0, len(query) - 1:-1] / temperature).softmax(-1)
+    p = p * (torch.arange(p.shape[-1]) != PAD)
+    return (p / p.sum(-1, keepdim=True)).log()[torch.arange(len(response)), torch.tensor(response)]
+
+
+# ------------------------------------------------------------------------------------------------------ layout
+ROWS = torch.tensor([[5, 6, 7, 8, 9, 0],      # query 5 6 7, response 8 9
+                     [5, 6, 7, 10, 11, 12],   # the same query, response 10 11 12
+                     [0, 13, 14, 15, 0, 0]])  # query 13 14, response 15
+
+
+def allowed(layout):  # (P, C, C) bool: where each packed position may look
+    return layout.attention_mask[:, 0] == 0
+
+
+def test_layout_packs_rows_into_bins_of_the_longest_row_by_hand():
+    packed = packing.layout(ROWS, PAD, context_length=3)
+    # segments of 5, 6 and 3 tokens into bins of 6, longest first: [row 1], [row 0], [row 2]
+    assert packed.input_ids.tolist() == [[5, 6, 7, 10, 11, 12], [5, 6, 7, 8, 9, 0], [13, 14, 15, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 0], [0, 1, 2, 0, 0, 0]]
+    assert packed.index.tolist() == [[6, 7, 8, 9, 10, -1], [0, 1, 2, 3, 4, 5], [-1, 12, 13, 14, -1, -1]]
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    assert torch.equal(allowed(packed)[0], causal)
+    tail = torch.eye(6, dtype=torch.bool)  # padding sees itself only
+    expected = [causal.clone(), causal.clone()]
+    expected[0][5], expected[1][3:] = tail[5], tail[3:]
+    assert torch.equal(allowed(packed)[1], expected[0]) and torch.equal(allowed(packed)[2], expected[1])
+
+
+def test_layout_shares_a_repeated_query_as_a_tree_by_hand():
+    packed = packing.layout(ROWS, PAD, context_length=3, share=True)
+    # rows 0 and 1 make one segment: the query once, then each response; row 2 its own bin (the first holds 8)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 0, 0, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5], [0, 1, 2, 0, 0, 0, 0, 0]]
+    assert packed.index.tolist() == [[0, 1, 2, 3, 4, -1], [0, 1, 2, 5, 6, 7], [-1, 8, 9, 10, -1, -1]]
+    sees = {i: allowed(packed)[0, i].nonzero().flatten().tolist() for i in range(8)}
+    assert sees == {0: [0], 1: [0, 1], 2: [0, 1, 2], 3: [0, 1, 2, 3], 4: [0, 1, 2, 3, 4],
+                    5: [0, 1, 2, 5], 6: [0, 1, 2, 5, 6], 7: [0, 1, 2, 5, 6, 7]}  # a response never sees the other
+    # flash attention: one sequence, no mask, no sharing (the boundaries come from the position ids)
+    flat = packing.layout(ROWS, PAD, context_length=3, share=True, one_sequence=True)
+    assert flat.attention_mask is None and flat.input_ids.shape == (1, 14)
+    assert flat.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2]]
+
+
+def test_layout_of_whole_rows_and_of_repeated_rows():
+    """context_length 0 (a value model reads whole rows): the same packing; a repeated row is packed once."""
+    by_parts = packing.layout(ROWS, PAD, context_length=3)
+    whole = packing.layout(ROWS, PAD, context_length=0)
+    assert torch.equal(whole.input_ids, by_parts.input_ids) and torch.equal(whole.index, by_parts.index)
+    assert torch.equal(whole.position_ids, by_parts.position_ids)
+    repeated = packing.layout(torch.cat([ROWS, ROWS[2:], ROWS[:1]]), PAD, context_length=3, share=True)
+    assert torch.equal(repeated.input_ids, packing.layout(ROWS, PAD, 3, share=True).input_ids)
+    assert repeated.index[3].tolist() == repeated.index[2].tolist() and torch.equal(repeated.index[4],
+                                                                                   repeated.index[0])
+
+
+def test_first_fit_decreasing_by_hand():
+    assert packing.first_fit_decreasing([5, 4, 3, 2], 5) == [0, 1, 2, 2]
+    assert packing.first_fit_decreasing([1, 1, 1], 3) == [0, 0, 0]
+
+
+def test_bins_trade_tail_padding_against_attention_by_hand():
+    # wide model (attention cheap): one sequence of all 16 tokens beats three of 6 (18 positions)
+    assert packing.bins([6, 5, 5], width=10**6) == (16, [0, 0, 0])
+    # narrow model (attention dear): 3 x 6 x (1 + 6/6) = 36 beats 16 x (1 + 16/6) = 58.7
+    assert packing.bins([6, 5, 5], width=1) == (6, [0, 1, 2])
+    assert packing.bins([6, 5, 5], width=None) == (16, [0, 0, 0])  # flash attention: one sequence
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=30))
+def test_first_fit_decreasing_never_overfills_a_bin(lengths):
+    bins = packing.first_fit_decreasing(lengths, max(lengths))
+    load = [0] * (max(bins) + 1)
+    for b, n in zip(bins, lengths):
+        load[b] += n
+    assert max(load) <= max(lengths) and min(load) > 0
+    assert len(load) <= 2 * sum(lengths) / max(lengths) + 1  # first fit: no two bins at most half full
+
+
+# ------------------------------------------------------------------------------------------------------ numbers
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_logprobs_and_entropy_equal_each_row_alone(name, share, temperature):
+    model = MODELS[name]()
+    query_responses, Lq, rows = grouped_batch(len(name) + share, [3, 1, 2, 2])
+    with torch.no_grad(), packing.padding_free():
+        logprobs, entropy = pc.response_logprobs(model, query_responses, Lq, PAD, temperature, share,
+                                                 return_entropy=True)
+    padded_entropy = pc.response_logprobs(model, query_responses, Lq, PAD, temperature, return_entropy=True)[1]
+    with torch.no_grad():
+        for i, (query, response) in enumerate(rows):
+            torch.testing.assert_close(logprobs[i, :len(response)],
+                                       unpadded_logprobs(model, query, response, temperature), atol=1e-5, rtol=0)
+            torch.testing.assert_close(entropy[i, :len(response)], padded_entropy[i, :len(response)],
+                                       atol=1e-5, rtol=0)
+    assert torch.isfinite(logprobs).all()  # padding positions too (masked downstream)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_gradients_equal_the_padded_forwards(name, share):
+    model = MODELS[name]()
+    query_responses, Lq, _ = grouped_batch(7, [4, 2, 1])
+    query_responses = torch.cat([query_responses, query_responses[:2]])  # two rows twice: packed once, read twice
+    mask = query_responses[:, Lq:] != PAD
+    weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+
+    def grads(padding_free):
+        model.zero_grad()
+        with packing.padding_free(padding_free):
+            logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, 0.9, share)
+        (logprobs * weights * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded, packed = grads(False), grads(True)
+    assert padded.keys() == packed.keys() and len(packed) > 0
+    for n in padded:
+        torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_rows_without_gradient_keep_none(share):
+    """grad_rows (KTO's mismatched completions): rows n.. give the same numbers and nothing to the gradient."""
+    model = neox()
+    query_responses, Lq, _ = grouped_batch(3, [2, 2, 2])
+    mask = (query_responses[:, Lq:] != PAD).float()
+    with packing.padding_free():
+        logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, share_prompts=share, grad_rows=3)
+        (logprobs[:3] * mask[:3]).sum().backward()
+    with_split = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    (pc.response_logprobs(model, query_responses[:3], Lq, PAD) * mask[:3]).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(with_split[n], p.grad, atol=1e-5, rtol=1e-4)
+    with torch.no_grad():
+        expected = pc.response_logprobs(model, query_responses, Lq, PAD)
+    torch.testing.assert_close(logprobs.detach() * mask, expected * mask, atol=1e-5, rtol=0)
+
+
+def test_packed_chunked_output_layer_equals_the_padded_one():
+    """--logprob_chunk_tokens: the packed hidden states through the output layer a few positions at a time."""
+    model = neox()
+    query_responses, Lq, _ = grouped_batch(5, [3, 3])
+    mask = query_responses[:, Lq:] != PAD
+    padded = pc.response_logprobs(model, query_responses, Lq, PAD, 0.8, return_entropy=True, chunk_tokens=0)
+    with packing.padding_free():
+        packed = pc.response_logprobs(model, query_responses, Lq, PAD, 0.8, True, return_entropy=True,
+                                      chunk_tokens=4)
+    for a, b in zip(packed, padded):
+        torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_packed_rewards_and_values_equal_each_row_alone(share):
+    torch.manual_seed(2)
+    model = GPTNeoXForSequenceClassification(neox_config(num_labels=1))
+    query_responses, Lq, rows = grouped_batch(11, [2, 3, 1])
+    with packing.padding_free():
+        rewards = rs.get_reward(model, query_responses, PAD, Lq, share)
+        values = rs.scalar_forward(model, query_responses, PAD, Lq, share)
+        whole_rows = rs.scalar_forward(model, query_responses, PAD)  # PPO's value model: no context length
+    real = query_responses != PAD
+    torch.testing.assert_close(whole_rows[real], rs.scalar_forward(model, query_responses, PAD)[real], atol=1e-5,
+                               rtol=0)
+    values.sum().backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    rs.scalar_forward(model, query_responses, PAD, Lq).masked_fill(query_responses == PAD, 0).sum().backward()
+    for n, g in packed_grads.items():
+        torch.testing.assert_close(g, dict(model.named_parameters())[n].grad, atol=1e-5, rtol=1e-4, msg=n)
+    with torch.no_grad():
+        for i, (query, response) in enumerate(rows):
+            alone = model(input_ids=torch.tensor([query + response])).logits[0, 0]
+            assert rewards[i].item() == pytest.approx(alone.item(), abs=1e-5)
+    assert (values.detach()[query_responses == PAD] == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------------ fallback
+class MaskIgnoringNeoX(GPTNeoXForCausalLM):
+    """Custom model code that drops the attention mask it is given (some hub models do)."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        return super().forward(input_ids=input_ids, attention_mask=None, **kwargs)
+
+
+def test_a_model_ignoring_the_mask_runs_padded_with_one_line(capsys):
+    torch.manual_seed(0)
+    model = MaskIgnoringNeoX(neox_config())
+    query_responses, Lq, rows = grouped_batch(2, [2, 2])
+    with packing.padding_free(), torch.no_grad():
+        first = pc.response_logprobs(model, query_responses, Lq, PAD, share_prompts=True)
+        second = pc.response_logprobs(model, query_responses, Lq, PAD)
+    out = capsys.readouterr().out
+    assert out.count("--padding_free") == 1 and "MaskIgnoringNeoX" in out and "run padded" in out
+    with torch.no_grad():
+        expected = pc.response_logprobs(model, query_responses, Lq, PAD)
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, expected)
+
+
+def test_sliding_window_attention_runs_padded(capsys):
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=4, pad_token_id=PAD, eos_token_id=1, bos_token_id=1))
+    query_responses, Lq, _ = grouped_batch(4, [2, 1])
+    with packing.padding_free(), torch.no_grad():
+        got = pc.response_logprobs(model, query_responses, Lq, PAD)
+    assert "sliding window" in capsys.readouterr().out
+    with torch.no_grad():
+        torch.testing.assert_close(got, pc.response_logprobs(model, query_responses, Lq, PAD))
+
+
+# ------------------------------------------------------------------------------------------------------ scripts
+SCRIPT_METRICS = {  # a step's numbers that the forwards feed
+    "rloo.py": ["objective/scores", "objective/kl", "loss/policy", "objective/entropy"],
+    "grpo.py": ["objective/scores", "loss/policy", "objective/entropy"],
+    "ppo.py": ["objective/scores", "loss/value", "loss/policy", "policy/entropy"],
+    "distill.py": ["loss/distill", "objective/entropy"],
+    "dpo.py": ["loss", "grad_norm", "rewards/margins"], "kto.py": ["loss", "grad_norm"],
+    "sft.py": ["loss", "token_accuracy"], "reward.py": ["loss", "accuracy", "grad_norm"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", list(SCRIPT_METRICS))
+def test_every_script_gives_the_same_numbers_packed(script, tmp_path, toy):
+    """Two steps of each script on the toy, packed and padded: the same metrics and evaluation."""
+    rows = {}
+    for mode in ("padded", "packed"):
+        out = tmp_path / mode
+        flags = ["--padding_free"] if mode == "packed" else []
+        evaluation = ["--max_eval_pairs", "32"] if script == "reward.py" else ["--num_eval_prompts", "16"]
+        proc = run_script(script, "--max_steps", "2", "--eval_steps", "2", *evaluation, *flags,
+                          "--output_dir", str(out))
+        assert "run padded" not in proc.stdout  # packed indeed: no model fell back
+        rows[mode] = {r["step"]: r for r in read_metrics(str(out))}
+    assert rows["packed"].keys() == rows["padded"].keys()
+    for step in (1, 2):
+        keys = SCRIPT_METRICS[script] + [k for k in rows["padded"][2] if k.startswith("eval/")]
+        for key in keys:
+            a = rows["packed"][step].get(key)
+            if a is None:
+                continue
+            assert a == pytest.approx(rows["padded"][step][key], rel=1e-4, abs=1e-5), (script, step, key)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_numbers_packed(tmp_path, toy):
+    """rloo on 2 processes (DDP over gloo; each process packs its own rows into its own bins, the output layer runs
+    outside the wrapped forward): packed = padded."""
+    rows = {}
+    for mode, flags in (("padded", []), ("packed", ["--padding_free"])):
+        out = tmp_path / mode
+        run_distributed("rloo.py", "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8",
+                        *flags, "--output_dir", str(out))
+        rows[mode] = {r["step"]: r for r in read_metrics(str(out))}
+    for key in ("loss/policy", "objective/kl", "objective/entropy", "objective/scores"):
+        assert rows["packed"][2][key] == pytest.approx(rows["padded"][2][key], rel=1e-4, abs=1e-5), key
