@@ -116,7 +116,7 @@ def bins(lengths: list, width: Optional[int] = None) -> tuple:
     costs least, P bins x C positions x (1 + C / (6 x width)): a position's projections and MLP cost about 24 x
     width^2 FLOPs, its attention over C keys (dense with a mask) about 4 x width x C. Capacities from the longest
     segment up to 4x it are tried; `width` None: the attention is free (flash attention), one bin of everything."""
-    longest, total = max(lengths), sum(lengths)
+    longest, total = max(1, max(lengths)), max(1, sum(lengths))
     if width is None:
         return max(1, total), [0] * len(lengths)
     best = None
@@ -210,9 +210,9 @@ def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int
 def supported(model: torch.nn.Module, run: Callable, kind: str, vocab_size: int, pad_token_id: int,
               device, dtype) -> bool:
     """Does `run(input_ids, attention_mask, position_ids) -> (b, t, H)` give the same outputs packed as padded? Tried
-    once per model class and `kind` on a tiny batch (three rows, two sharing a query), without gradient and in eval
-    mode; a model that does not is run padded, with one log line."""
-    key = (type(model), kind)
+    once per model class, attention implementation and `kind` on a tiny batch (three rows, two sharing a query),
+    without gradient and in eval mode; a model that does not is run padded, with one log line."""
+    key = (type(model), kind, str(getattr(getattr(model, "config", None), "_attn_implementation", None)))
     if key in _VERDICTS:
         return _VERDICTS[key]
     if sliding_window(model):

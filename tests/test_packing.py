@@ -139,6 +139,7 @@ def test_bins_trade_tail_padding_against_attention_by_hand():
     # narrow model (attention dear): 3 x 6 x (1 + 6/6) = 36 beats 16 x (1 + 16/6) = 58.7
     assert packing.bins([6, 5, 5], width=1) == (6, [0, 1, 2])
     assert packing.bins([6, 5, 5], width=None) == (16, [0, 0, 0])  # flash attention: one sequence
+    assert packing.bins([0, 0], width=8) == (1, [0, 0])  # rows with no tokens at all still make a sequence
 
 
 @settings(max_examples=30, deadline=None)
