@@ -33,7 +33,7 @@ import torch
 from plumbing import chunked_head
 
 _ENABLED = False  # set once from --padding_free (use_padding_free)
-_VERDICTS: dict = {}  # (model class, kind) -> packed forward supported?
+_VERDICTS: dict = {}  # (model class, kind, attention implementation) -> packed forward supported?
 
 
 def use_padding_free(on: bool) -> None:
@@ -76,23 +76,23 @@ class Layout:
         return outputs.reshape(-1, outputs.shape[-1])[index[where]], where
 
 
+def _text_config(model: torch.nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+
+
 def flash_attention(model: torch.nn.Module) -> bool:
     """Does the model attend with a flash-attention kernel (which takes position ids, not a 4D mask)?"""
-    config = getattr(model, "config", None)
-    return "flash" in str(getattr(config, "_attn_implementation", "") or "")
-
-
-def hidden_width(model: torch.nn.Module) -> Optional[int]:
-    """The model's hidden size (from its config), which prices a packed sequence's attention (`bins`)."""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return getattr(config, "hidden_size", None)
+    return "flash" in attention_implementation(model)
 
 
 def sliding_window(model: torch.nn.Module) -> bool:
     """Does some layer attend within a sliding window (Mistral, Gemma 2/3, Qwen2 with use_sliding_window)?"""
-    config = getattr(model, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = _text_config(model)
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return True
     return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
@@ -115,10 +115,10 @@ def bins(lengths: list, width: Optional[int] = None) -> tuple:
     """Segment lengths -> (capacity, bin of each segment): first-fit decreasing at the capacity whose packed batch
     costs least, P bins x C positions x (1 + C / (6 x width)): a position's projections and MLP cost about 24 x
     width^2 FLOPs, its attention over C keys (dense with a mask) about 4 x width x C. Capacities from the longest
-    segment up to 4x it are tried; `width` None: the attention is free (flash attention), one bin of everything."""
+    segment up to 4x it are tried; `width` None: the longest segment's."""
     longest, total = max(1, max(lengths)), max(1, sum(lengths))
     if width is None:
-        return max(1, total), [0] * len(lengths)
+        return longest, first_fit_decreasing(lengths, longest)
     best = None
     for capacity in sorted({min(total, longest + (longest * k) // 4) for k in range(13)}):
         assigned = first_fit_decreasing(lengths, capacity)
@@ -157,10 +157,7 @@ def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int
     segments = list(groups.values())  # rows of each segment, in row order
     lengths = [len(query_cols[rows[0]]) + sum(len(response_cols[r]) for r in rows) for rows in segments]
     if one_sequence:
-        capacity, bin_of = bins(lengths, None)
-    elif width is None:
-        capacity = max(1, max(lengths))
-        bin_of = first_fit_decreasing(lengths, capacity)
+        capacity, bin_of = max(1, sum(lengths)), [0] * len(segments)
     else:
         capacity, bin_of = bins(lengths, width)
     P = max(bin_of) + 1
@@ -207,12 +204,27 @@ def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int
     return Layout(packed_ids.to(device), positions.to(device), mask, index.to(device))
 
 
-def supported(model: torch.nn.Module, run: Callable, kind: str, vocab_size: int, pad_token_id: int,
-              device, dtype) -> bool:
+def model_layout(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
+                 share: bool = False) -> Layout:
+    """`layout` as `model` takes it: one sequence under flash attention, else binned for its hidden width, the mask in
+    its dtype."""
+    return layout(query_responses, pad_token_id, context_length, share=share, one_sequence=flash_attention(model),
+                  dtype=_dtype(model), width=getattr(_text_config(model), "hidden_size", None))
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return getattr(model, "dtype", torch.float32)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def supported(model: torch.nn.Module, run: Callable, kind: str, pad_token_id: int) -> bool:
     """Does `run(input_ids, attention_mask, position_ids) -> (b, t, H)` give the same outputs packed as padded? Tried
     once per model class, attention implementation and `kind` on a tiny batch (three rows, two sharing a query),
     without gradient and in eval mode; a model that does not is run padded, with one log line."""
-    key = (type(model), kind, str(getattr(getattr(model, "config", None), "_attn_implementation", None)))
+    key = (type(model), kind, attention_implementation(model))
     if key in _VERDICTS:
         return _VERDICTS[key]
     if sliding_window(model):
@@ -220,17 +232,16 @@ def supported(model: torch.nn.Module, run: Callable, kind: str, vocab_size: int,
               "does not reproduce; its forwards run padded", flush=True)
         _VERDICTS[key] = False
         return False
-    context = 3
+    vocab_size = model.get_input_embeddings().weight.shape[0]
     tokens = [(7 * i + 3) % vocab_size for i in range(12)]
     tokens = [t if t != pad_token_id else (t + 1) % vocab_size for t in tokens]
     rows = [tokens[0:3] + tokens[3:5] + [pad_token_id],
             tokens[0:3] + tokens[5:8],
             [pad_token_id] + tokens[8:10] + tokens[10:11] + [pad_token_id] * 2]
-    query_responses = torch.tensor(rows, device=device)
-    attention_mask = (query_responses != pad_token_id).long()
+    query_responses = torch.tensor(rows, device=_device(model))
+    attention_mask = (query_responses != pad_token_id).long()  # policy_common.padding_inputs (which imports this)
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    one = flash_attention(model)
-    packed = layout(query_responses, pad_token_id, context, share=True, one_sequence=one, dtype=dtype)
+    packed = model_layout(model, query_responses, pad_token_id, context_length=3, share=True)
     training = model.training
     model.eval()
     try:
@@ -240,7 +251,7 @@ def supported(model: torch.nn.Module, run: Callable, kind: str, vocab_size: int,
         where = packed.index >= 0
         expected = padded_out[where].float()
         got = packed_out.reshape(-1, packed_out.shape[-1])[packed.index[where]].float()
-        tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+        tolerance = 1e-4 if _dtype(model) == torch.float32 else 3e-2
         difference = (expected - got).abs().max().item()
         ok = difference <= tolerance * max(1.0, expected.abs().max().item())
     except Exception as e:  # a forward that refuses the packed inputs
@@ -255,10 +266,6 @@ def supported(model: torch.nn.Module, run: Callable, kind: str, vocab_size: int,
 
 
 # ---- The forwards of policy_common (causal LMs) and reward_sources (reward and value models), packed
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 def lm_supported(model: torch.nn.Module, pad_token_id: int) -> bool:
     """Can this causal LM's forwards run packed? `supported`, and an output layer that can be applied apart from the
     forward (chunked_head.supported: no soft-capping or logit scale)."""
@@ -271,8 +278,7 @@ def lm_supported(model: torch.nn.Module, pad_token_id: int) -> bool:
             return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).logits
 
-    return supported(lm, run, "causal_lm", lm.get_output_embeddings().weight.shape[0], pad_token_id, _device(lm),
-                     getattr(lm, "dtype", torch.float32))
+    return supported(lm, run, "causal_lm", pad_token_id)
 
 
 def response_outputs(model: torch.nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
@@ -290,10 +296,7 @@ def response_outputs(model: torch.nn.Module, query_responses: torch.Tensor, cont
             other = response_outputs(model, query_responses[grad_rows:], context_length, pad_token_id, share_prompts,
                                      None, hidden)
         return torch.cat([first, other])
-    lm = chunked_head.causal_lm(model)
-    packed = layout(query_responses, pad_token_id, context_length, share=share_prompts,
-                    one_sequence=flash_attention(lm), dtype=getattr(lm, "dtype", torch.float32),
-                    width=hidden_width(lm))
+    packed = model_layout(chunked_head.causal_lm(model), query_responses, pad_token_id, context_length, share_prompts)
     with chunked_head.hidden_instead_of_logits(model):
         states = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                        position_ids=packed.position_ids, use_cache=False).logits  # (P, C, H)
@@ -312,17 +315,14 @@ def backbone_supported(backbone: torch.nn.Module, pad_token_id: int) -> bool:
         return backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                         use_cache=False).last_hidden_state
 
-    return supported(backbone, run, "backbone", backbone.get_input_embeddings().weight.shape[0], pad_token_id,
-                     _device(backbone), getattr(backbone, "dtype", torch.float32))
+    return supported(backbone, run, "backbone", pad_token_id)
 
 
 def scalar_outputs(model: torch.nn.Module, backbone: torch.nn.Module, query_responses: torch.Tensor,
                    pad_token_id: int, context_length: int = 0, share_prompts: bool = False) -> torch.Tensor:
     """reward_sources.scalar_forward on packed rows: (B, T) -> (B, T) the sequence classifier `model`'s score head
     on its `backbone`'s last hidden states at every real token, 0 at padding."""
-    packed = layout(query_responses, pad_token_id, context_length, share=share_prompts,
-                    one_sequence=flash_attention(backbone), dtype=getattr(backbone, "dtype", torch.float32),
-                    width=hidden_width(backbone))
+    packed = model_layout(backbone, query_responses, pad_token_id, context_length, share_prompts)
     hidden = backbone(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                       position_ids=packed.position_ids, use_cache=False).last_hidden_state  # (P, C, H)
     real_hidden, where = packed.gather(hidden, slice(None))

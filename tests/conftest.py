@@ -127,6 +127,15 @@ def read_metrics(output_dir: str) -> list:
         return [json.loads(line) for line in f]
 
 
+def assert_same_numbers(got: dict, expected: dict, steps, keys, label: str = "") -> None:
+    """Two runs' rows ({step: row}) that should agree to float rounding: each of `keys` that `got` logged at each of
+    `steps` within rel 1e-4 (abs 1e-5) of `expected`'s."""
+    for step in steps:
+        for key in keys:
+            if key in got[step]:
+                assert got[step][key] == pytest.approx(expected[step][key], rel=1e-4, abs=1e-5), (label, step, key)
+
+
 def run_two_processes(worker, *args) -> list:
     """Spawn `worker(rank, port, results, *args)` in two processes (a free local port for their gloo group);
     returns [results[0], results[1]], what each rank put in the shared `results` dict."""
