@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import chunked_head, models, packing
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
@@ -274,7 +275,9 @@ def main():
 
         # 6. the teacher's view of every completion token, then one optimizer step over the micro-batches
         losses, teacher_kl, entropy, is_stats = [], [], [], {}
-        for mb in torch.arange(local_batch_size, device=accelerator.device).view(args.gradient_accumulation_steps, -1):
+        micro_batches = acc.MicroBatches(accelerator, policy, torch.arange(local_batch_size, device=accelerator.device),
+                                         (query_responses != pad).sum(1), args.token_budget)  # or --token_budget's
+        for mb in micro_batches:
             tokens, mask = query_responses[mb, context_length:], response_mask[mb]
             # the teacher's logits, or with --logprob_chunk_tokens its last hidden states (its output layer then runs
             # a chunk of positions at a time, beside the student's), no grad, --local_rollout_forward_batch_size rows
@@ -286,7 +289,7 @@ def main():
             terms = functools.partial(token_terms, teacher=teacher, teacher_hidden=teacher_hidden, args=args,
                                       pad_token_id=pad)
 
-            with accelerator.accumulate(policy):
+            with micro_batches.accumulate():
                 divergence, new_logprobs, teacher_logprobs, token_entropy = pc.map_response_logits(
                     policy, query_responses[mb], context_length, pad, terms, teacher_out, tokens,
                     temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)  # (b, R) each
@@ -303,8 +306,7 @@ def main():
                     token_loss = pg_token_loss(new_logprobs, micro.old_logprobs, teacher_logprobs, args.cliprange,
                                                is_weights)
                 loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
-                accelerator.backward(loss)
-            losses.append(loss.detach())
+                losses.append(micro_batches.backward(loss))  # normalised by the step's tokens: the losses add up
             teacher_kl.append(((new_logprobs.detach() - teacher_logprobs) * mask).sum())
             entropy.append((token_entropy * mask).sum())
         optimizer_step(torch.stack(losses), state, step)

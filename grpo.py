@@ -17,6 +17,7 @@ from typing import Literal, Optional
 import torch
 
 import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import evaluation as ev
@@ -337,6 +338,15 @@ def aggregate_loss(token_loss, mask, loss_type: str, response_length: int, token
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
+def loss_share(loss_type: str, micro_batches, loss_mask: torch.Tensor, rows: torch.Tensor):
+    """A micro-batch's part of the step's loss when --token_budget makes them unequal (acc.MicroBatches.weight): its
+    rows' share for the means over sequences (grpo, dr_grpo), its loss tokens' share for bnpo's token mean; None for
+    dapo, already normalised by the step's token count."""
+    if loss_type == "bnpo":
+        return loss_mask[rows].sum() / loss_mask.sum().clamp(min=1)
+    return None if loss_type == "dapo" else micro_batches.row_share()
+
+
 def micro_batch_loss(args, new_logprobs, token_entropy, old_logprobs, sampling_logprobs, ref_logprobs, advantages,
                      loss_mask, is_weights, *, beta: float, entropy_coef: float, tokens_per_micro_batch: float,
                      accelerator=None):
@@ -493,9 +503,12 @@ def main():
             # the entropy bonus's weight this step: Skywork-OR1's applies only once the entropy fell to the target
             entropy_coef = state["entropy_coef"] if not args.use_adaptive_entropy or \
                 state["last_entropy"] <= args.entropy_target else 0.0
-            for mb in batch.shuffled_rows().view(args.gradient_accumulation_steps, -1):  # per_device rows each
+            shuffled = batch.shuffled_rows()  # per_device_train_batch_size rows each, or --token_budget tokens
+            micro_batches = acc.MicroBatches(accelerator, policy, shuffled, batch.token_counts, args.token_budget,
+                                             group_size=args.num_generations)
+            for mb in micro_batches:
                 micro = batch.subset(mb)
-                with accelerator.accumulate(policy):
+                with micro_batches.accumulate():
                     new_logprobs, token_entropy = sampler.forward_logprobs(
                         policy, micro, entropy=iteration == 0 or needs_entropy, entropy_grad=entropy_bonus)
                     # pi_old: the rollout's, or at one iteration this forward's own, detached (a ratio of 1, as TRL)
@@ -508,8 +521,8 @@ def main():
                         args, new_logprobs, token_entropy, old, sampled_by, micro.ref_logprobs, advantages[mb],
                         loss_mask[mb], is_weights, beta=beta, entropy_coef=entropy_coef,
                         tokens_per_micro_batch=tokens_per_micro_batch, accelerator=accelerator)
-                    accelerator.backward(loss)
-                losses.append(loss.detach())
+                    share = loss_share(args.loss_type, micro_batches, loss_mask, mb)  # with --token_budget
+                    losses.append(micro_batches.backward(loss, share))
                 window_entropy += mb_entropy
                 if iteration == 0:  # the importance weights, the sampling policy's entropy and KL to the reference
                     mb_stats.update(pc.importance_sampling_stats(old, micro.behaviour_logprobs, micro.response_mask,
@@ -519,7 +532,7 @@ def main():
                         kl.append(((old - micro.ref_logprobs) * micro.response_mask).sum(1))
                 for key, value in mb_stats.items():
                     stats.setdefault(key, []).append(value)
-            optimizer_step(torch.stack(losses[-args.gradient_accumulation_steps:]), state, step)
+            optimizer_step(torch.stack(losses[-len(micro_batches):]), state, step)
             if args.use_adaptive_entropy:  # the window's entropy over all processes sets the next step's coefficient
                 window_entropy = accelerator.reduce(window_entropy, reduction="sum")
                 state["last_entropy"] = (window_entropy[0] / window_entropy[1].clamp(min=1)).item()

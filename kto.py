@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 
 import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import greedy_eval as ge
 from plumbing import models, packing
@@ -290,6 +291,9 @@ def validate(args: Args) -> None:
     if args.per_device_train_batch_size < 2 or args.per_device_eval_batch_size < 2:
         raise UserError("--per_device_train_batch_size and --per_device_eval_batch_size must be >= 2 "
                         "(KL pairs are built in the batch)")
+    if args.token_budget is not None:
+        raise UserError("--token_budget: kto.py's micro-batch is also the group its KL baseline is estimated over, "
+                        "fixed at --per_device_train_batch_size examples; leave --token_budget out")
 
 
 def main():
@@ -372,12 +376,12 @@ def main():
         meter.start()
         # 5. one optimizer step: the epoch's next gradient_accumulation_steps micro-batches on every process
         total, losses = {}, []
-        for (group_index,) in tl.micro_batches(loop.batch_index(step), accelerator):
-            with accelerator.accumulate(policy):
+        micro_batches = acc.MicroBatches(accelerator, policy, tl.process_items(loop.batch_index(step), accelerator))
+        for (group_index,) in micro_batches:  # one group of examples each
+            with micro_batches.accumulate():
                 loss, sums = kto_step(policy, reference, collate(groups[group_index], pad), args, pad, accelerator,
                                       joint)
-                accelerator.backward(loss)
-            losses.append(loss.detach())
+                losses.append(micro_batches.backward(loss))
             total = {k: total.get(k, 0) + v for k, v in sums.items()}
         grad_norm = optimizer_step(torch.stack(losses), state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)

@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
 from plumbing import models, packing
@@ -271,14 +272,18 @@ def main():
                                                                    args.lam, whiten_rewards=args.whiten_rewards)
 
         # 9. PPO epochs: each pass over the shuffled batch makes num_mini_batches optimizer steps, each accumulated
-        #    over gradient_accumulation_steps micro-batches of per_device_train_batch_size rows
+        #    over gradient_accumulation_steps micro-batches of per_device_train_batch_size rows (or --token_budget)
         stats = {}
         for _ in range(args.num_ppo_epochs):
-            for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
+            for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, -1):
                 mini_losses = []
-                for mb in mini_batch:
+                micro_batches = acc.MicroBatches(accelerator, model, mini_batch, batch.token_counts,
+                                                 args.token_budget, group_size=batch.samples_per_prompt)
+                for mb in micro_batches:
                     micro = batch.subset(mb)
-                    with accelerator.accumulate(model):
+                    # token means: weighted by the micro-batch's share of the mini-batch's response tokens
+                    share = response_mask[mb].sum() / response_mask[mini_batch].sum().clamp(min=1)
+                    with micro_batches.accumulate():
                         new_logprobs, entropy, vpred = model(micro.query_responses, context_length, pad,
                                                              args.temperature, args.logprob_chunk_tokens)
                         # sampled by vLLM (pi_behaviour): each token's surrogate weighted by pi_old / pi_behaviour
@@ -288,9 +293,9 @@ def main():
                                                                 values[mb], returns[mb], response_mask[mb],
                                                                 args.cliprange, args.cliprange_value, is_weights)
                         loss = pg_loss + args.vf_coef * vf_loss
-                        accelerator.backward(loss)
-                    mini_losses.append(loss.detach())
-                    mb_stats.update({"loss/policy": pg_loss, "loss/value": vf_loss,
+                        mini_losses.append(micro_batches.backward(loss, share))
+                    mb_stats.update({"loss/policy": micro_batches.logged(pg_loss, share),
+                                     "loss/value": micro_batches.logged(vf_loss, share),
                                      "policy/entropy": masked_mean(entropy.detach(), response_mask[mb])})
                     for key, value in mb_stats.items():
                         stats.setdefault(key, []).append(value.item())

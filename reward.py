@@ -18,6 +18,7 @@ from typing import Literal, Optional
 import torch
 import torch.nn.functional as F
 
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import models, packing
 from plumbing import prompt_sharing as ps
@@ -260,13 +261,15 @@ def main() -> None:
         meter.start()
         # 5. one optimizer step over the next `batch_size` pairs of the epoch's order, micro-batches accumulated
         sums = {}
-        for index in tl.micro_batches(loop.batch_index(step), accelerator):
-            with accelerator.accumulate(model):
+        micro_batches = acc.MicroBatches(accelerator, model, tl.process_items(loop.batch_index(step), accelerator),
+                                         row_tokens, args.token_budget)  # or --token_budget's
+        for index in micro_batches:
+            with micro_batches.accumulate():
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair Bradley-Terry losses (b,), backward
                 losses, stats = batch_losses(args, model, train_rows, index, pad, accelerator.device)
-                accelerator.backward(losses.mean())  # divided by gradient_accumulation_steps inside
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v.mean().item() / args.gradient_accumulation_steps
+                micro_batches.backward(losses.mean(), micro_batches.row_share())  # a mean over pairs
+            for k, v in stats.items():  # the step's means
+                sums[k] = sums.get(k, 0.0) + v.mean().item() * micro_batches.weight(micro_batches.row_share())
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 

@@ -16,6 +16,7 @@ from typing import Literal, Optional
 import torch
 
 import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import evaluation as ev
@@ -248,10 +249,13 @@ def main():
         # 7. policy update: num_ppo_epochs x num_mini_batches optimizer steps, micro-batches accumulated
         losses, stats = [], dict(clipfrac=[], approxkl=[], ratio=[])
         for _ in range(args.num_ppo_epochs):
-            for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, args.gradient_accumulation_steps, -1):
-                for mb in mini_batch:  # micro-batches of per_device_train_batch_size rows
+            for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, -1):
+                # per_device_train_batch_size rows each, or --token_budget real tokens (whole prompt groups)
+                micro_batches = acc.MicroBatches(accelerator, policy, mini_batch, batch.token_counts,
+                                                 args.token_budget, group_size=args.rloo_k)
+                for mb in micro_batches:
                     micro = batch.subset(mb)
-                    with accelerator.accumulate(policy):
+                    with micro_batches.accumulate():
                         new_logprobs, _ = sampler.forward_logprobs(policy, micro)  # (b, R), with gradient
                         # sampled by another policy (vLLM, earlier weights: pi_behaviour): each completion's loss
                         # weighted by pi_old / pi_behaviour (the token view: each token's); None when pi_old sampled
@@ -260,11 +264,11 @@ def main():
                                                            sequence_loss=not args.token_level_kl)
                         loss, mb_stats = clipped_policy_loss(new_logprobs, micro.old_logprobs, advantages[mb],
                                                              micro.response_mask, args.cliprange, is_weights)
-                        accelerator.backward(loss)
-                    losses.append(loss.detach())
+                        # a mean over completions: weighted by the micro-batch's share of the mini-batch's
+                        losses.append(micro_batches.backward(loss, micro_batches.row_share()))
                     for key, value in mb_stats.items():
                         stats[key].append(value)
-                optimizer_step(torch.stack(losses[-len(mini_batch):]), state, step)  # clip, check, step, schedule
+                optimizer_step(torch.stack(losses[-len(micro_batches):]), state, step)  # clip, check, step, schedule
         state.update(step=step, episode=state["episode"] + batch_size, nonfinite_skipped=optimizer_step.skipped,
                      prompts_seen=state["prompts_seen"] + local_prompts * accelerator.num_processes)
 

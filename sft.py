@@ -19,6 +19,7 @@ from typing import Literal, Optional
 import torch
 
 import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import greedy_eval as ge
 from plumbing import models, packing
@@ -93,21 +94,25 @@ def token_logprob_and_top1(logits: torch.Tensor, tokens: torch.Tensor):
     return pc.selective_logprobs(logits, tokens), logits.detach().argmax(-1) == tokens
 
 
-def accumulate_gradients(policy, accelerator, rows, batch_index, pad_token_id: int, chunk_tokens: Optional[int] = 0):
+def accumulate_gradients(policy, accelerator, rows, batch_index, pad_token_id: int, chunk_tokens: Optional[int] = 0,
+                         token_counts=None, token_budget: Optional[int] = None):
     """Accumulate one optimizer step's gradients over the examples rows[batch_index] (every process's, in order; this
-    process's micro-batches: tl.micro_batches). Returns the step's loss and token_accuracy (after ru.reduce_metrics:
-    token means over the whole batch) and num_tokens. The token count comes from `rows`, which every process holds:
-    no collective. `chunk_tokens`: --logprob_chunk_tokens."""
+    process's micro-batches: acc.MicroBatches, sized by `token_budget` real tokens, `token_counts[i]` each, if given).
+    Returns the step's loss and token_accuracy (after ru.reduce_metrics: token means over the whole batch) and
+    num_tokens. The token count comes from `rows`, which every process holds: no collective. `chunk_tokens`:
+    --logprob_chunk_tokens."""
     world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
     num_tokens = sum(sum(rows[i]["completion_mask"]) for i in batch_index)  # loss tokens of the step, all processes
     tokens_per_micro_batch = num_tokens / (world * steps)
     sums = {"loss": 0.0, "token_accuracy": 0.0}
-    for index in tl.micro_batches(batch_index, accelerator):
-        with accelerator.accumulate(policy):
+    micro_batches = acc.MicroBatches(accelerator, policy, tl.process_items(batch_index, accelerator), token_counts,
+                                     token_budget)
+    for index in micro_batches:
+        with micro_batches.accumulate():
             token_nll, correct, mask = completion_token_stats(policy, [rows[i] for i in index], pad_token_id,
                                                               accelerator.device, chunk_tokens)
             loss = sft_loss(token_nll, mask, tokens_per_micro_batch)
-            accelerator.backward(loss)  # divided by gradient_accumulation_steps inside
+            micro_batches.backward(loss)  # normalised by the step's tokens: the micro-batches' losses add up
         # this process's part of the step's means; ru.reduce_metrics averages processes: token means over the batch
         sums["loss"] += loss.item() / steps
         sums["token_accuracy"] += correct.sum().item() / (tokens_per_micro_batch * steps)
@@ -299,7 +304,8 @@ def main() -> None:
         meter.start()
         # 5. one optimizer step over the next `batch_size` examples of the epoch's order, micro-batches accumulated
         sums, num_tokens = accumulate_gradients(policy, accelerator, train_rows, loop.batch_index(step),
-                                                tokenizer.pad_token_id, args.logprob_chunk_tokens)
+                                                tokenizer.pad_token_id, args.logprob_chunk_tokens, row_tokens,
+                                                args.token_budget)
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 

@@ -104,8 +104,9 @@ def dpo_padding_fraction(paths: dict, batch: int) -> float:
     return 1 - tokens / positions
 
 
-def measure(algo: str, packed: bool, paths: dict, args) -> dict:
-    """One run of `<algo>.py`, alone: mean seconds per step after the warm-up, peak RSS, mean padding fraction."""
+def measure(algo: str, packed: bool, paths: dict, args, extra: tuple = ()) -> dict:
+    """One run of `<algo>.py`, alone (`extra`: flags added last): mean seconds per step after the warm-up, peak RSS,
+    mean padding fraction."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = os.path.join(tmp, "run")
         if algo == "grpo_tools":
@@ -114,7 +115,7 @@ def measure(algo: str, packed: bool, paths: dict, args) -> dict:
             flags = [f"{algo}.py", *ours_flags("tldr", algo, paths)]
         cmd = [sys.executable, os.path.join(ROOT, flags[0]), *flags[1:], "--output_dir", run_dir, "--seed", "1",
                "--max_steps", str(args.warmup + args.steps + 1), "--eval_steps", "0",
-               *(["--padding_free"] if packed else [])]
+               *(["--padding_free"] if packed else []), *extra]
         metrics = os.path.join(run_dir, "metrics.jsonl")
         run = run_measured(cmd, args.threads, watch=metrics)
         rows = []

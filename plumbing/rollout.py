@@ -185,6 +185,11 @@ class Rollout:
         return mask if self.action_mask is None else mask & self.action_mask
 
     @property
+    def token_counts(self) -> torch.Tensor:
+        """(B,) each row's real tokens, prompt and response (what a padding-free forward processes; --token_budget)."""
+        return (self.query_responses != self.pad_token_id).sum(1)
+
+    @property
     def truncated(self) -> torch.Tensor:
         """(B,) bool: the completion has no EOS (it was cut at --response_length; multi-turn: the episode's last
         turn was cut by the budget)."""

@@ -53,6 +53,10 @@ class TrainFlags:
     """rows per micro-batch (forward/backward) on each process (RL: completions; DPO: pairs; KTO: examples)"""
     gradient_accumulation_steps: int = 8
     """micro-batches accumulated into one optimizer step"""
+    token_budget: Optional[int] = None
+    """size micro-batches by length: as many rows as fit this many real tokens (prompt + completion) per forward,
+    longest first, instead of per_device_train_batch_size rows; an optimizer step keeps per_device_train_batch_size x
+    gradient_accumulation_steps rows per process (TRL AsyncGRPO's name; pairs with --padding_free)"""
     max_steps: Optional[int] = None
     """stop after this many steps (RL: rollout batches; DPO/KTO: optimizer steps); the lr schedule ends there"""
     max_grad_norm: float = 1.0
@@ -71,7 +75,10 @@ class TrainFlags:
     def check(self) -> None:
         """One-line errors before anything loads."""
         require_positive(self, "learning_rate", "max_grad_norm", "per_device_train_batch_size",
-                         "gradient_accumulation_steps", "max_steps")
+                         "gradient_accumulation_steps", "max_steps", "token_budget")
+        if self.token_budget and os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            raise UserError("--token_budget varies the micro-batches per step, but DeepSpeed's engine fixes their "
+                            "count at start: leave --token_budget out under DeepSpeed")
         for name in ("eval_steps", "save_steps"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must be >= 0, got {getattr(self, name)}")
@@ -386,13 +393,14 @@ def fit_lengths(args, tokenizer, model_path: str, prompts, held_out_prompts=(), 
     return held_out
 
 
-def micro_batches(batch_index: list, accelerator) -> list:
-    """This process's micro-batches of an optimizer step's items `batch_index` (every process's, in order): micro-batch
-    m of process p is the (m x processes + p)-th slice of len(batch_index) / (processes x accumulation steps) items,
-    so that the step's items and their order are the same for any number of processes."""
+def process_items(batch_index: list, accelerator) -> list:
+    """This process's items of an optimizer step's items `batch_index` (every process's, in order), its micro-batches
+    one after another (acc.MicroBatches splits them): micro-batch m of process p is the (m x processes + p)-th slice
+    of len(batch_index) / (processes x accumulation steps) items, so that the step's items and their order are the
+    same for any number of processes."""
     world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
     size = len(batch_index) // (world * steps)
-    return [batch_index[(m * world + accelerator.process_index) * size:][:size] for m in range(steps)]
+    return [i for m in range(steps) for i in batch_index[(m * world + accelerator.process_index) * size:][:size]]
 
 
 class EpochLoop:

@@ -84,9 +84,9 @@ class VLLMFlags:
     vllm_sleep_mode: bool = False
     """free the engine's GPU memory (weights, KV cache) between generations, for the training passes (GPU only)"""
     vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
-    """with --use_peft: adapter: the colocated engine serves the base weights and each sync loads the LoRA adapter
-    only (falls back to merged, with a line, where vLLM cannot serve it); merged: every weight, the adapter merged in
-    (a server always takes merged weights)"""
+    """with --use_peft: adapter: the engine (colocated, or a server started with --enable-lora) serves the base weights
+    and each sync loads the LoRA adapter only (falls back to merged, with a line, where vLLM cannot serve it); merged:
+    every weight, the adapter merged in"""
     vllm_importance_sampling_mode: Optional[Literal["token_truncate", "token_mask", "sequence_truncate",
                                                     "sequence_mask"]] = None
     """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
@@ -189,6 +189,17 @@ def adapter_state_dict(policy: nn.Module, accelerator) -> tuple:
 
     with models.unwrap_for_generation(policy, accelerator) as model:
         return _on_cpu(get_peft_model_state_dict(model)), model.peft_config[model.active_adapter]
+
+
+def save_adapter(policy: nn.Module, accelerator, folder: str) -> None:
+    """Write a LoRA policy's adapter into `folder` as PEFT does (adapter_config.json, adapter_model.safetensors), the
+    folder a vLLM LoRA loads; every process calls it (adapter_state_dict), the caller's processes write."""
+    from safetensors.torch import save_file
+
+    state, config = adapter_state_dict(policy, accelerator)
+    os.makedirs(folder, exist_ok=True)
+    config.save_pretrained(folder)
+    save_file(state, os.path.join(folder, "adapter_model.safetensors"))
 
 
 def _on_cpu(state: dict) -> dict:
@@ -329,12 +340,7 @@ class VLLMGenerator:
         engine's own folder (the base weights it starts from). Returns the folder; its size is last_sync_bytes."""
         folder = folder or self.folder
         if self.lora_rank and folder != self.folder:
-            from safetensors.torch import save_file
-
-            state, config = adapter_state_dict(policy, self.accelerator)
-            os.makedirs(folder, exist_ok=True)
-            config.save_pretrained(folder)
-            save_file(state, os.path.join(folder, "adapter_model.safetensors"))
+            save_adapter(policy, self.accelerator, folder)
         else:
             state = engine_state_dict(policy, self.accelerator, merge=not self.lora_rank)
             base = models.unwrap(policy)

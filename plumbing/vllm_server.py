@@ -20,6 +20,12 @@ sends, so no process waits on a gather the sender is not in) before the server s
 Either way generation is paused around the load (`/pause?mode=wait`, `/resume`: requests of other processes finish
 first), the prefix cache is reset (its KV was of the old weights), and the server's weight version is set to this run's
 tag and step (`/update_weight_version`); the other processes wait until `/weight_info` shows it before they sample.
+
+A LoRA policy (--use_peft, --vllm_lora_sync adapter, the default) ships its adapter only when the server serves LoRAs
+(started with `--enable-lora --max-lora-rank R` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment): the
+base weights are pushed once, at start; each sync writes the adapter (PEFT's files, about 1% of the bytes at rank 16)
+to the folder and loads it under a new name (`/v1/load_lora_adapter`, the previous one unloaded), and every request
+names the current adapter as its model. A server without LoRA gets the merged weights, with one line.
 """
 import concurrent.futures
 import os
@@ -53,7 +59,8 @@ class VLLMServerGenerator:
     are pushed here, and the server checked against the trainer's model."""
 
     def __init__(self, policy: nn.Module, tokenizer, accelerator, *, base_url: str, timeout: float,
-                 max_model_len: int, weights_version: int = 0, group_port: int = 51216, model_name: str = ""):
+                 max_model_len: int, weights_version: int = 0, group_port: int = 51216, model_name: str = "",
+                 lora_sync: str = "merged"):
         import requests
 
         self.tokenizer, self.accelerator, self.timeout = tokenizer, accelerator, timeout
@@ -77,20 +84,27 @@ class VLLMServerGenerator:
         backend = (info.get("weight_transfer_config") or {}).get("backend")
         self.transfer = "nccl" if backend == "nccl" and accelerator.device.type == "cuda" else "folder"
         self.tag = _broadcast_object(accelerator, uuid.uuid4().hex[:8])  # this run's weight versions on the server
+        self.lora_rank = self.servable_lora(policy, info) if lora_sync == "adapter" else None
         self.folder = self.nccl = None
         if self.main:
-            if self.transfer == "folder":
+            if self.transfer == "folder" or self.lora_rank:  # the adapter goes by folder either way
                 shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) and _is_local(self.base_url) else None
                 self.folder = tempfile.mkdtemp(prefix="vllm-server-weights-", dir=shm)
-            else:
+            if self.transfer == "nccl":
                 self.nccl = self.init_nccl(group_port)
         self.staged, self.stage_seconds = {}, {}  # weights_version -> weights (folder or CPU tensors), seconds
-        self.weights_version, self.last_sync_seconds = None, 0.0
+        self.weights_version, self.last_sync_seconds, self.last_sync_bytes = None, 0.0, 0
+        self.model = self.served  # what requests name: the served model, or the current adapter
+        self.adapters = []  # the adapter names loaded, oldest first (the previous one stays for requests in flight)
         accelerator.print(f"vLLM server at {self.base_url} serving {self.served!r} "
                           f"({info['parallel_config'].get('data_parallel_size', 1)} data-parallel replicas); weights "
-                          f"by {self.transfer}" + (f" through {self.folder}" if self.folder else ""))
+                          f"by {self.transfer}" + (f" through {self.folder}" if self.folder else "") +
+                          (", then the LoRA adapter only" if self.lora_rank else ""))
         try:
-            self.sync(policy, weights_version)
+            if self.lora_rank:
+                self.start_lora(policy, weights_version)
+            if not self.lora_rank:
+                self.sync(policy, weights_version)
         except RolloutError as e:
             raise UserError(f"the vLLM server at {self.base_url} serves {self.served!r}, which cannot take the "
                             f"trainer's weights ({e}): start it with the model of --model") from e
@@ -113,7 +127,10 @@ class VLLMServerGenerator:
         if response.status_code != 200:
             raise RolloutError(f"the vLLM server at {self.base_url} answered {path} with {response.status_code}: "
                                f"{response.text[:300]}")
-        return response.json() if response.content else None
+        if not response.content:
+            return None
+        is_json = response.headers.get("content-type", "").startswith("application/json")
+        return response.json() if is_json else response.text  # the LoRA endpoints answer in plain text
 
     def get(self, path: str, **kwargs):
         return self.request("GET", path, **kwargs)
@@ -169,6 +186,21 @@ class VLLMServerGenerator:
         return WeightTransferTrainerFactory.trainer_init(
             init_info, client=HTTPVLLMWeightSyncClient(self.base_url, self.timeout), source=_state_source({}))
 
+    def servable_lora(self, policy: nn.Module, info: dict) -> Optional[int]:
+        """The adapter's rank where the server can take it as a LoRA, else None (a line says why, for a LoRA policy):
+        vLLM serves plain LoRAs (vg.servable_lora_rank) on a server started with --enable-lora and a --max-lora-rank
+        that holds the rank; VLLM_ALLOW_RUNTIME_LORA_UPDATING is checked at the first load."""
+        if not hasattr(models.unwrap(policy), "peft_config"):
+            return None
+        rank, lora = vg.servable_lora_rank(policy), info.get("lora_config") or {}
+        if rank is not None and (lora.get("max_lora_rank") or 0) >= rank:
+            return rank
+        why = ("vLLM serves plain LoRA adapters of rank <= 512 only (no DoRA, no modules_to_save)" if rank is None
+               else f"the vLLM server at {self.base_url} serves no LoRA of rank {rank}: restart it with --enable-lora "
+                    f"--max-lora-rank {rank} and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment")
+        self.accelerator.print(f"--vllm_lora_sync adapter: {why}; syncing the merged weights instead")
+        return None
+
     def stage(self, policy: nn.Module, weights_version: int) -> None:
         """Keep the policy's weights now, as `weights_version`, for a later `generate` at that version (possibly on
         another thread while the policy trains on: --max_staleness). Every process calls it together (gathers)."""
@@ -181,6 +213,13 @@ class VLLMServerGenerator:
     def snapshot(self, policy: nn.Module, weights_version: int):
         """The policy's merged weights on every process (a collective); kept on the main process only: a folder of
         safetensors (folder transfer) or CPU tensors (nccl)."""
+        if self.lora_rank:  # the adapter's files, for /v1/load_lora_adapter
+            if not self.main:
+                vg.adapter_state_dict(policy, self.accelerator)  # its collectives (ZeRO-3 gathers)
+                return None
+            folder = os.path.join(self.folder, f"adapter-{weights_version}")
+            vg.save_adapter(policy, self.accelerator, folder)
+            return folder
         state = vg.engine_state_dict(policy, self.accelerator)
         if not self.main:
             return None
@@ -199,7 +238,12 @@ class VLLMServerGenerator:
         weights = self.staged.pop(weights_version) if weights_version in self.staged else \
             self.snapshot(policy, weights_version)
         version = f"{self.tag}-{weights_version}"
-        if self.main:
+        if self.main and self.lora_rank:  # a new adapter name: requests of other processes keep the old one
+            self.last_sync_bytes = _folder_bytes(weights)
+            self.load_adapter(weights, version)
+            self.post("/update_weight_version", json={"new_version": version})
+        elif self.main:
+            self.last_sync_bytes = _state_bytes(weights) if self.transfer == "nccl" else _folder_bytes(weights)
             self.post("/pause", params={"mode": "wait"})  # other processes' requests finish on the old weights
             try:
                 if self.transfer == "nccl":
@@ -212,9 +256,65 @@ class VLLMServerGenerator:
                 self.post("/resume")
         else:
             self.wait_for_version(weights_version)
+        self.model = version if self.lora_rank else self.served
         self.weights_version = weights_version
         self.last_sync_seconds = time.perf_counter() - start + self.stage_seconds.pop(weights_version, 0.0)
         return self.last_sync_seconds
+
+    def start_lora(self, policy: nn.Module, weights_version: int) -> None:
+        """The base weights (LoRA not merged) pushed once, as a sync pushes weights, then the first adapter; a server
+        that cannot load adapters (no VLLM_ALLOW_RUNTIME_LORA_UPDATING) is left to the merged sync, with one line
+        (every process learns it from the main one)."""
+        start = time.perf_counter()
+        base = vg.engine_state_dict(policy, self.accelerator, merge=False)
+        error = None
+        if self.main:
+            weights = base
+            if self.transfer == "folder":
+                weights = os.path.join(self.folder, "base")
+                model = models.unwrap(policy)
+                model.get_base_model().save_pretrained(weights, state_dict=base, safe_serialization=True)
+            self.post("/pause", params={"mode": "wait"})
+            try:
+                if self.transfer == "nccl":
+                    self.send_nccl(weights)
+                else:
+                    self.load_folder(weights)
+                self.post("/reset_prefix_cache")
+            finally:
+                self.post("/resume")
+            folder = self.snapshot(policy, weights_version)
+            try:
+                self.load_adapter(folder, f"{self.tag}-{weights_version}")
+            except RolloutError as e:
+                error = str(e)
+        else:
+            self.snapshot(policy, weights_version)
+        error = _broadcast_object(self.accelerator, error)
+        if error is not None:
+            self.accelerator.print(f"--vllm_lora_sync adapter: {error}; syncing the merged weights instead")
+            self.lora_rank = None
+            return
+        if self.main:
+            self.post("/update_weight_version", json={"new_version": f"{self.tag}-{weights_version}"})
+        else:
+            self.wait_for_version(weights_version)
+        self.model, self.weights_version = f"{self.tag}-{weights_version}", weights_version
+        self.last_sync_seconds = time.perf_counter() - start
+
+    def load_adapter(self, folder: str, name: str) -> None:
+        """Serve the adapter in `folder` as the LoRA `name`; the previous one is unloaded and its folder deleted."""
+        try:
+            self.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": folder})
+        except RolloutError as e:
+            raise RolloutError(f"the vLLM server at {self.base_url} could not load the LoRA adapter from {folder} "
+                               f"({e}): start it with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True in its environment, and "
+                               "give it a file system it reads (TMPDIR), or --vllm_lora_sync merged") from e
+        self.adapters.append((name, folder))
+        while len(self.adapters) > 2:  # the previous adapter stays: other processes' requests may still name it
+            old_name, old_folder = self.adapters.pop(0)
+            self.post("/v1/unload_lora_adapter", json={"lora_name": old_name})
+            shutil.rmtree(old_folder, ignore_errors=True)
 
     def load_folder(self, folder: str) -> None:
         """The workers reload their weights in place from `folder` (vLLM's `reload_weights`, which repacks them for
@@ -252,7 +352,7 @@ class VLLMServerGenerator:
         be the trainer's (another architecture fails the push itself; another tokenizer or head fails here)."""
         vocab = len(self.tokenizer)
         ids = [i % vocab for i in range(3, 3 + 16 * 7, 7)]
-        served = self.post("/v1/completions", json=dict(model=self.served, prompt=ids, max_tokens=1, temperature=1.0,
+        served = self.post("/v1/completions", json=dict(model=self.model, prompt=ids, max_tokens=1, temperature=1.0,
                                                         prompt_logprobs=0, return_token_ids=True))
         served = [next(iter(position.values()))["logprob"] for position in served["choices"][0]["prompt_logprobs"][1:]]
         with torch.no_grad(), models.unwrap_for_generation(policy, self.accelerator) as model:
@@ -270,7 +370,7 @@ class VLLMServerGenerator:
         """The /v1/completions body of one completion: the sampling of `policy_common.make_generation_config`, all
         of it explicit (the server's own defaults and the model's generation_config.json do not apply)."""
         greedy = not generation_config.do_sample
-        return dict(model=self.served, prompt=prompt, max_tokens=max_tokens, seed=seed,
+        return dict(model=self.model, prompt=prompt, max_tokens=max_tokens, seed=seed,
                     temperature=0.0 if greedy else generation_config.temperature,
                     top_p=1.0 if greedy else (generation_config.top_p or 1.0),
                     top_k=0 if greedy else (generation_config.top_k or 0),
@@ -312,7 +412,17 @@ def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len:
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     return VLLMServerGenerator(policy, tokenizer, accelerator, base_url=base_url, timeout=args.vllm_server_timeout,
                                max_model_len=max_model_len, weights_version=weights_version,
-                               group_port=args.vllm_group_port, model_name=getattr(args, "model", ""))
+                               group_port=args.vllm_group_port, model_name=getattr(args, "model", ""),
+                               lora_sync=args.vllm_lora_sync)
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder) if name.endswith(
+        ".safetensors"))
+
+
+def _state_bytes(state: dict) -> int:
+    return sum(value.numel() * value.element_size() for value in state.values())
 
 
 def _state_source(state: dict):

@@ -152,16 +152,16 @@ def test_fit_lengths_renders_messages_with_their_tools(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# tl.micro_batches and tl.EpochLoop
+# tl.process_items and tl.EpochLoop
 # ---------------------------------------------------------------------------------------------------------
-def test_micro_batches_by_hand():
+def test_process_items_by_hand():
     batch_index = list(range(100, 112))  # 2 processes x 3 accumulation steps x 2 items
-    shares = [tl.micro_batches(batch_index, SimpleNamespace(num_processes=2, process_index=p,
+    shares = [tl.process_items(batch_index, SimpleNamespace(num_processes=2, process_index=p,
                                                             gradient_accumulation_steps=3)) for p in range(2)]
-    assert shares[1] == [[102, 103], [106, 107], [110, 111]]
-    assert [i for m in range(3) for p in range(2) for i in shares[p][m]] == batch_index  # slice (m, p), in order
+    assert shares[1] == [102, 103, 106, 107, 110, 111]
+    assert [i for m in range(3) for p in range(2) for i in shares[p][2 * m:2 * m + 2]] == batch_index  # (m, p)
     one = SimpleNamespace(num_processes=1, process_index=0, gradient_accumulation_steps=1)
-    assert tl.micro_batches(batch_index, one) == [batch_index]
+    assert tl.process_items(batch_index, one) == batch_index
 
 
 def epoch_flags(**values):

