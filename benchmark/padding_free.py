@@ -2,6 +2,10 @@
 
     python benchmark/padding_free.py           # rloo, grpo, dpo at TL;DR-like shapes -> results/padding_free.md
     python benchmark/padding_free.py --rounds 1 --steps 2 --algos dpo     # quicker
+    python benchmark/padding_free.py --algos rloo grpo --flags="--use_vllm" \
+        --out benchmark/results/padding_free_vllm.md
+    python benchmark/padding_free.py --flags="--per_device_train_batch_size 2 --gradient_accumulation_steps 2" \
+        --packed_flags="--token_budget 1200" --algos dpo --out benchmark/results/padding_free_budget.md
 
 The world: speed_settings' TL;DR stand-ins (random-weight GPT-NeoX policy and reward model, 8 layers, width 256,
 vocabulary 3072; the scripts' TL;DR hyper-parameters: RLOO k=4 and GRPO 4 completions per prompt, 16 completions a
@@ -17,7 +21,8 @@ generate, which packing leaves as it is: the step minus time/generate_seconds), 
 batches (rloo, grpo: the sampled batch's perf/padding_fraction; dpo: the micro-batches as the script collates
 them), and each run's peak resident memory. The multi-turn row (grpo on the toy tool world, its toy defaults) shows
 the same on episodes whose tool results make some rows several times others; its model is tiny, so the step is
-mostly overhead there.
+mostly overhead there. --flags are added to both runs of a round (--use_vllm: vLLM samples, which pads nothing),
+--packed_flags to the packed run only (--token_budget); the report's first lines name them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -138,7 +144,8 @@ def report(results: dict, args, paths: dict) -> list:
     lines = [f"# Padding-free forwards: packed vs padded step time (benchmark/padding_free.py, "
              f"{datetime.date.today()})",
              "", f"Machine: {machine()}; {args.threads} threads; {args.rounds} rounds, padded then packed in each, "
-             f"{args.steps} timed steps after {args.warmup} warm-up.", "",
+             f"{args.steps} timed steps after {args.warmup} warm-up; flags added to both runs: "
+             f"`{args.flags or 'none'}`, to the packed run only: `{args.packed_flags or 'none'}`.", "",
              __doc__.split("\n\n")[2].strip(), "",
              "| script | padded s/step | packed s/step | packed / padded (median; rounds) | the step without its "
              "sampling: packed / padded | padding fraction of the padded batch | peak RSS MiB padded / packed | "
@@ -151,8 +158,11 @@ def report(results: dict, args, paths: dict) -> list:
         ratios = [b["step"] / a["step"] for a, b in ok]
         rest = statistics.median(b["rest"] / a["rest"] for a, b in ok)
         fraction = ok[0][0]["padding_fraction"]
-        if fraction is None and algo == "dpo":
-            fraction = dpo_padding_fraction(paths, TLDR["dpo_batch"])
+        if fraction is None and algo == "dpo":  # the padded run's micro-batches, of --per_device_train_batch_size
+            flags = shlex.split(args.flags)
+            rows = "--per_device_train_batch_size"
+            fraction = dpo_padding_fraction(paths, int(flags[flags.index(rows) + 1]) if rows in flags else
+                                            TLDR["dpo_batch"])
         median = statistics.median(ratios)
         target = f"<= {TARGET}: {'met' if median <= TARGET else 'not met'}" if algo in ("rloo", "grpo", "dpo") else ""
         lines.append(f"| {algo} | {statistics.median(a['step'] for a, _ in ok):.3f} | "
@@ -174,6 +184,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--flags", default="", help="flags added to both runs of a round, e.g. --flags=--use_vllm")
+    parser.add_argument("--packed_flags", default="", help="flags added to the packed run only, e.g. --token_budget")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "padding_free.md"))
     args = parser.parse_args()
     paths = build_spread_world(os.path.join(tempfile.gettempdir(), "policy_rlhf_padding_free_v1"))
@@ -181,7 +193,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for algo in args.algos:
             for mode in ("padded", "packed"):
-                result = measure(algo, mode == "packed", paths, args)
+                extra = shlex.split(args.flags) + (shlex.split(args.packed_flags) if mode == "packed" else [])
+                result = measure(algo, mode == "packed", paths, args, tuple(extra))
                 results[algo][mode].append(result)
                 print(f"[padding_free] round {round_ + 1} {algo} {mode}: {json.dumps(result)}", flush=True)
     lines = report(results, args, paths)

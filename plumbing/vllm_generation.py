@@ -276,7 +276,13 @@ class VLLMGenerator:
         tokenizer.save_pretrained(self.folder)
         config = models.unwrap(policy).config  # no gather needed for it
         dtype = "bfloat16" if bf16 else "float32"
-        saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES")}
+        threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+        saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES", *threads)}
+        if not on_gpu:  # vLLM's CPU backend binds its worker to cores it picks and sizes its threads to them; a
+            # thread count inherited from here overrides that, and threads beyond the bound cores spin against each
+            # other: at 2 threads on 2 cores each generate took ~25x longer (docs/vllm_and_async.md)
+            for key in threads:
+                os.environ.pop(key, None)
         if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(_kv_cache_gib(config, rows_per_call * max_model_len,
                                                                      2 if bf16 else 4))

@@ -287,6 +287,10 @@ def test_ppo_policy_loss_weights_each_token():
 # ---------------------------------------------------------------------------------------------------------
 # The engine against batch_generation (one engine for the module: it takes ~30 s to start on 2 cores)
 # ---------------------------------------------------------------------------------------------------------
+# the engine is started as by a trainer whose thread counts are set (tests/conftest.py: script_env does so)
+TRAINER_THREADS = {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+
+
 @pytest.fixture(scope="module")
 def engine(toy):
     tokenizer = models.load_tokenizer(toy["policy"])
@@ -295,10 +299,61 @@ def engine(toy):
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
     from accelerate import Accelerator
 
-    generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
-                                 rows_per_call=len(prompts), seed=0)
+    saved = {k: os.environ.get(k) for k in TRAINER_THREADS}
+    os.environ.update(TRAINER_THREADS)
+    try:
+        generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
+                                     rows_per_call=len(prompts), seed=0)
+        generator.trainer_env_after_start = {k: os.environ.get(k) for k in TRAINER_THREADS}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     yield generator, policy, tokenizer, queries
     generator.close()
+
+
+def engine_processes() -> dict:
+    """{pid: environment} of this process's descendants that vLLM named (VLLM::EngineCore, VLLM::Worker)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    ours, found = {os.getpid()}, {}
+    while True:
+        more = {pid for pid, parent in parent_of.items() if parent in ours and pid not in ours}
+        if not more:
+            break
+        ours |= more
+    for pid in ours - {os.getpid()}:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split("=", 1) for item in f.read().decode(errors="replace").split("\0") if "=" in item)
+        except OSError:
+            continue
+        if name.startswith("VLLM::"):
+            found[pid] = env
+    return found
+
+
+def test_engine_does_not_inherit_the_trainers_thread_counts(engine):
+    """vLLM's CPU backend binds its worker to cores it picks and sizes its threads to them; thread counts inherited
+    from a trainer (OMP_NUM_THREADS=2 on 2 cores) made every generate ~25x slower. The engine's processes start
+    without them, and the trainer's own environment is left as it was."""
+    generator = engine[0]
+    assert generator.trainer_env_after_start == TRAINER_THREADS
+    processes = engine_processes()
+    assert processes, "the CPU build runs the engine in processes of its own"
+    for pid, env in processes.items():
+        assert env.get("MKL_NUM_THREADS") != "2" and env.get("OMP_NUM_THREADS") != "2", (pid, env.get(
+            "OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS"))
 
 
 def greedy_both(generator, policy, tokenizer, queries, version):
