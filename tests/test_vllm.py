@@ -299,18 +299,12 @@ def engine(toy):
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
     from accelerate import Accelerator
 
-    saved = {k: os.environ.get(k) for k in TRAINER_THREADS}
-    os.environ.update(TRAINER_THREADS)
-    try:
+    with pytest.MonkeyPatch.context() as env:  # the module-scoped form of the monkeypatch fixture
+        for key, value in TRAINER_THREADS.items():
+            env.setenv(key, value)
         generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
                                      rows_per_call=len(prompts), seed=0)
         generator.trainer_env_after_start = {k: os.environ.get(k) for k in TRAINER_THREADS}
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     yield generator, policy, tokenizer, queries
     generator.close()
 
