@@ -6,6 +6,8 @@
         --out benchmark/results/padding_free_vllm.md
     python benchmark/padding_free.py --flags="--per_device_train_batch_size 2 --gradient_accumulation_steps 2" \
         --packed_flags="--token_budget 1200" --algos dpo --out benchmark/results/padding_free_budget.md
+    python benchmark/padding_free.py --size 12 768 12288 --rounds 5 --steps 3 --warmup 1 --algos rloo grpo dpo \
+        --out benchmark/results/padding_free_104m.md   # a 104M-parameter policy: Pythia-160M's layers and width
 
 The world: speed_settings' TL;DR stand-ins (random-weight GPT-NeoX policy and reward model, 8 layers, width 256,
 vocabulary 3072; the scripts' TL;DR hyper-parameters: RLOO k=4 and GRPO 4 completions per prompt, 16 completions a
@@ -22,7 +24,10 @@ batches (rloo, grpo: the sampled batch's perf/padding_fraction; dpo: the micro-b
 them), and each run's peak resident memory. The multi-turn row (grpo on the toy tool world, its toy defaults) shows
 the same on episodes whose tool results make some rows several times others; its model is tiny, so the step is
 mostly overhead there. --flags are added to both runs of a round (--use_vllm: vLLM samples, which pads nothing),
---packed_flags to the packed run only (--token_budget); the report's first lines name them.
+--packed_flags to the packed run only (--token_budget); the report's first lines name them. --size LAYERS WIDTH
+VOCAB draws the policy and reward model at another shape (the same recipe, the EOS lift worked out for that
+vocabulary): the stand-ins are so small that a step's sampling is mostly per-call overhead, which a larger model
+shrinks relative to the forwards and backward.
 """
 
 from __future__ import annotations
@@ -44,16 +49,26 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 from speed import machine, run_measured  # noqa: E402
-from speed_settings import TLDR, build_tldr_shaped, ours_flags, seconds_per_step  # noqa: E402
+from speed_settings import (  # noqa: E402
+    TLDR,
+    build_tldr_shaped,
+    ours_flags,
+    save_policy_and_reward,
+    seconds_per_step,
+    tldr_model_config,
+    word_tokenizer,
+)
 
 PROMPT_TOKENS = (64, 448)  # uniform
 COMPLETION_TOKENS = (8, TLDR["response_length"])  # DPO's chosen and rejected, uniform
 EOS_PER_TOKEN = 0.04  # the policy's chance of EOS at each sampled token, at the TL;DR temperature
+SMALL = (TLDR["layers"], TLDR["width"], TLDR["vocab"])  # speed_settings' TL;DR stand-ins
 TARGET = 0.7  # packed / padded step time, at most (issue 49), for rloo, grpo, dpo
 
 
-def build_spread_world(root: str) -> dict:
-    """The TL;DR stand-ins with spread lengths (module docstring), built once into `root`; seeded."""
+def build_spread_world(root: str, size: tuple = SMALL) -> dict:
+    """The TL;DR stand-ins with spread lengths (module docstring), built once into `root`; seeded. `size`: (layers,
+    width, vocabulary) of the policy and reward model; other than SMALL they are drawn here (seed 0)."""
     import random
 
     import torch
@@ -61,17 +76,24 @@ def build_spread_world(root: str) -> dict:
 
     from toy_worlds.toy_task import save_dataset
 
-    base = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))
+    if size == SMALL:
+        base = build_tldr_shaped(os.path.join(tempfile.gettempdir(), "policy_rlhf_speed_tldr_v2"))
+    else:
+        base = {k: os.path.join(root, f"{k}_random") for k in ("policy", "reward")}
     out = dict(reward=base["reward"], **{k: os.path.join(root, k) for k in ("policy", "prompt_dataset",
                                                                             "preference_dataset")})
     if os.path.exists(os.path.join(root, "done")):
         return out
+    if size != SMALL:
+        torch.manual_seed(0)
+        save_policy_and_reward(base, word_tokenizer(size[2]), tldr_model_config(*size))
+    vocab = size[2]
     policy = GPTNeoXForCausalLM.from_pretrained(base["policy"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(base["policy"])
     eos = tokenizer.eos_token_id
     # hidden dimension 0 after the final layer norm is made a constant 1, read by the EOS row of the output layer
-    # only: EOS's logit rises by `lift` everywhere, the others lose a random dimension of 256
-    lift = TLDR["temperature"] * math.log((TLDR["vocab"] - 1) * EOS_PER_TOKEN / (1 - EOS_PER_TOKEN))
+    # only: EOS's logit rises by `lift` everywhere, the others lose one random dimension of the width
+    lift = TLDR["temperature"] * math.log((vocab - 1) * EOS_PER_TOKEN / (1 - EOS_PER_TOKEN))
     with torch.no_grad():
         norm, head = policy.gpt_neox.final_layer_norm, policy.get_output_embeddings()
         norm.weight[0], norm.bias[0] = 0.0, 1.0
@@ -145,7 +167,10 @@ def report(results: dict, args, paths: dict) -> list:
              f"{datetime.date.today()})",
              "", f"Machine: {machine()}; {args.threads} threads; {args.rounds} rounds, padded then packed in each, "
              f"{args.steps} timed steps after {args.warmup} warm-up; flags added to both runs: "
-             f"`{args.flags or 'none'}`, to the packed run only: `{args.packed_flags or 'none'}`.", "",
+             f"`{args.flags or 'none'}`, to the packed run only: `{args.packed_flags or 'none'}`; policy and reward "
+             "model: {} layers, width {}, vocabulary {}{}.".format(*args.size, "" if tuple(args.size) == SMALL else
+                                                                   " (`--size`: drawn for this run, not the "
+                                                                   "stand-ins below)"), "",
              __doc__.split("\n\n")[2].strip(), "",
              "| script | padded s/step | packed s/step | packed / padded (median; rounds) | the step without its "
              "sampling: packed / padded | padding fraction of the padded batch | peak RSS MiB padded / packed | "
@@ -186,9 +211,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--flags", default="", help="flags added to both runs of a round, e.g. --flags=--use_vllm")
     parser.add_argument("--packed_flags", default="", help="flags added to the packed run only, e.g. --token_budget")
+    parser.add_argument("--size", nargs=3, type=int, default=list(SMALL), metavar=("LAYERS", "WIDTH", "VOCAB"),
+                        help="the policy and reward model's layers, width and vocabulary (default: speed_settings' "
+                        "TL;DR stand-ins)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "padding_free.md"))
     args = parser.parse_args()
-    paths = build_spread_world(os.path.join(tempfile.gettempdir(), "policy_rlhf_padding_free_v1"))
+    size = tuple(args.size)
+    paths = build_spread_world(os.path.join(tempfile.gettempdir(), "policy_rlhf_padding_free_v1" + (
+        "" if size == SMALL else "_{}x{}_v{}".format(*size))), size)
     results = {algo: {"padded": [], "packed": []} for algo in args.algos}
     for round_ in range(args.rounds):
         for algo in args.algos:

@@ -31,14 +31,37 @@ def long_length(setting: str):
     return int(setting[4:]) if setting.startswith("long") else None
 
 
-def tldr_model_config(layers: int = TLDR["layers"], width: int = TLDR["width"]):
+def tldr_model_config(layers: int = TLDR["layers"], width: int = TLDR["width"], vocab: int = TLDR["vocab"]):
     """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1); the teacher's is wider."""
     from transformers import GPTNeoXConfig
 
-    return GPTNeoXConfig(vocab_size=TLDR["vocab"], hidden_size=width, num_hidden_layers=layers,
+    return GPTNeoXConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
                          num_attention_heads=4, intermediate_size=4 * width, max_position_embeddings=512,
                          hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=1, pad_token_id=0)
+
+
+def word_tokenizer(vocab: int):
+    """The stand-ins' word-level tokenizer: [PAD] 0, [EOS] 1, [UNK] 2, then the words w0 w1 ... up to `vocab` ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = [f"w{i}" for i in range(vocab - 3)]
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(["[PAD]", "[EOS]", "[UNK]", *words])},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+
+
+def save_policy_and_reward(out: dict, tokenizer, config) -> None:
+    """A random-weight GPT-NeoX policy and reward model of `config` (seed the caller's), each with `tokenizer`, into
+    out['policy'] and out['reward']."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+
+    for model, name in ((GPTNeoXForCausalLM(config), "policy"),
+                        (GPTNeoXForSequenceClassification(GPTNeoXConfig(**config.to_dict(), num_labels=1)), "reward")):
+        model.save_pretrained(out[name])
+        tokenizer.save_pretrained(out[name])
 
 
 def build_tldr_shaped(root: str) -> dict:
@@ -49,13 +72,6 @@ def build_tldr_shaped(root: str) -> dict:
     import random
 
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        GPTNeoXForSequenceClassification,
-        PreTrainedTokenizerFast,
-    )
 
     from toy_worlds.toy_task import save_dataset
 
@@ -68,15 +84,8 @@ def build_tldr_shaped(root: str) -> dict:
     rng = random.Random(0)
     torch.manual_seed(0)
     words = [f"w{i}" for i in range(TLDR["vocab"] - 3)]
-    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[EOS]", "[UNK]", *words])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
-    config = tldr_model_config()
-    for model, name in ((GPTNeoXForCausalLM(config), "policy"),
-                        (GPTNeoXForSequenceClassification(GPTNeoXConfig(**config.to_dict(), num_labels=1)), "reward")):
-        model.save_pretrained(out[name])
-        tokenizer.save_pretrained(out[name])
+    tokenizer = word_tokenizer(TLDR["vocab"])
+    save_policy_and_reward(out, tokenizer, tldr_model_config())
     text = lambda n: " ".join(rng.choice(words) for _ in range(n))  # noqa: E731
     R = TLDR["response_length"] - 1  # + EOS
     prompts = {split: [text(TLDR["prompt_tokens"]) for _ in range(n)] for split, n in (("train", 256), ("test", 8))}
@@ -108,13 +117,7 @@ def build_long_shaped(root: str, length: int) -> dict:
     import random
 
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import (
-        GPTNeoXConfig,
-        GPTNeoXForCausalLM,
-        GPTNeoXForSequenceClassification,
-        PreTrainedTokenizerFast,
-    )
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
     from toy_worlds.toy_task import save_dataset
 
@@ -126,11 +129,7 @@ def build_long_shaped(root: str, length: int) -> dict:
     words = [f"w{i}" for i in range(LONG["vocab"] - 3)]
     if not os.path.exists(os.path.join(root, "done")):
         torch.manual_seed(0)
-        vocab = {tok: i for i, tok in enumerate(["[PAD]", "[EOS]", "[UNK]", *words])}
-        tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-        tok.pre_tokenizer, tok.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece(prefix="##")
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token="[EOS]",
-                                            unk_token="[UNK]")
+        tokenizer = word_tokenizer(LONG["vocab"])
         config = lambda layers, width: GPTNeoXConfig(  # noqa: E731
             vocab_size=LONG["vocab"], hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
             intermediate_size=4 * width, max_position_embeddings=max(LONG["lengths"]) + 2 * LONG["prompt_tokens"],

@@ -410,3 +410,31 @@ def test_toy_async_step_time_and_report_sections(tmp_path, monkeypatch):
     text = open(tmp_path / "toy_async.md").read()
     assert text.index("## learn (1)") < text.index("## speed (2)")
     assert "learn table" in text and "new speed table" in text and "## speed (1)" not in text
+
+
+def test_padding_free_world_of_another_size(tmp_path):
+    """benchmark/padding_free.py --size: the policy and reward model have the layers, width and vocabulary asked for,
+    prompts spread over PROMPT_TOKENS, and the policy ends a completion at about EOS_PER_TOKEN a token at the TL;DR
+    temperature (the EOS lift worked out for this vocabulary), read off its softmax on the world's own prompts."""
+    import padding_free
+    import torch
+    from datasets import load_from_disk
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    size = (2, 32, 200)
+    paths = padding_free.build_spread_world(str(tmp_path / "world"), size)
+    for name in ("policy", "reward"):
+        config = AutoConfig.from_pretrained(paths[name])
+        assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == size, name
+    tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
+    assert len(tokenizer) == size[2]
+    prompts = load_from_disk(paths["prompt_dataset"])["train"]["prompt"]
+    lengths = [len(tokenizer(p).input_ids) for p in prompts]
+    assert padding_free.PROMPT_TOKENS[0] <= min(lengths) and max(lengths) <= padding_free.PROMPT_TOKENS[1]
+    assert max(lengths) - min(lengths) > 200  # spread, not one length
+    policy = AutoModelForCausalLM.from_pretrained(paths["policy"])
+    ids = torch.tensor([tokenizer(p).input_ids[:64] for p in prompts[:16]])
+    with torch.no_grad():
+        logits = policy(input_ids=ids).logits / padding_free.TLDR["temperature"]
+    eos_rate = logits.softmax(-1)[..., tokenizer.eos_token_id].mean().item()
+    assert abs(eos_rate - padding_free.EOS_PER_TOKEN) < 0.25 * padding_free.EOS_PER_TOKEN, eos_rate

@@ -195,6 +195,51 @@ def test_packed_gradients_equal_the_padded_forwards(name, share):
         torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
+@pytest.fixture
+def flash_stand_in():
+    """An attention implementation named like flash attention (so packing.py takes its flash branch: every row in
+    one sequence, no mask, the boundaries left to the restarting position ids) that runs torch's sdpa on the mask
+    transformers builds from those position ids, the boundaries its flash varlen path reads from them: the flash
+    branch end to end on a CPU, all but the kernel. Returns its name; unregistered after the test."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    name = "flash_attention_stand_in"
+    AttentionInterface.register(name, sdpa_attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    yield name
+    AttentionInterface._global_mapping.pop(name)
+    AttentionMaskInterface._global_mapping.pop(name)
+
+
+@pytest.mark.parametrize("name", ["neox", "llama"])
+def test_flash_branch_packs_one_sequence_with_the_padded_numbers(name, flash_stand_in):
+    model = MODELS[name]()
+    model.config._attn_implementation = flash_stand_in
+    assert packing.flash_attention(model)
+    query_responses, Lq, rows = grouped_batch(3, [3, 1, 2])
+    flat = packing.model_layout(model, query_responses, PAD, Lq, share=True)
+    assert flat.input_ids.shape[0] == 1 and flat.attention_mask is None  # one sequence, queries not shared
+    assert packing.lm_supported(model, PAD)  # the tiny-batch check passes: the packed forward is taken
+    with torch.no_grad(), packing.padding_free():
+        logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, 0.7, True)
+        for i, (query, response) in enumerate(rows):
+            torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response, 0.7),
+                                       atol=1e-5, rtol=0)
+    mask = query_responses[:, Lq:] != PAD
+
+    def grads(padding_free):
+        model.zero_grad()
+        with packing.padding_free(padding_free):
+            (pc.response_logprobs(model, query_responses, Lq, PAD) * mask).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded, packed = grads(False), grads(True)
+    for n in padded:
+        torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
 @pytest.mark.parametrize("share", [False, True])
 def test_packed_rows_without_gradient_keep_none(share):
     """grad_rows (KTO's mismatched completions): rows n.. give the same numbers and nothing to the gradient."""
