@@ -4,6 +4,7 @@ hyper-parameters both implementations get in each, and how a step time is read f
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import tempfile
@@ -31,12 +32,13 @@ def long_length(setting: str):
     return int(setting[4:]) if setting.startswith("long") else None
 
 
-def tldr_model_config(layers: int = TLDR["layers"], width: int = TLDR["width"], vocab: int = TLDR["vocab"]):
-    """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1); the teacher's is wider."""
+def tldr_model_config(layers: int = TLDR["layers"], width: int = TLDR["width"], vocab: int = TLDR["vocab"],
+                      positions: int = 512):
+    """The GPT-NeoX shape of the TL;DR stand-ins (pad 0, EOS 1); the teacher's is wider, LONG's have more positions."""
     from transformers import GPTNeoXConfig
 
     return GPTNeoXConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=layers,
-                         num_attention_heads=4, intermediate_size=4 * width, max_position_embeddings=512,
+                         num_attention_heads=4, intermediate_size=4 * width, max_position_embeddings=positions,
                          hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False,
                          bos_token_id=1, eos_token_id=1, pad_token_id=0)
 
@@ -117,7 +119,7 @@ def build_long_shaped(root: str, length: int) -> dict:
     import random
 
     import torch
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
+    from transformers import GPTNeoXForCausalLM
 
     from toy_worlds.toy_task import save_dataset
 
@@ -130,17 +132,11 @@ def build_long_shaped(root: str, length: int) -> dict:
     if not os.path.exists(os.path.join(root, "done")):
         torch.manual_seed(0)
         tokenizer = word_tokenizer(LONG["vocab"])
-        config = lambda layers, width: GPTNeoXConfig(  # noqa: E731
-            vocab_size=LONG["vocab"], hidden_size=width, num_hidden_layers=layers, num_attention_heads=4,
-            intermediate_size=4 * width, max_position_embeddings=max(LONG["lengths"]) + 2 * LONG["prompt_tokens"],
-            hidden_dropout=0.0, attention_dropout=0.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=1,
-            pad_token_id=0)
-        for model, name in ((GPTNeoXForCausalLM(config(LONG["layers"], LONG["width"])), "policy"),
-                            (GPTNeoXForSequenceClassification(GPTNeoXConfig(
-                                **config(LONG["layers"], LONG["width"]).to_dict(), num_labels=1)), "reward"),
-                            (GPTNeoXForCausalLM(config(LONG["teacher_layers"], LONG["teacher_width"])), "teacher")):
-            model.save_pretrained(out[name])
-            tokenizer.save_pretrained(out[name])
+        config = functools.partial(tldr_model_config, vocab=LONG["vocab"],
+                                   positions=max(LONG["lengths"]) + 2 * LONG["prompt_tokens"])
+        save_policy_and_reward(out, tokenizer, config(LONG["layers"], LONG["width"]))
+        GPTNeoXForCausalLM(config(LONG["teacher_layers"], LONG["teacher_width"])).save_pretrained(out["teacher"])
+        tokenizer.save_pretrained(out["teacher"])
         rng = random.Random(0)
         prompts = {split: [" ".join(rng.choice(words) for _ in range(LONG["prompt_tokens"])) for _ in range(n)]
                    for split, n in (("train", 64), ("test", 2))}

@@ -77,6 +77,21 @@ def unpadded_logprobs(model, query, response, temperature=1.0):
     return (p / p.sum(-1, keepdim=True)).log()[torch.arange(len(response)), torch.tensor(response)]
 
 
+def assert_same_gradients_packed(model, query_responses, Lq, weights, temperature=1.0, share=False):
+    """The gradient of sum(response log-probs x `weights` (B, R)) is the same packed as padded, for every parameter."""
+    def grads(padding_free):
+        model.zero_grad()
+        with packing.padding_free(padding_free):
+            logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, temperature, share)
+        (logprobs * weights).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    padded, packed = grads(False), grads(True)
+    assert padded.keys() == packed.keys() and len(packed) > 0
+    for n in padded:
+        torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
 # ------------------------------------------------------------------------------------------------------ layout
 ROWS = torch.tensor([[5, 6, 7, 8, 9, 0],      # query 5 6 7, response 8 9
                      [5, 6, 7, 10, 11, 12],   # the same query, response 10 11 12
@@ -181,18 +196,7 @@ def test_packed_gradients_equal_the_padded_forwards(name, share):
     query_responses = torch.cat([query_responses, query_responses[:2]])  # two rows twice: packed once, read twice
     mask = query_responses[:, Lq:] != PAD
     weights = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
-
-    def grads(padding_free):
-        model.zero_grad()
-        with packing.padding_free(padding_free):
-            logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, 0.9, share)
-        (logprobs * weights * mask).sum().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    padded, packed = grads(False), grads(True)
-    assert padded.keys() == packed.keys() and len(packed) > 0
-    for n in padded:
-        torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert_same_gradients_packed(model, query_responses, Lq, weights * mask, 0.9, share)
 
 
 @pytest.fixture
@@ -227,17 +231,7 @@ def test_flash_branch_packs_one_sequence_with_the_padded_numbers(name, flash_sta
         for i, (query, response) in enumerate(rows):
             torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response, 0.7),
                                        atol=1e-5, rtol=0)
-    mask = query_responses[:, Lq:] != PAD
-
-    def grads(padding_free):
-        model.zero_grad()
-        with packing.padding_free(padding_free):
-            (pc.response_logprobs(model, query_responses, Lq, PAD) * mask).sum().backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    padded, packed = grads(False), grads(True)
-    for n in padded:
-        torch.testing.assert_close(packed[n], padded[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert_same_gradients_packed(model, query_responses, Lq, (query_responses[:, Lq:] != PAD).float())
 
 
 @pytest.mark.parametrize("share", [False, True])
