@@ -194,7 +194,8 @@ def off_policy_completions(args, data, tokenizer, teacher, prompts_seen: int, lo
                                 prompts_seen + accelerator.process_index * local_batch_size, local_batch_size)
     queries = pc.pad_sequences([data.train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
     if args.seq_kd:
-        config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+        config = pc.make_generation_config(tokenizer, args.response_length, args.temperature,
+                                           cache_implementation=args.cache_implementation)
         query_responses, _ = pc.batch_generation(teacher, queries, pad, tokenizer.eos_token_id, config,
                                                  args.local_rollout_forward_batch_size, accelerator)
         return query_responses, queries.shape[1]

@@ -107,10 +107,10 @@ def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_mode
 
 # ---- Generation
 def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
-                           min_new_tokens: Optional[int] = None):
+                           min_new_tokens: Optional[int] = None, cache_implementation: Optional[str] = None):
     """Sampling config for training (pure temperature sampling: top_k=0, top_p=1.0) or, with `greedy=True`,
     the deterministic config used for evaluation. pad/eos ids come from the tokenizer; the pad token is
-    suppressed (never generated)."""
+    suppressed (never generated). cache_implementation: GenerationFlags'; "static" is never compiled (below)."""
     from transformers import GenerationConfig
 
     if not greedy and temperature <= 0:
@@ -121,25 +121,11 @@ def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 
                   suppress_tokens=[tokenizer.pad_token_id])
     if min_new_tokens:
         kwargs["min_new_tokens"] = min_new_tokens
+    if cache_implementation not in (None, "dynamic"):  # a new prompt length each batch would compile again each time
+        kwargs.update(cache_implementation=cache_implementation, disable_compile=True)
     if greedy:
         return GenerationConfig(do_sample=False, **kwargs)
     return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **kwargs)
-
-
-@contextlib.contextmanager
-def _no_model_sampling_defaults(model: nn.Module):
-    """transformers fills every field our GenerationConfig leaves unset from the model's own generation_config.json
-    (Qwen2.5-Instruct's repetition_penalty 1.1, for one), which would sample from another distribution than the one
-    the losses score. Within the block the model has a blank generation config, so only ours applies."""
-    from transformers import GenerationConfig
-
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
-    saved = getattr(inner, "generation_config", None)
-    inner.generation_config = GenerationConfig()
-    try:
-        yield
-    finally:
-        inner.generation_config = saved
 
 
 @torch.no_grad()
@@ -153,21 +139,31 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
         temperature, pad suppressed), PADDING_LOGPROB after EOS: a fresh `response_logprobs` to float rounding, so
         while the weights have not changed since sampling they are the old log-probs (no forward needed).
       entropy (B, max_new_tokens): entropy of that distribution at each response position, 0 after EOS.
-    Only our config applies: the model's own sampling defaults are ignored (`_no_model_sampling_defaults`).
+    Only our config applies: the model's own sampling defaults are ignored (`models.no_sampling_defaults`).
     With `share_prompts` (rows repeat queries, e.g. RLOO's k samples), each distinct query is encoded once for
-    the prefill (prompt_sharing.generation_cache).
+    the prefill (prompt_sharing.generation_cache). cache_implementation "static": a StaticCache of Lq + R positions
+    per chunk, made here (generate's own would be as long as the longest it ever made).
     """
+    from transformers import StaticCache
+
     R = generation_config.max_new_tokens
     generation_config = copy.deepcopy(generation_config)
     generation_config.return_dict_in_generate = True
     responses, logprobs, entropies = [], [], []
-    with models.unwrap_for_generation(model, accelerator) as gen_model, _no_model_sampling_defaults(gen_model):
+    with models.unwrap_for_generation(model, accelerator) as gen_model, models.no_sampling_defaults(gen_model):
         share_prompts = share_prompts and prompt_sharing.takes_cache(gen_model)
+        static = generation_config.cache_implementation == "static" and prompt_sharing.cache_argument(gen_model)
+        if static:  # the cache argument's name: generate is given the cache itself
+            generation_config.cache_implementation = None
         for i in range(0, queries.shape[0], chunk_size):
             query = queries[i:i + chunk_size]
             attention_mask, position_ids = padding_inputs(query, pad_token_id)
-            prefill = (prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids,
-                                                       **_keep_last(gen_model, 1)) if share_prompts else {})
+            cache = (StaticCache(config=gen_model.config.get_text_config(decoder=True),
+                                 max_cache_len=query.shape[1] + R) if static else None)
+            prefill = {static: cache} if static else {}
+            if share_prompts:  # the distinct queries but their last token encoded (into `cache`, when static)
+                prefill = prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids, cache,
+                                                          **_keep_last(gen_model, 1))
             sampled = chunked_head.SampledTokenStats(generation_config, return_entropy)
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
                                      generation_config=generation_config, logits_processor=[sampled], **prefill)

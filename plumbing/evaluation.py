@@ -28,7 +28,8 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
     --use_vllm: greedy decoding is the ground truth it is compared with."""
     args, accelerator, tokenizer = sampler.args, sampler.accelerator, sampler.tokenizer
     pad, chunk = sampler.pad, sampler.chunk
-    greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
+    greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True,
+                                       cache_implementation=args.cache_implementation)
     functions = sampler.reward_sources.functions
     k = pass_at_k if functions else 0
     verifiers = rs.Rewards(tokenizer, functions=functions, weights=sampler.reward_sources.weights[-len(functions):]

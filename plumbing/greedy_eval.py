@@ -4,7 +4,7 @@ samples and, when the task has one, its gold score. (The RL scripts evaluate thr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Literal, Optional, Sequence
 
 import torch
 
@@ -22,6 +22,9 @@ class GenerationFlags:
     (a default is lowered to fit the model's positions)"""
     num_eval_prompts: int = 512
     """held-out prompts completed greedily at each evaluation (at most the split's size)"""
+    cache_implementation: Optional[Literal["dynamic", "static"]] = None
+    """HF generate's key/value cache (not vLLM's): None or dynamic grows it by copying it whole at every token;
+    static writes each token into one preallocated cache (the same samples, faster on long prompts)"""
 
     def check(self) -> None:
         if self.response_length < 1 or self.num_eval_prompts < 0:
@@ -31,14 +34,16 @@ class GenerationFlags:
 
 @torch.no_grad()
 def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response_length: int, batch_size: int,
-                       accelerator):
+                       accelerator, cache_implementation: Optional[str] = None):
     """This process's even share of `prompts` (token-id lists) completed greedily, `batch_size` rows per generate
-    call (every process makes the same calls): the offline scripts' held-out completions. Returns (prompt texts,
+    call (every process makes the same calls), with HF generate's `cache_implementation`: the offline scripts'
+    held-out completions. Returns (prompt texts,
     completion texts) of its real rows, special tokens skipped; the padding rows of the share are dropped."""
     mine, n_real = ru.even_share(prompts, accelerator)
     pad = tokenizer.pad_token_id
     queries = pc.pad_sequences(mine, pad, "left").to(accelerator.device)  # (n, Lq)
-    config = pc.make_generation_config(tokenizer, response_length, greedy=True)
+    config = pc.make_generation_config(tokenizer, response_length, greedy=True,
+                                       cache_implementation=cache_implementation)
     query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config, batch_size,
                                              accelerator)
     return (tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True),
@@ -47,13 +52,14 @@ def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response
 
 def held_out_completions(policy, held_out: du.HeldOut, args, accelerator, logger, step: int) -> dict:
     """The offline scripts' greedy evaluation: this process's share of `held_out.prompts` completed greedily
-    (`greedy_completions`, --response_length new tokens, --per_device_eval_batch_size rows per call), a few of them
+    (`greedy_completions`, --response_length new tokens, --per_device_eval_batch_size rows per call,
+    --cache_implementation), a few of them
     shown in the sample table (--num_samples_printed rows {prompt, completion[, gold]}). Returns eval/gold_score, the
     mean over every process's prompts, when the task has a gold scorer (else {})."""
     if not held_out.prompts:
         return {}
     prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, args.response_length,
-                                              args.per_device_eval_batch_size, accelerator)
+                                              args.per_device_eval_batch_size, accelerator, args.cache_implementation)
     gold = held_out.gold
     samples = [{"prompt": p, "completion": c, **({} if gold is None else {"gold": gold(p, c)})}
                for p, c in zip(prompts, completions)]

@@ -250,6 +250,22 @@ def unwrap_for_generation(model: nn.Module, accelerator=None):
         yield unwrapped
 
 
+@contextlib.contextmanager
+def no_sampling_defaults(model: nn.Module):
+    """transformers fills every field our GenerationConfig leaves unset from the model's own generation_config.json
+    (Qwen2.5-Instruct's repetition_penalty 1.1, for one), which would sample from another distribution than the one
+    the losses score. Within the block the model has a blank generation config, so only ours applies."""
+    from transformers import GenerationConfig
+
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    saved = getattr(inner, "generation_config", None)
+    inner.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        inner.generation_config = saved
+
+
 def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
     """Place a frozen model (reference, reward, teacher) for inference. Under DeepSpeed ZeRO-3 it becomes an inference
     engine sharded like the policy; otherwise it is moved to the device (no DDP wrapper: it has no gradients to

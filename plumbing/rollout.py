@@ -272,7 +272,8 @@ class Sampler:
         self.share = getattr(args, "share_prompts", False) and ps.worth_sharing(  # the same on every process
             min(args.per_device_train_batch_size, self.chunk), samples_per_prompt, max_prompt_length,
             args.response_length)
-        self.generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature)
+        self.generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature,
+                                                          cache_implementation=args.cache_implementation)
         self.toolset, self.environments = toolset, toolset and envs.EnvironmentPool(toolset)  # multi-turn (episodes.py)
         self.max_prompt_length = max_prompt_length
         self.context_limit = context_limit or max_prompt_length + args.response_length

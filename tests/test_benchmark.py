@@ -438,3 +438,14 @@ def test_padding_free_world_of_another_size(tmp_path):
         logits = policy(input_ids=ids).logits / padding_free.TLDR["temperature"]
     eos_rate = logits.softmax(-1)[..., tokenizer.eos_token_id].mean().item()
     assert abs(eos_rate - padding_free.EOS_PER_TOKEN) < 0.25 * padding_free.EOS_PER_TOKEN, eos_rate
+
+
+def test_generation_cache_report(tmp_path):
+    """benchmark/generation_cache.py on a tiny policy of the spread-length world: a row per setting, both caches
+    timed, and the static cache sampled exactly the dynamic cache's tokens (the report's last column)."""
+    out = tmp_path / "cache.md"
+    run_script("benchmark/generation_cache.py", "--size", "2", "32", "200", "--rounds", "1", "--batches", "1",
+               "--out", str(out))
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row[0] for row in rows[1:]] == ["| 4 prompts x 4 samples, shared prefill", "| 16 distinct prompts"]
+    assert all(float(row[1]) > 0 and float(row[2]) > 0 and row[4] == "yes |" for row in rows[1:])

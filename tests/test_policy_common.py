@@ -330,20 +330,21 @@ def pad_free_row_logprobs(model, query, response, temperature):
     return p.log()[torch.arange(len(response)), response], entropy
 
 
+@pytest.mark.parametrize("cache", [None, "static"])
 @pytest.mark.parametrize("share", [False, True])
-def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
+def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share, cache):
     """Rows ending at different lengths, left-padded queries, chunks: the sampling log-probs and entropies equal
     (i) `response_logprobs` / `forward_logits` on the padded batch (pad masked: one distribution) and (ii) an
-    unpadded row-by-row forward with the pad token's mass removed; also when repeated queries are encoded once.
-    `response_logprobs_no_grad` (the no-grad, chunked scoring of given samples) equals (ii) too, with or without
-    entropy."""
+    unpadded row-by-row forward with the pad token's mass removed; also when repeated queries are encoded once, and
+    on a static key/value cache. `response_logprobs_no_grad` (the no-grad, chunked scoring of given samples) equals
+    (ii) too, with or without entropy."""
     model = eos_biased_model()
     gen = torch.Generator().manual_seed(5)
     queries = random_queries(gen, [3, 1, 4, 2] * 4)
     q = pc.pad_sequences(queries, PAD, "left")
     temperature = 0.8
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=8,
-                              pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD])
+                              pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD], cache_implementation=cache)
     torch.manual_seed(6)
     query_responses, logprobs, entropy = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5,
                                                              share_prompts=share, return_entropy=True)
@@ -369,6 +370,68 @@ def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share):
         torch.testing.assert_close(entropy[i, :n].double(), expected_entropy, atol=1e-5, rtol=0)
         torch.testing.assert_close(rollout[i, :n].double(), expected, atol=1e-5, rtol=0)
         torch.testing.assert_close(rollout_entropy[i, :n].double(), expected_entropy, atol=1e-5, rtol=0)
+
+
+def sliding_window_model():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+                                            max_position_embeddings=64, pad_token_id=PAD, eos_token_id=EOS,
+                                            bos_token_id=EOS))
+
+
+def llama_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS))
+
+
+GENERATION_MODELS = {"neox": eos_biased_model, "llama": llama_model, "sliding_window": sliding_window_model,
+                     "lora": lambda: models.add_lora(eos_biased_model(), r=4, alpha=8, dropout=0.0)}
+
+
+@pytest.mark.parametrize("share", [False, True])
+@pytest.mark.parametrize("name", sorted(GENERATION_MODELS))
+def test_static_cache_samples_the_dynamic_caches_tokens(name, share):
+    """cache_implementation "static" (make_generation_config's): every decoding forward of batch_generation runs on
+    a transformers StaticCache of exactly Lq + R positions, and the same seed samples the tokens the dynamic cache
+    samples, with the same log-probs and entropies: left-padded queries of several lengths repeated over rows
+    (prompt sharing prefills the static cache), two chunks, GPT-NeoX, Llama, a sliding window shorter than the
+    longest query, and LoRA."""
+    from transformers.cache_utils import DynamicCache, StaticCache
+
+    class Tok:
+        pad_token_id, eos_token_id, bos_token_id = PAD, EOS, None
+
+    torch.manual_seed(7)
+    model = GENERATION_MODELS[name]().eval()
+    inner = model.get_base_model() if name == "lora" else model
+    q = pc.pad_sequences(random_queries(torch.Generator().manual_seed(8), [3, 1, 7, 5]), PAD, "left")
+    q = q.repeat_interleave(3, 0)  # (12, 7): each query 3 times in a row
+    seen = []
+    hook = inner.register_forward_pre_hook(
+        lambda m, a, kw: seen.append(kw[ps.cache_argument(inner)]) if kw["input_ids"].shape[1] == 1 else None,
+        with_kwargs=True)
+    outputs = {}
+    try:
+        for cache in ("dynamic", "static"):
+            config = pc.make_generation_config(Tok, 8, temperature=0.9, cache_implementation=cache)
+            seen.clear()
+            torch.manual_seed(9)
+            outputs[cache] = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=6, share_prompts=share,
+                                                 return_entropy=True)
+            assert seen and all(type(c) is {"dynamic": DynamicCache, "static": StaticCache}[cache] for c in seen)
+    finally:
+        hook.remove()
+    if name != "sliding_window":  # (a sliding layer keeps its window only)
+        assert {c.layers[0].max_cache_len for c in seen} == {q.shape[1] + 8}
+    (dynamic, dynamic_logprobs, dynamic_entropy), (static, static_logprobs, static_entropy) = outputs.values()
+    assert torch.equal(static, dynamic)
+    torch.testing.assert_close(static_logprobs, dynamic_logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(static_entropy, dynamic_entropy, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -442,6 +505,10 @@ def test_make_generation_config():
     assert sample.max_new_tokens == 10 and sample.min_new_tokens == 2
     assert sample.pad_token_id == PAD and sample.eos_token_id == EOS
     assert not pc.make_generation_config(Tok, 10, greedy=True).do_sample
+    assert sample.cache_implementation is None and not sample.disable_compile  # transformers' default cache
+    assert pc.make_generation_config(Tok, 10, cache_implementation="dynamic").cache_implementation is None
+    static = pc.make_generation_config(Tok, 10, greedy=True, cache_implementation="static")
+    assert static.cache_implementation == "static" and static.disable_compile  # a new prompt length each batch
     with pytest.raises(UserError, match="temperature"):
         pc.make_generation_config(Tok, 10, temperature=0.0)
 

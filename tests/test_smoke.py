@@ -43,3 +43,22 @@ def test_tiny_run(script, toy, tmp_path):
     assert "  perf:    " in proc.stdout and " tokens/s, " in proc.stdout  # the run summary's line
     assert os.path.exists(os.path.join(out, "model", "config.json")) or \
         os.path.exists(os.path.join(out, "model", "adapter_config.json"))
+
+
+@pytest.mark.parametrize("script", ["rloo.py", "sft.py"])
+def test_static_cache_gives_the_same_run(script, toy, tmp_path):
+    """--cache_implementation static (HF generate writes a preallocated key/value cache): the run of the default
+    cache to float rounding, through rloo's sampling (prompts shared over its k samples) and evaluation, and sft's
+    greedy evaluation. Wall-clock and memory metrics aside."""
+    runs = {}
+    for cache in ("dynamic", "static"):
+        out = str(tmp_path / cache)
+        run_script(script, "--max_steps", "2", "--eval_steps", "0", *TINY[script], "--cache_implementation", cache,
+                   "--output_dir", out)
+        runs[cache] = read_metrics(out)
+    assert len(runs["static"]) == len(runs["dynamic"])
+    for dynamic, static in zip(runs["dynamic"], runs["static"]):
+        numbers = {k for k, v in dynamic.items() if isinstance(v, float) and not k.startswith(("time/", "perf/"))}
+        assert numbers and numbers <= set(static), sorted(numbers - set(static))
+        for key in numbers:
+            assert static[key] == pytest.approx(dynamic[key], rel=1e-4, abs=1e-4), key
