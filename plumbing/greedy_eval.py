@@ -37,8 +37,8 @@ def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response
                        accelerator, cache_implementation: Optional[str] = None):
     """This process's even share of `prompts` (token-id lists) completed greedily, `batch_size` rows per generate
     call (every process makes the same calls), with HF generate's `cache_implementation`: the offline scripts'
-    held-out completions. Returns (prompt texts,
-    completion texts) of its real rows, special tokens skipped; the padding rows of the share are dropped."""
+    held-out completions. Returns (prompt texts, completion texts) of its real rows, special tokens skipped; the
+    padding rows of the share are dropped."""
     mine, n_real = ru.even_share(prompts, accelerator)
     pad = tokenizer.pad_token_id
     queries = pc.pad_sequences(mine, pad, "left").to(accelerator.device)  # (n, Lq)
@@ -53,9 +53,9 @@ def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response
 def held_out_completions(policy, held_out: du.HeldOut, args, accelerator, logger, step: int) -> dict:
     """The offline scripts' greedy evaluation: this process's share of `held_out.prompts` completed greedily
     (`greedy_completions`, --response_length new tokens, --per_device_eval_batch_size rows per call,
-    --cache_implementation), a few of them
-    shown in the sample table (--num_samples_printed rows {prompt, completion[, gold]}). Returns eval/gold_score, the
-    mean over every process's prompts, when the task has a gold scorer (else {})."""
+    --cache_implementation), a few of them shown in the sample table (--num_samples_printed rows {prompt,
+    completion[, gold]}). Returns eval/gold_score, the mean over every process's prompts, when the task has a gold
+    scorer (else {})."""
     if not held_out.prompts:
         return {}
     prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, args.response_length,

@@ -36,7 +36,8 @@ def toy_sampler_parts(toy):
 def make_sampler(parts, k=4, reference=None, **flags):
     args = SimpleNamespace(**{**vars(vg.VLLMFlags()), **dict(
         response_length=8, temperature=1.0, missing_eos_penalty=1.0, seed=5, local_rollout_forward_batch_size=16,
-        per_device_train_batch_size=8, share_prompts=True, num_samples_printed=0, logprob_chunk_tokens=None), **flags})
+        per_device_train_batch_size=8, share_prompts=True, num_samples_printed=0, logprob_chunk_tokens=None,
+        cache_implementation=None), **flags})
     rewards = rs.Rewards(parts["tokenizer"], functions=[rs.RewardFunction("letters", letters_reward)])
     return ro.Sampler(args, parts["accelerator"], parts["tokenizer"], parts["policy"], rewards, reference,
                       prompts=parts["prompt_ids"], rows=parts["rows"], samples_per_prompt=k, prompts_per_process=2,
