@@ -21,7 +21,6 @@ import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,7 +30,7 @@ for p in (ROOT, HERE):
         sys.path.insert(0, p)
 
 import torch  # noqa: E402
-from padding_free import SMALL, build_spread_world  # noqa: E402
+from padding_free import build_spread_world, world_folder  # noqa: E402
 from speed import machine  # noqa: E402
 from speed_settings import TLDR  # noqa: E402
 
@@ -71,8 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     size = tuple(args.size)
-    paths = build_spread_world(os.path.join(tempfile.gettempdir(), "policy_rlhf_padding_free_v1" + (
-        "" if size == SMALL else "_{}x{}_v{}".format(*size))), size)
+    paths = build_spread_world(world_folder(size), size)
     tokenizer = models.load_tokenizer(paths["policy"])
     model = models.load_causal_lm(paths["policy"], tokenizer).eval()
     prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"])

@@ -114,6 +114,12 @@ def build_spread_world(root: str, size: tuple = SMALL) -> dict:
     return out
 
 
+def world_folder(size: tuple = SMALL) -> str:
+    """Where `build_spread_world` keeps the world of `size` between runs (a temporary folder)."""
+    return os.path.join(tempfile.gettempdir(), "policy_rlhf_padding_free_v1" + (
+        "" if size == SMALL else "_{}x{}_v{}".format(*size)))
+
+
 def dpo_padding_fraction(paths: dict, batch: int) -> float:
     """The padding share of DPO's micro-batches as dpo.py collates them (chosen and rejected rows, the prompt left-
     padded and the completions right-padded to the micro-batch's longest), over the training pairs in order."""
@@ -216,9 +222,7 @@ def main() -> None:
                         "TL;DR stand-ins)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "padding_free.md"))
     args = parser.parse_args()
-    size = tuple(args.size)
-    paths = build_spread_world(os.path.join(tempfile.gettempdir(), "policy_rlhf_padding_free_v1" + (
-        "" if size == SMALL else "_{}x{}_v{}".format(*size))), size)
+    paths = build_spread_world(world_folder(tuple(args.size)), tuple(args.size))
     results = {algo: {"padded": [], "packed": []} for algo in args.algos}
     for round_ in range(args.rounds):
         for algo in args.algos:

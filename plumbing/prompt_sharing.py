@@ -191,14 +191,11 @@ def generation_cache(model, queries: torch.Tensor, attention_mask: torch.Tensor,
                      cache=None, **kwargs) -> dict:
     """Prefill for `generate` on repeated queries (B, Lq): every distinct query but its last token encoded once;
     returns generate's extra keyword arguments ({cache_argument(model): ...}, or {} when the model keeps no cache).
-    `cache`: an empty cache the distinct queries are encoded into (a StaticCache: the model's own layers write it),
-    its rows then repeated for every row by `reorder_cache`, beam search's row selection, which static layers have
-    too; None: the DynamicCache the forward makes."""
-    if cache is None:
-        encoded = encode_queries(model, queries, attention_mask, position_ids, queries.shape[1] - 1, **kwargs)
-        return {} if encoded is None else {cache_argument(model): encoded[1]}
+    `cache`: an empty cache the distinct queries are encoded into (a StaticCache: the model's own layers write it);
+    None: the DynamicCache the forward makes. Its rows are then repeated for every row by `reorder_cache`, beam
+    search's row selection, which static layers have too."""
     encoded = encode_distinct(model, queries, attention_mask, position_ids, queries.shape[1] - 1,
-                              **{cache_argument(model): cache}, **kwargs)
+                              **({} if cache is None else {cache_argument(model): cache}), **kwargs)
     if encoded is None:
         return {}
     encoded[1].reorder_cache(encoded[2])

@@ -170,12 +170,8 @@ def test_shared_prompt_gradients_equal_the_plain_forward():
 
 def test_shared_prompts_other_architecture_and_lora():
     """A Llama-style model (rotary, RMSNorm, grouped KV heads) and a LoRA-wrapped policy share prompts too."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(5)
-    llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS)).eval()
+    llama = llama_model().eval()
     lora = models.add_lora(GPTNeoXForCausalLM(tiny_config()), r=4, alpha=8, dropout=0.0).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(6), [2, 3])
     for model in (llama, lora):
