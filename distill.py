@@ -12,7 +12,6 @@ import functools
 import math
 import os
 import random
-import time
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
@@ -21,9 +20,9 @@ import torch.nn.functional as F
 
 import policy_common as pc
 from plumbing import accumulation as acc
-from plumbing import chunked_head, models, packing
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
+from plumbing import models
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru
@@ -60,7 +59,7 @@ class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, rs.
     """clip range of the policy's importance ratio"""
 
 
-# Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
+# Toy-tuned defaults, applied only to flags not given on the command line (docs/toy_worlds.md).
 ALIAS_DEFAULTS = {"toy": dict(
     total_episodes=2048, learning_rate=3e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1,
     response_length=8, max_prompt_length=8, eval_steps=8, num_eval_prompts=256, local_rollout_forward_batch_size=256)}
@@ -123,13 +122,13 @@ def pg_token_loss(new_logprobs, old_logprobs, teacher_logprobs, epsilon: float, 
     return loss if is_weights is None else loss * is_weights
 
 
-def token_terms(student_logits, teacher_chunk, tokens, *, teacher, teacher_hidden: bool, args, pad_token_id: int):
-    """A chunk of n completion positions (pc.map_response_logits' fn): the student's (n, V) logits / temperature, the
-    teacher's logits there (or its hidden states, `teacher_hidden`: its output layer then runs on this chunk only) and
-    the (n,) tokens -> (divergence (gkd; zeros for pg), the student's log-prob of each token, the teacher's, the
-    student's entropy), each (n,). Only the divergence (gkd) or the student's log-probs (pg) carry a gradient."""
-    teacher_logits = (chunked_head.head_logits(teacher, teacher_chunk, args.temperature, pad_token_id)
-                      if teacher_hidden else teacher_chunk)
+def token_terms(student_logits, teacher_chunk, tokens, *, teacher, teacher_forward, teacher_hidden: bool, args):
+    """A chunk of n completion positions (Forward.map_logits' fn): the student's (n, V) logits / temperature, the
+    teacher's logits there (or its hidden states, `teacher_hidden`: its output layer then runs on this chunk only,
+    `teacher_forward.head_logits`) and the (n,) tokens -> (divergence (gkd; zeros for pg), the student's log-prob of
+    each token, the teacher's, the student's entropy), each (n,). Only the divergence (gkd) or the student's log-probs
+    (pg) carry a gradient."""
+    teacher_logits = teacher_forward.head_logits(teacher, teacher_chunk) if teacher_hidden else teacher_chunk
     divergence = (generalized_jsd(student_logits, teacher_logits, args.beta, args.loss_top_k, args.loss_add_tail)
                   if args.loss == "gkd" else torch.zeros_like(tokens, dtype=torch.float))
     with torch.no_grad():
@@ -142,13 +141,12 @@ def token_terms(student_logits, teacher_chunk, tokens, *, teacher, teacher_hidde
     return divergence, new_logprobs, teacher_logprobs, student_entropy
 
 
-def teacher_outputs(teacher, query_responses, context_length: int, pad_token_id: int, temperature: float,
-                    hidden: bool) -> torch.Tensor:
+def teacher_outputs(teacher, teacher_forward, query_responses, context_length: int, hidden: bool) -> torch.Tensor:
     """(b, T) -> the teacher's (b, R, V) logits / temperature at the response positions (pad masked), or with
-    `hidden` its (b, R, H) last hidden states there (chunked_head.head_logits turns a chunk into those logits)."""
+    `hidden` its (b, R, H) last hidden states there (its forward's `head_logits` turns a chunk into those logits)."""
     if not hidden:
-        return pc.forward_logits(teacher, query_responses, context_length, pad_token_id, temperature)
-    return pc.response_outputs(teacher, query_responses, context_length, pad_token_id, hidden=True)
+        return teacher_forward.logits(teacher, query_responses, context_length)
+    return teacher_forward.outputs(teacher, query_responses, context_length, hidden=True)
 
 
 def validate(args: Args) -> int:
@@ -216,7 +214,6 @@ def main():
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size = validate(args)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     ru.seed_everything(args.seed, accelerator.process_index)
@@ -231,8 +228,11 @@ def main():
         args.reward_funcs = ["gold"]  # evaluated and logged, never trained on
     output_dir = ru.output_dir(args, data.name, accelerator)
 
-    # 3. models: the student (+LoRA), the frozen teacher; reward functions (logged only)
+    # 3. models: the student (+LoRA), the frozen teacher; reward functions (logged only); each one's forward (logits /
+    #    temperature; packed, the output layer in chunks, ...), chosen once (plumbing/forwards.py)
+    forwards = ro.rollout_forwards(args, tokenizer.pad_token_id, samples_per_prompt=1)
     teacher, teacher_name = load_teacher(args, tokenizer, args.max_prompt_length + args.response_length, accelerator)
+    teacher_forward = forwards.lm(teacher)
     policy = models.load_policy(policy_path, tokenizer, args)
     reward_sources = rs.Rewards(tokenizer, functions=[rs.load_reward_function(spec, data.name)
                                                       for spec in args.reward_funcs or []], weights=args.reward_weights,
@@ -241,20 +241,22 @@ def main():
     # 4. optimizer, linear decay per step, checkpointable state, the sampler
     optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_total_batches)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    forward = forwards.lm(policy)  # chosen once placed
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("loss/distill", "objective/teacher_kl", "eval/gold_score"))
-    sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, None, prompts=data.train_prompts,
-                         rows=data.train, samples_per_prompt=1, prompts_per_process=local_batch_size,
-                         max_prompt_length=args.max_prompt_length, weights_version=state["step"])
+    micro_batches = acc.micro_batches(args, accelerator, policy)  # or sized by --token_budget
+    sampler = ro.Sampler(args, accelerator, tokenizer, policy, forward, reward_sources, None,
+                         prompts=data.train_prompts, rows=data.train, samples_per_prompt=1,
+                         prompts_per_process=local_batch_size, max_prompt_length=args.max_prompt_length,
+                         weights_version=state["step"])
     pad, chunk = tokenizer.pad_token_id, args.local_rollout_forward_batch_size
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0), step=0)
 
-    meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
-    start_time, start_episode = time.time(), state["episode"]
+    meter = tp.StepMeter(accelerator, models.unwrap(policy), episode=state["episode"])  # perf/*
     while state["step"] < num_total_batches:
         step = state["step"] + 1
         meter.start()
@@ -276,36 +278,29 @@ def main():
 
         # 6. the teacher's view of every completion token, then one optimizer step over the micro-batches
         losses, teacher_kl, entropy, is_stats = [], [], [], {}
-        micro_batches = acc.MicroBatches(accelerator, policy, torch.arange(local_batch_size, device=accelerator.device),
-                                         (query_responses != pad).sum(1), args.token_budget)  # or --token_budget's
-        for mb in micro_batches:
+        for mb in micro_batches.split(torch.arange(local_batch_size, device=accelerator.device),
+                                      (query_responses != pad).sum(1), mean_over=None):  # normalised by step tokens
             tokens, mask = query_responses[mb, context_length:], response_mask[mb]
-            # the teacher's logits, or with --logprob_chunk_tokens its last hidden states (its output layer then runs
-            # a chunk of positions at a time, beside the student's), no grad, --local_rollout_forward_batch_size rows
-            # at a time (its activations)
-            teacher_hidden = chunked_head.wanted(teacher, tokens.numel(), args.logprob_chunk_tokens)
+            # the teacher's logits, or where its output layer runs in chunks its last hidden states (the output layer
+            # then runs a chunk of positions at a time, beside the student's), no grad, a chunk of rows at a time
+            teacher_hidden = teacher_forward.chunked(teacher, tokens.numel())
             with torch.no_grad():
-                teacher_out = torch.cat([teacher_outputs(teacher, query_responses[rows], context_length, pad,
-                                                         args.temperature, teacher_hidden) for rows in mb.split(chunk)])
-            terms = functools.partial(token_terms, teacher=teacher, teacher_hidden=teacher_hidden, args=args,
-                                      pad_token_id=pad)
+                teacher_out = torch.cat([teacher_outputs(teacher, teacher_forward, query_responses[rows],
+                                                         context_length, teacher_hidden) for rows in mb.split(chunk)])
+            terms = functools.partial(token_terms, teacher=teacher, teacher_forward=teacher_forward,
+                                      teacher_hidden=teacher_hidden, args=args)
 
             with micro_batches.accumulate():
-                divergence, new_logprobs, teacher_logprobs, token_entropy = pc.map_response_logits(
-                    policy, query_responses[mb], context_length, pad, terms, teacher_out, tokens,
-                    temperature=args.temperature, chunk_tokens=args.logprob_chunk_tokens)  # (b, R) each
+                divergence, new_logprobs, teacher_logprobs, token_entropy = forward.map_logits(
+                    policy, query_responses[mb], context_length, terms, teacher_out, tokens)  # (b, R) each
                 if args.loss == "gkd":
                     token_loss = divergence
                 else:
                     micro = batch.subset(mb)  # sampled by vLLM: each token weighted by pi_old / pi_behaviour
-                    is_weights = pc.importance_weights(micro.old_logprobs, micro.behaviour_logprobs,
-                                                       micro.response_mask, micro.importance_sampling)
-                    for key, value in pc.importance_sampling_stats(micro.old_logprobs, micro.behaviour_logprobs,
-                                                                   micro.response_mask,
-                                                                   micro.importance_sampling).items():
+                    for key, value in micro.importance_sampling_stats(micro.old_logprobs).items():
                         is_stats.setdefault(key, []).append(value)
                     token_loss = pg_token_loss(new_logprobs, micro.old_logprobs, teacher_logprobs, args.cliprange,
-                                               is_weights)
+                                               micro.importance_weights(micro.old_logprobs))
                 loss = token_loss.masked_fill(~mask, 0.0).sum() / max(tokens_per_micro_batch, 1.0)
                 losses.append(micro_batches.backward(loss))  # normalised by the step's tokens: the losses add up
             teacher_kl.append(((new_logprobs.detach() - teacher_logprobs) * mask).sum())
@@ -327,9 +322,8 @@ def main():
         })
         if on_policy:
             metrics.update(batch.metrics)
-        metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
-                        "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
-        metrics.update(meter.batch_metrics(query_responses, pad, batch.metrics if on_policy else None))
+        metrics.update({"lr": optimizer_step.lr, **meter.batch_metrics(
+            query_responses, pad, batch.metrics if on_policy else None, episode=state["episode"])})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

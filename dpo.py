@@ -20,8 +20,9 @@ import torch.nn.functional as F
 import policy_common as pc
 from plumbing import accumulation as acc
 from plumbing import data_utils as du
+from plumbing import forwards as fw
 from plumbing import greedy_eval as ge
-from plumbing import models, packing
+from plumbing import models
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
@@ -121,17 +122,15 @@ def completion_sums(token_logprobs, query_responses, context_length: int, pad_to
     return (token_logprobs * mask).sum(1), mask.sum(1)
 
 
-def batch_losses(args, policy, reference, rows, pad_token_id: int, device):
-    """Pairs `rows` -> per-pair losses (b,) and metrics (pair_losses): one policy forward over the chosen and the
-    rejected completions together (du.concatenated_inputs; each prompt encoded once where --share_prompts decided
-    so); reference log-probs precomputed or from the reference."""
+def batch_losses(args, policy, forward: pc.Forward, reference, rows, pad_token_id: int, device):
+    """Pairs `rows` -> per-pair losses (b,) and metrics (pair_losses): one policy forward (the one chosen for it: each
+    prompt encoded once, packed, ...) over the chosen and the rejected completions together (du.concatenated_inputs);
+    reference log-probs precomputed or from the reference."""
     query_responses, context_length = du.concatenated_inputs(rows, pad_token_id)
     query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
-    token_logprobs = pc.response_logprobs(policy, query_responses, context_length, pad_token_id,
-                                          share_prompts=args.share_prompts, chunk_tokens=args.logprob_chunk_tokens)
+    token_logprobs = forward.logprobs(policy, query_responses, context_length)  # (2b, R)
     policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
-    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id,
-                                share_prompts=args.share_prompts)
+    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id)
     return pair_losses(args, policy_logps, ref_logps, lengths)
 
 
@@ -159,18 +158,17 @@ def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length:
 
 # Reference log-probs and evaluation: each process takes an even share (ru.even_share), so that every process makes
 # the same model calls; results are combined over all processes
-def reference_logps(reference, rows, query_responses, context_length, pad_token_id, share_prompts: bool = False):
+def reference_logps(reference, rows, query_responses, context_length, pad_token_id):
     """(2b,) reference log-probs summed over each completion of the concatenated batch of `rows`: their precomputed
     `ref_logps` when they have them (--precompute_ref_logprobs), else computed with the reference model (no grad)."""
     if "ref_logps" in rows[0]:
         return torch.stack([row["ref_logps"] for row in rows], 1).reshape(-1).to(query_responses.device)
-    token_logprobs = reference.logprobs(query_responses, context_length, pad_token_id, share_prompts=share_prompts)
+    token_logprobs = reference.logprobs(query_responses, context_length)
     return completion_sums(token_logprobs, query_responses, context_length, pad_token_id)[0]
 
 
 @torch.no_grad()
-def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator,
-                               share_prompts: bool = False) -> None:
+def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: int, accelerator) -> None:
     """Give each row its `ref_logps` (2,): the reference's log-probs summed over its chosen and rejected completion.
     Each process scores an even share, `batch_size` rows at a time; the shares are gathered (tl.gather_in_order), so
     every process's rows get all of them."""
@@ -180,7 +178,7 @@ def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: i
             batch = share[i:i + batch_size]
             query_responses, context_length = du.concatenated_inputs(batch, pad_token_id)
             logps = reference_logps(reference, batch, query_responses.to(accelerator.device), context_length,
-                                    pad_token_id, share_prompts=share_prompts)
+                                    pad_token_id)
             table.append(torch.stack(logps.chunk(2), 1))  # (b, 2)
         return torch.cat(table)
 
@@ -189,7 +187,7 @@ def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: i
 
 
 @torch.no_grad()
-def evaluate(args, accelerator, policy, reference, held_out, logger, step):
+def evaluate(args, accelerator, policy, forward, reference, held_out, logger, step):
     """Held-out pairs (`held_out.rows`) -> eval/... preference metrics; greedy completions of the held-out prompts ->
     eval/gold_score (when the task has a gold scorer) and the sample table. Means over every process's items."""
     pad = held_out.tokenizer.pad_token_id
@@ -198,7 +196,7 @@ def evaluate(args, accelerator, policy, reference, held_out, logger, step):
     sums = {}
     for i in range(0, len(indices), args.per_device_eval_batch_size):
         rows = [held_out.rows[j] for j in indices[i:i + args.per_device_eval_batch_size]]
-        _, stats = batch_losses(args, policy, reference, rows, pad, accelerator.device)
+        _, stats = batch_losses(args, policy, forward, reference, rows, pad, accelerator.device)
         for k, v in stats.items():  # only the first n_real pairs of the share count
             sums[f"eval/{k}"] = sum(v[:max(0, n_real - i)].tolist(), sums.get(f"eval/{k}", 0.0))
     metrics = {**ru.global_means(accelerator, sums, n_real),
@@ -228,7 +226,6 @@ def main() -> None:
     args.dataset = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 
@@ -252,21 +249,24 @@ def main() -> None:
                                                    f"{args.dataset}:{args.eval_split}")
     held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer)
     loop = tl.EpochLoop(args, len(train_rows), batch_size, "pairs")
-    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
-    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * args.per_device_train_batch_size, 2,
-                                                                 args.max_prompt_length,
-                                                                 args.max_length - args.max_prompt_length)
 
-    # 3. models: policy (+ LoRA with --use_peft), reference (frozen copy / adapter-off base / none)
+    # 3. models: policy (+ LoRA with --use_peft) with its optimizer and schedule, prepared; reference (frozen copy /
+    #    adapter-off base / none); the forward each runs, chosen once it is placed (plumbing/forwards.py: chosen and
+    #    rejected rows repeat a prompt, encoded once where that saves enough, ...)
     policy = models.load_policy(policy_path, tokenizer, args)
-    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator, args.reference_free)
-
-    # 4. optimizer, schedule, the run folder, the state (resumed from --resume_from), the logger; reference log-probs
-    # once (--precompute_ref_logprobs), then the reference model is freed
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     scheduler = loop.scheduler(optimizer)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    forwards = fw.Forwards.from_args(args, pad, repeats=ps.Repeats(2 * args.per_device_train_batch_size, 2,
+                                                                   args.max_prompt_length,
+                                                                   args.max_length - args.max_prompt_length))
+    forward = forwards.lm(policy)
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator, forwards,
+                                        args.reference_free)
+
+    # 4. the run folder, the state (resumed from --resume_from), the logger; reference log-probs once
+    #    (--precompute_ref_logprobs), then the reference model is freed
     output_dir = ru.output_dir(args, args.dataset, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
@@ -274,32 +274,30 @@ def main() -> None:
                     ("loss", "rewards/accuracies", "eval/gold_score"))
     if args.precompute_ref_logprobs:
         for rows in (train_rows, eval_rows):
-            precompute_reference_logps(reference, rows, args.per_device_eval_batch_size, pad, accelerator,
-                                       share_prompts=args.share_prompts)
+            precompute_reference_logps(reference, rows, args.per_device_eval_batch_size, pad, accelerator)
         reference.free()
     if not args.resume_from:  # step 0: data counts and the evaluation before training
-        metrics = evaluate(args, accelerator, policy, reference, held_out, logger, 0)
+        metrics = evaluate(args, accelerator, policy, forward, reference, held_out, logger, 0)
         logger.log({"data/train_pairs": len(train_rows), "data/dropped": dropped, "data/eval_pairs": len(eval_rows),
                     "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
     stop = tl.StopSignal()
     policy.train()
     meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
+    micro_batches = acc.micro_batches(args, accelerator, policy)  # or sized by --token_budget
     row_tokens = [du.row_tokens(row) for row in train_rows]  # chosen and rejected, each with its prompt
     for step in loop.steps(state["step"]):
         meter.start()
         # 5. one optimizer step over the next `batch_size` pairs of the epoch's order, micro-batches accumulated
         sums = {}
-        micro_batches = acc.MicroBatches(accelerator, policy, tl.process_items(loop.batch_index(step), accelerator),
-                                         row_tokens, args.token_budget)  # or --token_budget's
-        for index in micro_batches:
+        for index in micro_batches.split(tl.process_items(loop.batch_index(step), accelerator), row_tokens):
             with micro_batches.accumulate():
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair losses (b,), backward
-                losses, stats = batch_losses(args, policy, reference, [train_rows[i] for i in index], pad,
+                losses, stats = batch_losses(args, policy, forward, reference, [train_rows[i] for i in index], pad,
                                              accelerator.device)
-                micro_batches.backward(losses.mean(), micro_batches.row_share())  # a mean over pairs
+                micro_batches.backward(losses.mean())  # a mean over the micro-batch's pairs
             for k, v in stats.items():  # the step's means
-                sums[k] = sums.get(k, 0.0) + v.mean().item() * micro_batches.weight(micro_batches.row_share())
+                sums[k] = sums.get(k, 0.0) + v.mean().item() * micro_batches.weight()
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
@@ -308,7 +306,7 @@ def main() -> None:
         metrics.update({**loop.metrics(step, optimizer_step),
                         **meter.metrics(sum(row_tokens[i] for i in loop.batch_index(step)))})
         if loop.evaluate_now(step):
-            metrics.update(evaluate(args, accelerator, policy, reference, held_out, logger, step))
+            metrics.update(evaluate(args, accelerator, policy, forward, reference, held_out, logger, step))
         logger.log(metrics, step=step)
 
         # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)

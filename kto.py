@@ -20,8 +20,9 @@ import torch
 import policy_common as pc
 from plumbing import accumulation as acc
 from plumbing import data_utils as du
+from plumbing import forwards as fw
 from plumbing import greedy_eval as ge
-from plumbing import models, packing
+from plumbing import models
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
@@ -35,10 +36,9 @@ ALIAS_DEFAULTS = {
                 max_prompt_length=16, max_length=32, response_length=8, eval_steps=64,
                 per_device_eval_batch_size=64, num_eval_examples=512, num_eval_prompts=256),
 }
-# toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers; its labels
-# are imbalanced (about 7% desirable), so the class weights are derived from the counts (`loss_weights`, the paper's).
-# beta 1.0: the undesirable examples are the reference's own samples, so z0 stays clamped at 0 and only beta bounds how
-# far they (and the EOS token they share with the good answers) are pushed down (benchmark/results/kto_toy_hard.md)
+# toy_hard: its labels are imbalanced (about 7% desirable): class weights from the counts (`loss_weights`); beta 1.0:
+# the undesirable examples are the reference's own samples, so z0 stays 0 and only beta bounds how far they (and the
+# EOS token they share with the good answers) are pushed down (benchmark/results/kto_toy_hard.md)
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10, desirable_weight=None,
                                   undesirable_weight=None, beta=1.0)
 
@@ -116,8 +116,10 @@ def weight_advice(n_desirable: int, n_undesirable: int, desirable_weight: float,
             f"in [{d * 3 / 4 / n_undesirable:.2f}, {d / n_undesirable:.2f}]")
 
 
-def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, accelerator, joint: bool):
-    """Forward one micro-batch of B examples. Returns the mean KTO loss and the sums behind the logged metrics."""
+def kto_step(policy, forward, reference, batch: dict, args: Args, pad_token_id: int, accelerator):
+    """Forward one micro-batch of B examples (`forward`: the policy's; sharing prompts: `kto_forwards`). Returns the
+    mean KTO loss and the sums behind the logged metrics."""
+    joint = forward.shares_prompts
     device = accelerator.device
     query_responses, ctx = batch["query_responses"].to(device), batch["context_length"]  # (2B, T)
     desirable = batch["desirable"].to(device)
@@ -127,8 +129,8 @@ def kto_step(policy, reference, batch: dict, args: Args, pad_token_id: int, acce
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
                      else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad_token_id, joint))
     ref_logps, kl_ref_logps = all_ref_logps.chunk(2)
-    policy_logps, kl_policy_logps = policy_logprob_sums(policy, query_responses, ctx, pad_token_id, joint,
-                                                        args.logprob_chunk_tokens).chunk(2)
+    policy_logps, kl_policy_logps = policy_logprob_sums(policy, forward, query_responses, ctx, pad_token_id,
+                                                        joint).chunk(2)
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()
@@ -161,45 +163,44 @@ def finish_metrics(sums: dict, n_batches: int, accelerator, prefix: str = "") ->
 
 
 # Log-probs of own and mismatched completions: each prompt encoded once or twice, the reference precomputed
-def joint_forward(args) -> bool:
-    """Score both halves of a micro-batch (own and mismatched completions of the same prompts) with each prompt
-    encoded once (`policy_logprob_sums`)? Per example the policy then runs Lq + 2R token positions forward and
-    Lq + R backward (a backward ~ 2 forwards): 3 Lq + 4R against 4 (Lq + R) for two plain forwards, in one more
-    model call. Chosen for prompts over twice the completions (TL;DR: benchmark/results/speed_tldr.md) when
-    sharing saves enough; never under activation checkpointing (no key/value cache). From flags: the same model
-    calls on every process."""
+def kto_forwards(args, pad_token_id: int) -> fw.Forwards:
+    """The run's forwards (plumbing/forwards.py): both halves of a micro-batch (own and mismatched completions) with
+    each prompt encoded once (joint: `policy_logprob_sums`) where that saves enough: Lq + 2R positions forward and Lq +
+    R backward, 3 Lq + 4R against 4 (Lq + R) in two forwards, for prompts over twice the completions (TL;DR:
+    benchmark/results/speed_tldr.md), never under activation checkpointing (no key/value cache)."""
     R = args.max_length - args.max_prompt_length
-    return (args.share_prompts and not args.gradient_checkpointing and args.max_prompt_length > 2 * R
-            and ps.worth_sharing(2 * args.per_device_train_batch_size, 2, args.max_prompt_length, R))
+    joint = not args.gradient_checkpointing and args.max_prompt_length > 2 * R
+    repeats = ps.Repeats(2 * args.per_device_train_batch_size, 2, args.max_prompt_length, R) if joint else None
+    return fw.Forwards.from_args(args, pad_token_id, repeats=repeats)
 
 
 def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                             joint: bool) -> torch.Tensor:
-    """(2B, T) collated rows -> (2B,) log p(completion | prompt) under a model (`logprobs_fn` has
-    response_logprobs' signature): all rows in one call, each prompt encoded once (`joint`), or the own half and
-    then the mismatched half, without gradient, in two plain calls."""
-    def summed(rows, share_prompts):  # (b, T) -> (b,) response log-probs summed over the real tokens
-        logprobs = logprobs_fn(rows, context_length, pad_token_id, share_prompts=share_prompts)  # (b, R)
+    """(2B, T) collated rows -> (2B,) log p(completion | prompt) under a model (`logprobs_fn(rows, context_length)`
+    -> (b, R) log-probs, by a forward that shares prompts when `joint`): all rows in one call, each prompt encoded once
+    (`joint`), or the own half and then the mismatched half, without gradient, in two calls."""
+    def summed(rows):  # (b, T) -> (b,) response log-probs summed over the real tokens
+        logprobs = logprobs_fn(rows, context_length)  # (b, R)
         return (logprobs * (rows[:, context_length:] != pad_token_id)).sum(1)
 
     if joint:
-        return summed(query_responses, share_prompts=True)
+        return summed(query_responses)
     own, mismatched = query_responses.chunk(2)
-    own_logps = summed(own, share_prompts=False)
+    own_logps = summed(own)
     with torch.no_grad():
-        mismatched_logps = summed(mismatched, share_prompts=False)
+        mismatched_logps = summed(mismatched)
     return torch.cat([own_logps, mismatched_logps])
 
 
-def policy_logprob_sums(policy, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                        joint: bool, chunk_tokens: Optional[int] = 0) -> torch.Tensor:
-    """`completion_logprob_sums` of the policy, (2B, T) -> (2B,), the mismatched half (rows B..2B-1) without
-    gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a no-grad fork of
-    its keys and values, then the own completions with gradient (`grad_rows`, prompt_sharing.split_logits), so that
-    nothing of the mismatched half is kept for the backward. Else two plain forwards. `chunk_tokens`: the output
-    layer on that many positions at a time (--logprob_chunk_tokens)."""
+def policy_logprob_sums(policy, forward, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
+                        joint: bool) -> torch.Tensor:
+    """`completion_logprob_sums` of the policy (run by its `forward`), (2B, T) -> (2B,), the mismatched half (rows
+    B..2B-1) without gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a
+    no-grad fork of its keys and values, then the own completions with gradient (`grad_rows`,
+    prompt_sharing.split_logits), so that nothing of the mismatched half is kept for the backward. Else two
+    forwards."""
     grad_rows = len(query_responses) // 2 if joint else None
-    logprobs_fn = functools.partial(pc.response_logprobs, policy, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
+    logprobs_fn = functools.partial(forward.logprobs, policy, grad_rows=grad_rows)
     return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint)
 
 
@@ -219,23 +220,6 @@ def precompute_reference(groups: list, reference, pad_token_id: int, accelerator
 
 
 # Data: unpaired examples, fixed micro-batches with mismatched (prompt, other completion) pairs
-def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
-    """Rows -> (examples, dropped). Each example: index, prompt_ids, completion_ids (ending with one EOS:
-    du.tokenize_completion), label. Rows whose prompt or completion is emptied by truncation are dropped and counted."""
-    examples, dropped = [], 0
-    for row in dataset:
-        prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"],
-                                                                   max_prompt_length, max_length)
-        if not prompt_ids or not completion_ids:
-            dropped += 1
-            continue
-        examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids,
-                             label=bool(row["label"])))
-    if not examples:
-        raise UserError(f"dataset {name!r}: every row was emptied by truncation (max_length {max_length})")
-    return examples, dropped
-
-
 def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) -> list:
     """Fixed micro-batches of `group_size` shuffled examples (a remainder is left out); inside one, example k is also
     scored on example k-1's completion, the mismatched pair (x_k, y_{k-1}): each example gets kl_partner (index)
@@ -267,7 +251,7 @@ def collate(group: list, pad_token_id: int) -> dict:
 
 
 @torch.no_grad()
-def evaluate(args, accelerator, policy, reference, held_out, logger, step: int):
+def evaluate(args, accelerator, policy, forward, reference, held_out, logger, step: int):
     """The KTO metrics of the held-out micro-batches (`held_out.rows`: len // processes on each, the rest left out)
     and greedy completions of the held-out prompts -> eval/gold_score (when the task has a gold scorer) and the
     sample table."""
@@ -275,7 +259,7 @@ def evaluate(args, accelerator, policy, reference, held_out, logger, step: int):
     policy.eval()
     n_batches, total = len(held_out.rows) // world, {}
     for group in held_out.rows[accelerator.process_index:n_batches * world:world]:
-        _, sums = kto_step(policy, reference, collate(group, pad), args, pad, accelerator, joint_forward(args))
+        _, sums = kto_step(policy, forward, reference, collate(group, pad), args, pad, accelerator)
         total = {k: total.get(k, 0) + v for k, v in sums.items()}
     metrics = {**finish_metrics(total, n_batches, accelerator, prefix="eval/"),
                **ge.held_out_completions(policy, held_out, args, accelerator, logger, step)}
@@ -302,7 +286,6 @@ def main():
     validate(args)
     dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     world = accelerator.num_processes
     groups_per_step = world * args.gradient_accumulation_steps  # micro-batches per optimizer step, all processes
     batch_size = args.per_device_train_batch_size * groups_per_step  # examples per optimizer step
@@ -319,9 +302,10 @@ def main():
     eval_prompts = du.load_held_out_prompts(dataset_name, args.eval_split, args.num_eval_prompts)
     eval_queries = tl.fit_lengths(args, tokenizer, policy_path, [*train_data["prompt"], *eval_data["prompt"]],
                                   eval_prompts, cut_held_out=True)
-    examples, dropped = tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
-    eval_examples, eval_dropped = tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length,
-                                                    dataset_name)
+    examples, dropped = du.tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length,
+                                             dataset_name)
+    eval_examples, eval_dropped = du.tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length,
+                                                       dataset_name)
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     eval_groups = make_kl_groups(eval_examples, args.per_device_eval_batch_size, args.seed, args.max_length)
     if len(groups) < groups_per_step or len(eval_groups) < world:
@@ -338,14 +322,17 @@ def main():
     accelerator.print(f"loss weights: desirable {args.desirable_weight:.4g}, undesirable {args.undesirable_weight:.4g} "
                       f"({n_desirable} desirable, {n_undesirable} undesirable examples)"
                       + (f"\nwarning: {advice}" if advice else ""))
-    joint = joint_forward(args)
 
-    # 3. models: policy (+ LoRA with --use_peft) and its optimizer, prepared; the frozen reference; the schedule
+    # 3. models: policy (+ LoRA with --use_peft) and its optimizer, prepared; the frozen reference; the schedule; the
+    #    forward each runs, chosen once (plumbing/forwards.py; joint: each prompt encoded once for both halves)
     policy = models.load_policy(policy_path, tokenizer, args)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=args.learning_rate,
                                   weight_decay=args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
-    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
+    forwards = kto_forwards(args, pad)
+    forward = forwards.lm(policy)
+    joint = forward.shares_prompts
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator, forwards)
     scheduler = loop.scheduler(optimizer)
 
     # 4. reference log-probs once (--precompute_ref_logprobs) of the micro-batches the run visits (all of them unless
@@ -365,22 +352,22 @@ def main():
                     "data/eval_examples": len(eval_examples), "data/eval_dropped": eval_dropped,
                     "data/desirable_weight": args.desirable_weight, "data/undesirable_weight": args.undesirable_weight},
                    step=0)
-        logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, 0), step=0)
+        logger.log(evaluate(args, accelerator, policy, forward, reference, held_out, logger, 0), step=0)
 
     stop = tl.StopSignal()
     policy.train()
     meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
+    micro_batches = acc.micro_batches(args, accelerator, policy)  # equal ones: a micro-batch is a KL group
     group_tokens = [sum(du.row_tokens(e, ("completion_ids", "kl_completion_ids"), "prompt_ids") for e in group)
                     for group in groups]  # each example with its own and its mismatched completion
     for step in loop.steps(state["step"]):
         meter.start()
         # 5. one optimizer step: the epoch's next gradient_accumulation_steps micro-batches on every process
         total, losses = {}, []
-        micro_batches = acc.MicroBatches(accelerator, policy, tl.process_items(loop.batch_index(step), accelerator))
-        for (group_index,) in micro_batches:  # one group of examples each
-            with micro_batches.accumulate():
-                loss, sums = kto_step(policy, reference, collate(groups[group_index], pad), args, pad, accelerator,
-                                      joint)
+        for (group_index,) in micro_batches.split(tl.process_items(loop.batch_index(step), accelerator)):
+            with micro_batches.accumulate():  # one group of examples each
+                loss, sums = kto_step(policy, forward, reference, collate(groups[group_index], pad), args, pad,
+                                      accelerator)
                 losses.append(micro_batches.backward(loss))
             total = {k: total.get(k, 0) + v for k, v in sums.items()}
         grad_norm = optimizer_step(torch.stack(losses), state, step)  # clip, check, step, schedule
@@ -393,7 +380,7 @@ def main():
         logger.log({**metrics, **loop.metrics(step, optimizer_step),
                     **meter.metrics(sum(group_tokens[g] for g in loop.batch_index(step)))}, step=step)
         if loop.evaluate_now(step):
-            logger.log(evaluate(args, accelerator, policy, reference, held_out, logger, step), step=step)
+            logger.log(evaluate(args, accelerator, policy, forward, reference, held_out, logger, step), step=step)
 
         # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)
         if tl.checkpoint_or_stop(accelerator, args, output_dir, state, scheduler, stop, loop.total_steps):

@@ -1,12 +1,17 @@
-"""The model helpers every algorithm script uses: the reference model, generation, padding-safe forwards and
-log-probs, and small tensor utilities. Nothing algorithm-specific, and nothing about runs (arguments, data,
-logging, checkpoints). Loading by name: models.py; a repeated prompt encoded once: prompt_sharing.py; the output
-layer in chunks of positions: chunked_head.py.
+"""The model helpers every algorithm script uses: the forward that scores rows of [query | response] (log-probs, the
+whole next-token distribution, per-token results of it), the reference model, generation, and small tensor
+utilities. Nothing algorithm-specific, and nothing about runs (arguments, data, logging, checkpoints). Loading models
+by name: plumbing/models.py.
+
+The forwards here are the plain ones: each row whole, padding included, the output layer over every response position
+at once. plumbing/forwards.py chooses, once per model at setup, the forward a run uses, maybe a faster one with the
+same numbers to float rounding (a prompt repeated over rows encoded once: prompt_sharing.py; rows packed without
+padding: packing.py; the output layer a chunk of positions at a time: chunked_head.py), each a subclass of these.
 
 Conventions used throughout (shapes in docstrings use these names):
   B  batch size            Lq  query (prompt) length, LEFT-padded with pad_token_id
   R  response length       T = Lq + R, a `query_response` row is [left pads | query | response | right pads]
-  V  vocabulary size
+  V  vocabulary size       H  hidden size
 The pad token is always distinct from EOS, so `ids != pad_token_id` is the attention mask. A response keeps
 its first EOS and everything after it is pad. Model names here are hub ids or local folders: aliases such as
 `toy` are resolved by run_utils.resolve_model before they get here.
@@ -16,18 +21,161 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import chunked_head, models, packing, prompt_sharing
+from plumbing import models
 from plumbing.errors import UserError
 
 PADDING_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
+
+
+# ---- The forward of a causal LM over [query | response] rows
+class Forward:
+    """How a causal LM scores rows of [left-padded query | response]: its output at the positions that predict the
+    response tokens (`outputs`), the logits / temperature there with the pad token masked, the distribution sampling
+    draws from (`logits`), per-token results of them (`map_logits`), the response tokens' log-probs (`logprobs`).
+    Temperature is applied here and only here. This is the plain forward; plumbing/forwards.py builds, once per model,
+    the forward a run uses. A forward is built for one model (and its wrappers: DDP, an adapter switched off), which
+    every call is given."""
+
+    shares_prompts = False  # rows that repeat a query encode it once (prompt_sharing.py, packing.py)
+
+    def __init__(self, pad_token_id: int, temperature: float = 1.0):
+        self.pad_token_id, self.temperature = pad_token_id, temperature
+
+    def unshared(self) -> "Forward":
+        """This forward for rows that repeat no prompt (evaluation's held-out prompts): prompt sharing off."""
+        return self
+
+    def chunked(self, model: nn.Module, positions: int) -> bool:
+        """Does `map_logits` run the output layer a chunk of positions at a time for this many (chunked_head.py)?"""
+        return False
+
+    def outputs(self, model: nn.Module, query_responses: torch.Tensor, context_length: int,
+                grad_rows: Optional[int] = None, hidden: bool = False) -> torch.Tensor:
+        """(B, T) ids -> (B, R, X) the model's output at the positions that predict the response tokens
+        query_responses[:, context_length:]: X = V logits (the output layer on those positions only), or with `hidden`
+        H last hidden states. `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept
+        for the backward. Here one forward over full rows (positions count real tokens only: `padding_inputs`), or
+        with `grad_rows` rows 0..n-1 in one and the others in a second, no-grad one."""
+        if hidden:  # the output layer hands back its input
+            with models.hidden_instead_of_logits(model):
+                return self.outputs(model, query_responses, context_length, grad_rows)
+        R = query_responses.shape[1] - context_length
+        attention_mask, position_ids = padding_inputs(query_responses, self.pad_token_id)
+
+        def plain(rows: slice):  # (rows, R, X): one forward over full rows, the output layer on the response positions
+            input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
+            out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
+                        use_cache=False, **models.keep_last(model, R + 1))
+            return out.logits[:, -(R + 1):-1]
+
+        if grad_rows is None or not 0 < grad_rows < len(query_responses):
+            return plain(slice(None))
+        logits = plain(slice(0, grad_rows))
+        with torch.no_grad():
+            other_logits = plain(slice(grad_rows, None))
+        return torch.cat([logits, other_logits])
+
+    def scaled(self, logits: torch.Tensor, mask_pad: bool = True) -> torch.Tensor:
+        """(..., V) the model's logits -> logits / temperature, the pad token masked (`mask_pad_`, with `mask_pad`)."""
+        logits = logits / self.temperature if self.temperature != 1.0 else logits
+        return mask_pad_(logits, self.pad_token_id) if mask_pad else logits
+
+    def head_logits(self, model: nn.Module, hidden: torch.Tensor, mask_pad: bool = True) -> torch.Tensor:
+        """(n, H) last hidden states -> (n, V) `scaled` logits: the output layer run apart from the forward, the
+        distribution `logits` gives for the same positions."""
+        return self.scaled(models.output_layer(model)(hidden), mask_pad)
+
+    def logits(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, *, mask_pad: bool = True,
+               grad_rows: Optional[int] = None) -> torch.Tensor:
+        """(B, T) ids -> (B, R, V) logits / temperature that predict the response tokens, the pad token masked
+        (`mask_pad_`): the whole next-token distribution at each response position, with gradient unless called under
+        no_grad (a term over the vocabulary: a KL to the reference's `Reference.logits`, a divergence to a teacher).
+        `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary)."""
+        return self.scaled(self.outputs(model, query_responses, context_length, grad_rows), mask_pad)
+
+    def map_logits(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, fn: Callable,
+                   *extra: torch.Tensor, mask_pad: bool = True, grad_rows: Optional[int] = None) -> tuple:
+        """fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) per-token results, for `logits` at the B x R
+        response positions and `extra` (B, R, ...) tensors taken alongside (the tokens, say): returns the tuple shaped
+        (B, R, ...). chunked_head.py gives the same numbers a chunk of positions at a time, at the memory of one
+        chunk's logits."""
+        B, R = query_responses.shape[0], query_responses.shape[1] - context_length
+        flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
+        logits = self.logits(model, query_responses, context_length, mask_pad=mask_pad, grad_rows=grad_rows)
+        results = fn(logits.reshape(B * R, -1), *flat)
+        return tuple(r.reshape(B, R, *r.shape[1:]) for r in results)
+
+    def logprobs(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, *, entropy: bool = False,
+                 entropy_grad: bool = False, mask_pad: bool = True, grad_rows: Optional[int] = None):
+        """(B, T) ids -> (B, R) log-probs of the response tokens under logits / temperature, with gradient unless
+        called under no_grad; with `entropy` ((B, R) log-probs, (B, R) entropy at each response position, without
+        gradient unless `entropy_grad`: an entropy bonus). Positions holding pad carry meaningless values: mask them
+        with `responses != pad_token_id`."""
+        fn = _logprobs_and_entropy_with_grad if entropy_grad else _logprobs_and_entropy
+        results = self.map_logits(model, query_responses, context_length,
+                                  fn if entropy else lambda *a: (selective_logprobs(*a),),
+                                  query_responses[:, context_length:], mask_pad=mask_pad, grad_rows=grad_rows)
+        return results if entropy else results[0]
+
+    @torch.no_grad()
+    def logprobs_no_grad(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, *,
+                         chunk_size: Optional[int] = None, entropy: bool = False):
+        """`logprobs` without gradient, `chunk_size` rows per forward (all by default): a whole rollout batch scored
+        with one chunk's activations alive at a time (reference log-probs, samples that did not come from
+        `batch_generation`, old log-probs after the weights moved)."""
+        chunk_size = chunk_size or query_responses.shape[0]
+        results = [self.logprobs(model, query_responses[i:i + chunk_size], context_length, entropy=entropy)
+                   for i in range(0, query_responses.shape[0], chunk_size)]
+        if not entropy:
+            return torch.cat(results)
+        return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
+
+    def prefill(self, model: nn.Module, queries: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, cache=None) -> dict:
+        """`generate`'s extra keyword arguments for the queries (B, Lq): an empty `cache` (a StaticCache) given under
+        the model's cache argument, or nothing; prompt_sharing.py encodes each distinct query into it first."""
+        return {} if cache is None else {models.cache_argument(model): cache}
+
+
+class ScalarForward:
+    """How a sequence classifier (a reward or value model: a backbone under a `score` head) scores rows of
+    [query | response]: the head at every position (`values`) or at each row's last real token (`rewards`). The
+    backbone and the head run directly, so that every position is read; called inside a prepared wrapper's forward,
+    gradients still sync. This is the plain forward; plumbing/forwards.py builds, once per model, the one a run uses."""
+
+    shares_prompts = False
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def unshared(self) -> "ScalarForward":
+        """This forward for rows that repeat no prompt: prompt sharing off."""
+        return self
+
+    def hidden(self, backbone: nn.Module, query_responses: torch.Tensor, context_length: int) -> torch.Tensor:
+        """(B, T) ids -> (B, T, H) the backbone's last hidden states, padding-safe."""
+        attention_mask, position_ids = padding_inputs(query_responses, self.pad_token_id)
+        return backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
+                        position_ids=position_ids, use_cache=False).last_hidden_state
+
+    def values(self, model: nn.Module, query_responses: torch.Tensor, context_length: int = 0) -> torch.Tensor:
+        """(B, T) ids -> (B, T) the score head's output at every position (a value model's values)."""
+        base = models.unwrap(model)
+        hidden = self.hidden(getattr(base, base.base_model_prefix), query_responses, context_length)
+        return base.score(hidden).squeeze(-1)
+
+    def rewards(self, model: nn.Module, query_responses: torch.Tensor, context_length: int = 0) -> torch.Tensor:
+        """(B, T) ids -> (B,) the score read at each row's last real token (a reward model's score)."""
+        values = self.values(model, query_responses, context_length)
+        last = last_token_index(query_responses != self.pad_token_id)
+        return values[torch.arange(values.shape[0], device=values.device), last]
 
 
 @dataclass
@@ -45,13 +193,12 @@ class Reference:
     - "adapter_off": the policy's own base weights with its LoRA adapter switched off (no second copy).
     - "none":        reference-free; `logprobs` returns zeros.
 
-    `logprobs(...)` has the signature of `response_logprobs` and is always run under no_grad, the output layer on
-    `chunk_tokens` positions at a time (`map_response_logits`; 0: all at once)."""
+    Scored without gradient by `forward`, the forward chosen for the model it runs."""
 
-    def __init__(self, mode: str, model: Optional[nn.Module] = None, policy: Optional[nn.Module] = None,
-                 chunk_tokens: Optional[int] = 0):
+    def __init__(self, mode: str, forward: Optional[Forward] = None, model: Optional[nn.Module] = None,
+                 policy: Optional[nn.Module] = None):
         assert mode in ("copy", "adapter_off", "none"), mode
-        self.mode, self.model, self.policy, self.chunk_tokens = mode, model, policy, chunk_tokens
+        self.mode, self.forward, self.model, self.policy = mode, forward, model, policy
         if mode == "copy":
             model.eval()
             model.requires_grad_(False)
@@ -65,35 +212,48 @@ class Reference:
             with policy.disable_adapter():
                 yield self.policy
 
-    def logprobs(self, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                 temperature: float = 1.0, chunk_size: Optional[int] = None, share_prompts: bool = False):
-        """No-grad (B, T) ids -> (B, T - context_length) reference log-probs of the response tokens, `chunk_size`
-        rows per forward (all at once by default); `share_prompts` as in `forward_logits`."""
+    def logprobs(self, query_responses: torch.Tensor, context_length: int, chunk_size: Optional[int] = None):
+        """(B, T) ids -> (B, R) reference log-probs of the response tokens, `chunk_size` rows per forward (all at
+        once by default), no gradient."""
         if self.mode == "none":
             return torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
                                device=query_responses.device)
         with self._model() as model:
-            return response_logprobs_no_grad(model, query_responses, context_length, pad_token_id, temperature,
-                                             chunk_size, share_prompts, chunk_tokens=self.chunk_tokens)
+            return self.forward.logprobs_no_grad(model, query_responses, context_length, chunk_size=chunk_size)
+
+    @torch.no_grad()
+    def logits(self, query_responses: torch.Tensor, context_length: int) -> torch.Tensor:
+        """(B, T) ids -> (B, R, V) the reference's logits / temperature at the response positions, the pad token
+        masked, no gradient: its whole next-token distribution (`Forward.logits`), for a term over the vocabulary."""
+        if self.mode == "none":
+            raise UserError("a reference-free run (--reference_free) has no reference distribution")
+        with self._model() as model:
+            return self.forward.logits(model, query_responses, context_length)
+
+    def unshared(self) -> "Reference":
+        """This reference for rows that repeat no prompt (evaluation's): its forward without prompt sharing."""
+        twin = copy.copy(self)
+        twin.forward = None if self.forward is None else self.forward.unshared()
+        return twin
 
     def free(self) -> None:
         """Drop the frozen copy (e.g. after precomputing reference log-probs); later calls are an error."""
         self.model, self.mode = None, "freed"
 
 
-def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_model: Optional[str] = None,
-                     use_peft: bool = False, reference_free: bool = False, accelerator=None, bf16: bool = False,
-                     trust_remote_code: bool = False, chunk_tokens: Optional[int] = 0) -> Reference:
+def create_reference(policy: nn.Module, tokenizer, forward_for: Callable[[nn.Module], Forward], *, policy_name: str,
+                     ref_model: Optional[str] = None, use_peft: bool = False, reference_free: bool = False,
+                     accelerator=None, bf16: bool = False, trust_remote_code: bool = False) -> Reference:
     """Build the Reference for a run from `--ref_model`: `reference_free` -> none; `ref_model=None` means "the
     starting policy": with `use_peft` its adapter-off base (no copy), otherwise a frozen copy of `policy_name`
     (the model the policy was loaded from). A given `ref_model` must share the policy's vocabulary. A frozen
-    copy is prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine). `chunk_tokens`:
-    the --logprob_chunk_tokens of its log-probs."""
+    copy is prepared for the accelerator (under DeepSpeed ZeRO-3 as a sharded inference engine).
+    `forward_for(model)`: the forward chosen for the model the reference runs (forwards.Forwards.lm)."""
     if reference_free:
         return Reference("none")
     if ref_model is None:
         if use_peft:
-            return Reference("adapter_off", policy=policy, chunk_tokens=chunk_tokens)
+            return Reference("adapter_off", forward_for(policy), policy=policy)
         ref_model = policy_name
     else:
         models.check_same_vocab(tokenizer, models.load_tokenizer(ref_model, trust_remote_code=trust_remote_code),
@@ -102,7 +262,7 @@ def create_reference(policy: nn.Module, tokenizer, *, policy_name: str, ref_mode
     model.eval().requires_grad_(False)
     if accelerator is not None:
         model = models.prepare_frozen(model, accelerator)
-    return Reference("copy", model=model, chunk_tokens=chunk_tokens)
+    return Reference("copy", forward_for(model), model=model)  # its forward chosen where it runs
 
 
 # ---- Generation
@@ -128,21 +288,64 @@ def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 
     return GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, **kwargs)
 
 
+class SampledTokenStats:
+    """A logits processor for `generate` keeping, of each step's sampling distribution, only the sampled token's
+    log-prob (and the entropy): (b,) numbers per step, not the (b, V) scores of `output_scores`. It runs before
+    generate's warpers, so it applies the config's itself (temperature, top-k, top-p, min-p, typical-p; others are
+    refused). The token sampled at step t is read from the inputs of step t + 1; `finish` takes the last one."""
+
+    def __init__(self, generation_config, entropy: bool = False):
+        from transformers import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper
+
+        c, self.warpers, self.temperature = generation_config, [], 1.0  # in generate's order
+        self.entropy, self.logprobs, self.entropies, self.last = entropy, [], [], None
+        if not c.do_sample:
+            return
+        if c.top_h is not None or (c.epsilon_cutoff or 0.0) > 0.0 or (c.eta_cutoff or 0.0) > 0.0:
+            raise ValueError("batch_generation does not take top_h, epsilon_cutoff or eta_cutoff")
+        self.temperature = 1.0 if c.temperature is None else c.temperature
+        self.warpers += [TopKLogitsWarper(c.top_k)] if c.top_k else []
+        self.warpers += [TopPLogitsWarper(c.top_p)] if (c.top_p or 1.0) < 1.0 else []
+        self.warpers += [MinPLogitsWarper(c.min_p)] if c.min_p is not None else []
+        self.warpers += [TypicalLogitsWarper(c.typical_p)] if (c.typical_p or 1.0) < 1.0 else []
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.logprobs.append(torch.gather(self.last, 1, tokens.unsqueeze(-1)).squeeze(-1))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.last is not None:
+            self._take(input_ids[:, -1])
+        warped = scores / self.temperature if self.temperature != 1.0 else scores
+        for warper in self.warpers:
+            warped = warper(input_ids, warped)
+        logprob = warped.float().log_softmax(-1)
+        if self.entropy:
+            self.entropies.append(-torch.special.xlogy(logprob.exp(), logprob.exp()).sum(-1))
+        self.last = logprob
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor):  # (b,) last step's tokens -> ((b, r) log-probs, (b, r) entropy)
+        self._take(last_tokens)
+        self.last = None
+        return torch.stack(self.logprobs, 1), torch.stack(self.entropies, 1) if self.entropy else None
+
+
 @torch.no_grad()
 def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
-                     generation_config, chunk_size: int, accelerator=None, share_prompts: bool = False,
+                     generation_config, chunk_size: int, accelerator=None, forward: Optional[Forward] = None,
                      return_entropy: bool = False):
     """Generate responses for a batch of queries (B, Lq), LEFT-padded, `chunk_size` rows at a time. Returns
     (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
       query_responses (B, Lq + max_new_tokens): query then response, pad after the first EOS (kept) and to the end.
       logprobs (B, max_new_tokens): log-probs of the sampled tokens under the sampling distribution (logits /
-        temperature, pad suppressed), PADDING_LOGPROB after EOS: a fresh `response_logprobs` to float rounding, so
+        temperature, pad suppressed), PADDING_LOGPROB after EOS: a fresh `Forward.logprobs` to float rounding, so
         while the weights have not changed since sampling they are the old log-probs (no forward needed).
       entropy (B, max_new_tokens): entropy of that distribution at each response position, 0 after EOS.
     Only our config applies: the model's own sampling defaults are ignored (`models.no_sampling_defaults`).
-    With `share_prompts` (rows repeat queries, e.g. RLOO's k samples), each distinct query is encoded once for
-    the prefill (prompt_sharing.generation_cache). cache_implementation "static": a StaticCache of Lq + R positions
-    per chunk, made here (generate's own would be as long as the longest it ever made).
+    `forward`: the model's chosen forward, which fills generate's cache before it starts (`Forward.prefill`: each
+    distinct query encoded once where it shares prompts, e.g. RLOO's k samples); None: generate's own prefill.
+    cache_implementation "static": a StaticCache of Lq + R positions per chunk, made here (generate's own would be as
+    long as the longest it ever made).
     """
     from transformers import StaticCache
 
@@ -150,9 +353,9 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     generation_config = copy.deepcopy(generation_config)
     generation_config.return_dict_in_generate = True
     responses, logprobs, entropies = [], [], []
+    forward = forward or Forward(pad_token_id)
     with models.unwrap_for_generation(model, accelerator) as gen_model, models.no_sampling_defaults(gen_model):
-        share_prompts = share_prompts and prompt_sharing.takes_cache(gen_model)
-        static = generation_config.cache_implementation == "static" and prompt_sharing.cache_argument(gen_model)
+        static = generation_config.cache_implementation == "static" and models.cache_argument(gen_model)
         if static:  # the cache argument's name: generate is given the cache itself
             generation_config.cache_implementation = None
         for i in range(0, queries.shape[0], chunk_size):
@@ -160,11 +363,8 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             attention_mask, position_ids = padding_inputs(query, pad_token_id)
             cache = (StaticCache(config=gen_model.config.get_text_config(decoder=True),
                                  max_cache_len=query.shape[1] + R) if static else None)
-            prefill = {static: cache} if static else {}
-            if share_prompts:  # the distinct queries but their last token encoded (into `cache`, when static)
-                prefill = prompt_sharing.generation_cache(gen_model, query, attention_mask, position_ids, cache,
-                                                          **_keep_last(gen_model, 1))
-            sampled = chunked_head.SampledTokenStats(generation_config, return_entropy)
+            prefill = forward.prefill(gen_model, query, attention_mask, position_ids, cache)
+            sampled = SampledTokenStats(generation_config, return_entropy)
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
                                      generation_config=generation_config, logits_processor=[sampled], **prefill)
             response = out.sequences[:, query.shape[1]:]
@@ -181,97 +381,13 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     return torch.cat([queries, responses], 1), logprobs
 
 
-# ---- Forward passes: logits and log-probs of response tokens, padding-safe
+# ---- Forward passes: padding-safe inputs, the pad token masked, log-probs and entropy from logits
 def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
     """attention_mask and position_ids for rows with left-padded queries and right-padded responses:
     positions count real tokens only, so a row's logits do not depend on how much padding surrounds it."""
     attention_mask = (query_responses != pad_token_id).long()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     return attention_mask, position_ids
-
-
-def _keep_last(model: nn.Module, n: int) -> dict:
-    """forward kwargs: the output layer on the last `n` positions only, where the forward takes `logits_to_keep`
-    (custom code may not): callers slice [:, -n:] either way."""
-    return {"logits_to_keep": n} if "logits_to_keep" in prompt_sharing.forward_parameters(model) else {}
-
-
-def forward_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                   temperature: float = 1.0, share_prompts: bool = False, mask_pad: bool = True,
-                   grad_rows: Optional[int] = None) -> torch.Tensor:
-    """(B, T) ids -> (B, T - context_length, V) logits / temperature that predict the response tokens
-    query_responses[:, context_length:], the pad token masked (`mask_pad_`): the distribution sampling draws from.
-    Temperature is applied here and only here. Only the response positions go through the output layer. With
-    `share_prompts`, rows with identical queries encode the query once (prompt_sharing.py; the same numbers to
-    float rounding), decided from sizes the same on every process (prompt_sharing.worth_sharing). `mask_pad=False`
-    keeps the full softmax (SFT's maximum likelihood over the vocabulary).
-    `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept for the backward (with
-    `share_prompts`, they run on a no-grad fork of the shared queries' cache: prompt_sharing.split_logits; else,
-    or where the cache cannot be forked, rows 0..n-1 in one plain call and the others in a second, no-grad one)."""
-    logits = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
-    if temperature != 1.0:
-        logits = logits / temperature
-    return mask_pad_(logits, pad_token_id) if mask_pad else logits
-
-
-def response_outputs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                     share_prompts: bool = False, grad_rows: Optional[int] = None, hidden: bool = False):
-    """(B, T) ids -> (B, T - context_length, X) model output at the positions predicting the response: X = V (logits),
-    or with `hidden` H (last hidden states). `share_prompts`, `grad_rows`: as in `forward_logits`. --padding_free:
-    packed rows (packing.py), a query shared by rows with `share_prompts`, zeros at positions holding pad."""
-    R = query_responses.shape[1] - context_length
-    if packing.enabled() and R > 0 and packing.lm_supported(model, pad_token_id):
-        return packing.response_outputs(model, query_responses, context_length, pad_token_id, share_prompts,
-                                        grad_rows, hidden)
-    if hidden:
-        with chunked_head.hidden_instead_of_logits(model):
-            return response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows)
-    attention_mask, position_ids = padding_inputs(query_responses, pad_token_id)
-    split = grad_rows is not None and 0 < grad_rows < len(query_responses)
-    if share_prompts and R > 0 and prompt_sharing.takes_cache(models.unwrap(model)):
-        logits = (prompt_sharing.split_logits(model, query_responses, attention_mask, position_ids, context_length,
-                                              grad_rows, **_keep_last(model, 1)) if split else
-                  prompt_sharing.shared_logits(model, query_responses, attention_mask, position_ids, context_length,
-                                               **_keep_last(model, 1)))
-        if logits is not None:
-            return logits
-
-    def plain(rows: slice):  # (rows, R, X): one forward over full rows, the output layer on the response positions
-        input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
-        out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
-                    use_cache=False, **_keep_last(model, R + 1))
-        return out.logits[:, -(R + 1):-1]
-
-    if not split:
-        return plain(slice(None))
-    logits = plain(slice(0, grad_rows))
-    with torch.no_grad():
-        other_logits = plain(slice(grad_rows, None))
-    return torch.cat([logits, other_logits])
-
-
-def map_response_logits(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                        fn, *extra: torch.Tensor, temperature: float = 1.0, mask_pad: bool = True,
-                        share_prompts: bool = False, grad_rows: Optional[int] = None,
-                        chunk_tokens: Optional[int] = 0) -> tuple:
-    """fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) per-token results, for `forward_logits`' logits at
-    the B x R response positions and `extra` (B, R, ...) tensors taken alongside (the tokens, say): returns the tuple
-    shaped (B, R, ...). With chunking on (`chunk_tokens` None: the default for the vocabulary; 0: off) and more
-    positions than a chunk, the output layer runs a chunk at a time (chunked_head.py): the same numbers to rounding,
-    at the memory of one chunk's logits. `share_prompts`, `grad_rows`: as in `forward_logits`."""
-    B, R = query_responses.shape[0], query_responses.shape[1] - context_length
-    flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
-    if not chunked_head.wanted(model, B * R, chunk_tokens):
-        logits = forward_logits(model, query_responses, context_length, pad_token_id, temperature, share_prompts,
-                                mask_pad, grad_rows)
-        results = fn(logits.reshape(B * R, -1), *flat)
-    else:
-        hidden = response_outputs(model, query_responses, context_length, pad_token_id, share_prompts, grad_rows,
-                                  hidden=True)
-        results = chunked_head.map_chunks(model, fn, hidden.reshape(B * R, -1), flat, chunk_tokens=chunk_tokens,
-                                          temperature=temperature, pad_token_id=pad_token_id, mask_pad=mask_pad,
-                                          grad_positions=None if grad_rows is None else grad_rows * R)
-    return tuple(r.reshape(B, R, *r.shape[1:]) for r in results)
 
 
 def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:
@@ -310,7 +426,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch
     return torch.cat(out)
 
 
-def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # map_response_logits' fn: (n, V), (n,) ->
+def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # Forward.logprobs' fn: (n, V), (n,) ->
     with torch.no_grad():                                                  # ((n,) log-probs, (n,) entropy, no grad)
         entropy = entropy_from_logits(logits.detach())
     return selective_logprobs(logits, tokens), entropy
@@ -318,119 +434,6 @@ def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # map_re
 
 def _logprobs_and_entropy_with_grad(logits: torch.Tensor, tokens: torch.Tensor):  # the same, entropy with gradient
     return selective_logprobs(logits, tokens), entropy_from_logits(logits)           # (an entropy bonus in the loss)
-
-
-def response_logprobs(model: nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                      temperature: float = 1.0, share_prompts: bool = False, grad_rows: Optional[int] = None, *,
-                      return_entropy: bool = False, mask_pad: bool = True, chunk_tokens: Optional[int] = 0,
-                      entropy_grad: bool = False):
-    """(B, T) ids -> (B, T - context_length) log-probs of the response tokens under logits / temperature, or
-    ((B, R) log-probs, (B, R) entropy at each response position, without gradient unless `entropy_grad`) with
-    `return_entropy` (`share_prompts`, `grad_rows`, `mask_pad`: as in `forward_logits`; `chunk_tokens`:
-    `map_response_logits`'s). Positions holding pad carry meaningless values: mask them with
-    `responses != pad_token_id`."""
-    fn = _logprobs_and_entropy_with_grad if entropy_grad else _logprobs_and_entropy
-    results = map_response_logits(model, query_responses, context_length, pad_token_id,
-                                  fn if return_entropy else lambda *a: (selective_logprobs(*a),),
-                                  query_responses[:, context_length:], temperature=temperature, mask_pad=mask_pad,
-                                  share_prompts=share_prompts, grad_rows=grad_rows, chunk_tokens=chunk_tokens)
-    return results if return_entropy else results[0]
-
-
-@torch.no_grad()
-def response_logprobs_no_grad(model: nn.Module, query_responses: torch.Tensor, context_length: int,
-                              pad_token_id: int, temperature: float = 1.0, chunk_size: Optional[int] = None,
-                              share_prompts: bool = False, return_entropy: bool = False,
-                              chunk_tokens: Optional[int] = 0):
-    """`response_logprobs` without gradient, `chunk_size` rows per forward (all by default): a whole rollout batch
-    scored with one chunk's activations alive at a time. For reference log-probs, samples that did not come from
-    `batch_generation` (vLLM), or old log-probs after the weights moved.
-    Positions holding pad carry meaningless values: mask them with `responses != pad_token_id`."""
-    chunk_size = chunk_size or query_responses.shape[0]
-    results = [response_logprobs(model, query_responses[i:i + chunk_size], context_length, pad_token_id, temperature,
-                                 share_prompts, return_entropy=return_entropy, chunk_tokens=chunk_tokens)
-               for i in range(0, query_responses.shape[0], chunk_size)]
-    if not return_entropy:
-        return torch.cat(results)
-    return torch.cat([r[0] for r in results]), torch.cat([r[1] for r in results])
-
-
-# ---- Importance weights: completions another policy sampled (vLLM, earlier weights), reweighted in the loss
-@dataclass(frozen=True)
-class ImportanceSampling:
-    """How the loss of another policy's samples is reweighted (TRL 1.16's vllm_importance_sampling_*): `mode` is
-    token_* (a ratio per token) or sequence_* (one per completion, from its summed log-ratio), *_truncate (clamped
-    into [clip_min, clip_max]) or *_mask (0 outside them); None: no bound on that side. `sampler` names the metrics
-    (vllm/..., or async/... for HF samples of earlier weights: --max_staleness)."""
-    mode: str = "sequence_mask"
-    clip_max: Optional[float] = 3.0
-    clip_min: Optional[float] = None
-    sampler: str = "vllm"
-
-    @classmethod
-    def from_args(cls, args, sampler: str = "vllm") -> "ImportanceSampling":
-        """The scripts' --vllm_importance_sampling_* flags."""
-        return cls(args.vllm_importance_sampling_mode, args.vllm_importance_sampling_clip_max,
-                   args.vllm_importance_sampling_clip_min, sampler)
-
-    @property
-    def per_sequence(self) -> bool:
-        return self.mode.startswith("sequence_")
-
-    def outside(self, ratio: torch.Tensor) -> torch.Tensor:
-        """Where a ratio lies outside [clip_min, clip_max]."""
-        low = -math.inf if self.clip_min is None else self.clip_min
-        high = math.inf if self.clip_max is None else self.clip_max
-        return (ratio < low) | (ratio > high)
-
-
-def importance_ratios(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                      per_sequence: bool) -> torch.Tensor:
-    """r = pi_old / pi_behaviour of each action, detached: (B, R) per token, or (B, 1) per completion (exp of its summed
-    log-ratio, as TRL; not GSPO's mean). A NaN log-ratio (a token the engine could not score) counts as 0, as TRL."""
-    mask = response_mask.to(old_logprobs.dtype)
-    log_ratio = torch.nan_to_num((old_logprobs - behaviour_logprobs).detach() * mask, nan=0.0)  # (B, R)
-    return torch.exp(log_ratio.sum(1, keepdim=True) if per_sequence else log_ratio)
-
-
-def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: Optional[torch.Tensor],
-                       response_mask: torch.Tensor, sampling: ImportanceSampling, sequence_loss: bool = False):
-    """The weight of each action's loss term for completions sampled by pi_behaviour (a vLLM engine, whose kernels
-    round otherwise: Yao et al. 2025; or earlier weights, --max_staleness: AReaL's decoupled objective, Fu et al. 2025)
-    when the loss is about pi_old (the policy at the start of the step): w = r truncated into [clip_min, clip_max]
-    (*_truncate) or r inside them and 0 outside (*_mask), r = `importance_ratios`. old/behaviour_logprobs,
-    response_mask: (b, R). Returns (b, R) weights, 0 on padding (sequence_*: the completion's weight on each of its
-    tokens), or with `sequence_loss` (a loss with one term per completion, RLOO's sequence view) (b,); None when
-    behaviour_logprobs is None (pi_old sampled them itself)."""
-    if behaviour_logprobs is None:
-        return None
-    if sequence_loss and not sampling.per_sequence:
-        raise UserError(f"--vllm_importance_sampling_mode {sampling.mode} weights tokens; this loss has one term per "
-                        "completion")
-    ratio = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, sampling.per_sequence)
-    if sampling.mode.endswith("_truncate"):
-        weights = torch.clamp(ratio, min=sampling.clip_min, max=sampling.clip_max)
-    else:
-        weights = ratio.masked_fill(sampling.outside(ratio), 0.0)
-    return weights.squeeze(1) if sequence_loss else weights * response_mask.to(weights.dtype)
-
-
-def importance_sampling_stats(old_logprobs: torch.Tensor, behaviour_logprobs: Optional[torch.Tensor],
-                              response_mask: torch.Tensor, sampling: ImportanceSampling) -> dict:
-    """A step's importance-sampling metrics under `sampling.sampler`'s name (vllm/, or async/ for HF samples of earlier
-    weights): logprob_diff (mean |log pi_old - log pi_behaviour| per token), is_weight_mean|min|max (of r, before
-    truncation or masking, over the actions: tokens, or completions for sequence_*) and the fraction of actions outside
-    the bounds, is_truncated_frac (*_truncate) or is_masked_frac (*_mask); {} when behaviour_logprobs is None."""
-    if behaviour_logprobs is None:
-        return {}
-    ratio = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, sampling.per_sequence)
-    actions = response_mask.bool().any(1, keepdim=True) if sampling.per_sequence else response_mask.bool()
-    name, log_ratio = sampling.sampler, (old_logprobs - behaviour_logprobs).detach()
-    return {f"{name}/logprob_diff": masked_mean(log_ratio.abs(), response_mask.bool()),
-            f"{name}/is_weight_mean": ratio[actions].mean(), f"{name}/is_weight_min": ratio[actions].min(),
-            f"{name}/is_weight_max": ratio[actions].max(),
-            f"{name}/is_truncated_frac" if sampling.mode.endswith("_truncate") else f"{name}/is_masked_frac":
-                sampling.outside(ratio)[actions].float().mean()}
 
 
 # ---- Small tensor utilities

@@ -12,7 +12,6 @@
 # vllm/is_truncated_frac (truncated importance weights on the policy loss) and time/weight_sync_seconds.
 import math
 import os
-import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,7 +23,7 @@ import policy_common as pc
 from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import evaluation as ev
-from plumbing import models, packing
+from plumbing import models
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import run_utils as ru
@@ -181,25 +180,28 @@ def load_value_model(args, tokenizer, reward_sources, policy_path: str):
 
 class PolicyAndValue(nn.Module):
     """Policy and value model in one module, so one `accelerator.prepare` and one optimizer cover both (as in
-    the N+ details). forward: (B, T) ids -> log-probs (B, R) of the response tokens under logits / temperature, the
-    entropy (B, R) there (no gradient), and values (B, R): the value for predicting response token t is read at
-    position context_length - 1 + t. `chunk_tokens`: --logprob_chunk_tokens."""
+    the N+ details), each run by the forward chosen for it (plumbing/forwards.py). forward: (B, T) ids -> log-probs
+    (B, R) of the response tokens under logits / temperature, the entropy (B, R) there (no gradient), and values
+    (B, R): the value for predicting response token t is read at position context_length - 1 + t."""
 
     def __init__(self, policy: nn.Module, value_model: nn.Module):
         super().__init__()
         self.policy, self.value_model = policy, value_model
+        self.policy_forward, self.value_forward = None, None  # choose_forwards
 
-    def forward(self, query_responses, context_length: int, pad_token_id: int, temperature: float,
-                chunk_tokens: Optional[int] = 0):
-        logprobs, entropy = pc.response_logprobs(self.policy, query_responses, context_length, pad_token_id,
-                                                 temperature, return_entropy=True, chunk_tokens=chunk_tokens)
-        return logprobs, entropy, self.values(query_responses, context_length, pad_token_id)
+    def choose_forwards(self, forwards) -> None:
+        """Each model's forward, chosen once they are placed (forwards.py: packed, the output layer in chunks, ...)."""
+        self.policy_forward, self.value_forward = forwards.lm(self.policy), forwards.scalar(self.value_model)
 
-    def values(self, query_responses, context_length: int, pad_token_id: int, chunk_size: Optional[int] = None):
+    def forward(self, query_responses, context_length: int):
+        logprobs, entropy = self.policy_forward.logprobs(self.policy, query_responses, context_length, entropy=True)
+        return logprobs, entropy, self.values(query_responses, context_length)
+
+    def values(self, query_responses, context_length: int, chunk_size: Optional[int] = None):
         """(B, T) -> (B, R) values alone, `chunk_size` rows per forward (all at once by default): the rollout's
         no-grad pass (its log-probs come from the sampler)."""
         chunk_size = chunk_size or len(query_responses)
-        return torch.cat([rs.scalar_forward(self.value_model, query_responses[i:i + chunk_size], pad_token_id)
+        return torch.cat([self.value_forward.values(self.value_model, query_responses[i:i + chunk_size])
                           [:, context_length - 1:-1] for i in range(0, len(query_responses), chunk_size)])
 
 
@@ -207,7 +209,6 @@ def main():
     # 1. arguments, batch sizes, accelerator, seeding
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     local_batch_size, batch_size, num_total_batches, num_optimizer_steps = validate(args, accelerator.num_processes)
     ru.seed_everything(args.seed, accelerator.process_index)
 
@@ -218,26 +219,31 @@ def main():
     output_dir = ru.output_dir(args, data.name, accelerator)
     pad = tokenizer.pad_token_id
 
-    # 3. models: reward sources (a reward model and/or functions: reward_sources.py), policy (+LoRA), value, reference
-    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data],
+    # 3. models: reward sources (reward_sources.py), policy (+LoRA) and value in one module with one optimizer (linear
+    #    decay per optimizer step), prepared; reference; each one's forward, chosen once placed (plumbing/forwards.py)
+    forwards = ro.rollout_forwards(args, pad, samples_per_prompt=1)
+    reward_sources = rs.load_rewards(args, tokenizer, forwards, args.model, data.name, [data.train, data.eval_data],
                                      accelerator, max_steps=num_total_batches)
     policy = models.load_policy(policy_path, tokenizer, args)
     value_model, value_path = load_value_model(args, tokenizer, reward_sources, policy_path)
-    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
-
-    # 4. one optimizer over policy + value, linear decay per optimizer step, checkpointable state, the sampler
     model = PolicyAndValue(policy, value_model)
     optimizer, scheduler = tl.adamw_linear_decay(model, args.learning_rate, num_optimizer_steps,
                                                  weight_decay=0.01)  # torch's default, as Huang et al.
     model, optimizer = accelerator.prepare(model, optimizer)
     model.train()
+    core = models.unwrap(model)  # the PolicyAndValue inside the accelerator's wrapper
+    core.choose_forwards(forwards)
+    reference = ru.reference_from_flags(args, core.policy, tokenizer, policy_path, accelerator, forwards)
+
+    # 4. checkpointable state, the sampler
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, model, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
     accelerator.print(f"ppo: {num_total_batches} updates of {batch_size} episodes, reference: "
                       f"{reference.mode}, value model from {value_path} -> {output_dir}")
-    sampler = ro.Sampler(args, accelerator, tokenizer, models.unwrap(model).policy, reward_sources, reference,
+    micro_batches = acc.micro_batches(args, accelerator, model)  # or sized by --token_budget
+    sampler = ro.Sampler(args, accelerator, tokenizer, core.policy, core.policy_forward, reward_sources, reference,
                          prompts=data.train_prompts, rows=data.train, samples_per_prompt=1,
                          prompts_per_process=local_batch_size, max_prompt_length=args.max_prompt_length,
                          weights_version=state["step"])
@@ -245,9 +251,8 @@ def main():
     if state["step"] == 0:
         logger.log({**ev.evaluate_policy(sampler, data.held_out, logger, 0), "episode": 0}, step=0)
 
-    meter = tp.StepMeter(accelerator, models.unwrap(model).policy, models.unwrap(model).value_model,
-                         passes=args.num_ppo_epochs)  # perf/*
-    start_time, start_episode = time.time(), state["episode"]
+    meter = tp.StepMeter(accelerator, core.policy, core.value_model, passes=args.num_ppo_epochs,
+                         episode=state["episode"])  # perf/*
     while state["step"] < num_total_batches:
         step, kl_coef = state["step"] + 1, state["kl_coef"]
         meter.start()
@@ -258,8 +263,7 @@ def main():
         response_mask = batch.response_mask  # (B, R), True up to and including EOS
         with torch.no_grad():
             # 6. values before the update, a chunk of rows at a time
-            values = models.unwrap(model).values(query_responses, context_length, pad,
-                                                 args.local_rollout_forward_batch_size)
+            values = core.values(query_responses, context_length, args.local_rollout_forward_batch_size)
             logprobs, values = batch.old_logprobs * response_mask, values * response_mask  # (B, R)
             ref_logprobs = batch.ref_logprobs * response_mask
 
@@ -277,25 +281,19 @@ def main():
         for _ in range(args.num_ppo_epochs):
             for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, -1):
                 mini_losses = []
-                micro_batches = acc.MicroBatches(accelerator, model, mini_batch, batch.token_counts,
-                                                 args.token_budget, group_size=batch.samples_per_prompt)
-                for mb in micro_batches:
+                # token means: a micro-batch weighs its share of the mini-batch's response tokens
+                for mb in micro_batches.split(mini_batch, batch.token_counts, mean_over=response_mask.sum(1)):
                     micro = batch.subset(mb)
-                    # token means: weighted by the micro-batch's share of the mini-batch's response tokens
-                    share = response_mask[mb].sum() / response_mask[mini_batch].sum().clamp(min=1)
                     with micro_batches.accumulate():
-                        new_logprobs, entropy, vpred = model(micro.query_responses, context_length, pad,
-                                                             args.temperature, args.logprob_chunk_tokens)
-                        # sampled by vLLM (pi_behaviour): each token's surrogate weighted by pi_old / pi_behaviour
-                        is_weights = pc.importance_weights(micro.old_logprobs, micro.behaviour_logprobs,
-                                                           micro.response_mask, micro.importance_sampling)
+                        new_logprobs, entropy, vpred = model(micro.query_responses, context_length)
                         pg_loss, vf_loss, mb_stats = ppo_losses(new_logprobs, logprobs[mb], advantages[mb], vpred,
                                                                 values[mb], returns[mb], response_mask[mb],
-                                                                args.cliprange, args.cliprange_value, is_weights)
+                                                                args.cliprange, args.cliprange_value,
+                                                                micro.importance_weights(micro.old_logprobs))  # vLLM's
                         loss = pg_loss + args.vf_coef * vf_loss
-                        mini_losses.append(micro_batches.backward(loss, share))
-                    mb_stats.update({"loss/policy": micro_batches.logged(pg_loss, share),
-                                     "loss/value": micro_batches.logged(vf_loss, share),
+                        mini_losses.append(micro_batches.backward(loss))
+                    mb_stats.update({"loss/policy": micro_batches.logged(pg_loss),
+                                     "loss/value": micro_batches.logged(vf_loss),
                                      "policy/entropy": masked_mean(entropy.detach(), response_mask[mb])})
                     for key, value in mb_stats.items():
                         stats.setdefault(key, []).append(value.item())
@@ -312,20 +310,15 @@ def main():
                 "objective/entropy": (-logprobs).sum(1).mean(), "objective/kl_coef": kl_coef,
                 **{key: float(np.mean(values_)) for key, values_ in stats.items()},
                 "val/mean": masked_mean(values, response_mask), "val/var": masked_var(values, response_mask),
-                "val/num_eos_tokens": (~batch.truncated).sum().float(),
-                "val/response_length": response_mask.sum(1).float().mean(),
-                "adv/mean": masked_mean(raw_advantages, response_mask),
+                **batch.length_metrics(), "adv/mean": masked_mean(raw_advantages, response_mask),
                 "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
-                "returns/mean": masked_mean(returns, response_mask),
-                "lr": optimizer_step.lr, "episode": state["episode"],
-                "nonfinite/skipped": state["nonfinite_skipped"], **pc.importance_sampling_stats(
-                    batch.old_logprobs, batch.behaviour_logprobs, response_mask, batch.importance_sampling),
+                "returns/mean": masked_mean(returns, response_mask), "lr": optimizer_step.lr,
+                "nonfinite/skipped": state["nonfinite_skipped"], **batch.importance_sampling_stats(batch.old_logprobs),
             })
             metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})
         state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                                args.kl_horizon)
-        metrics["time/episodes_per_second"] = (state["episode"] - start_episode) / (time.time() - start_time)
-        metrics.update(meter.batch_metrics(query_responses, pad, batch.metrics))
+        metrics.update(meter.batch_metrics(query_responses, pad, batch.metrics, episode=state["episode"]))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))
         logger.log(metrics, step=step)

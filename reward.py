@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from plumbing import accumulation as acc
 from plumbing import data_utils as du
-from plumbing import models, packing
+from plumbing import forwards as fw
+from plumbing import models
 from plumbing import prompt_sharing as ps
-from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
 from plumbing import train_loop as tl
@@ -78,19 +78,19 @@ def pair_stats(losses, chosen_rewards, rejected_rewards) -> dict:
             "rewards/margins": chosen_rewards - rejected_rewards}
 
 
-def pair_rewards(model, rows, pad_token_id: int, device, share_prompts: bool = False):
+def pair_rewards(model, rows, pad_token_id: int, device):
     """Pairs `rows` -> scores (b,), (b,) of their chosen and rejected completions, from one forward of `model` (a
     RewardModel, prepared or not) over 2b rows (float32): du.concatenated_inputs, chosen rows then rejected rows."""
     query_responses, context_length = du.concatenated_inputs(rows, pad_token_id)
-    rewards = model(query_responses.to(device), context_length, pad_token_id, share_prompts)
+    rewards = model(query_responses.to(device), context_length)
     return rewards.float().chunk(2)
 
 
 def batch_losses(args, model, rows, index, pad_token_id: int, device):
     """Pairs rows[index] -> per-pair losses (b,) and per-pair metrics (pair_stats); each prompt encoded once for its
-    two completions where --share_prompts decided so."""
+    two completions where the model's forward shares prompts."""
     batch = [rows[i] for i in index]
-    chosen_rewards, rejected_rewards = pair_rewards(model, batch, pad_token_id, device, args.share_prompts)
+    chosen_rewards, rejected_rewards = pair_rewards(model, batch, pad_token_id, device)
     margin = torch.tensor([r["margin"] for r in batch], device=device) if "margin" in batch[0] else None
     losses = bradley_terry_loss(chosen_rewards, rejected_rewards, margin, args.center_rewards_coefficient)
     return losses, pair_stats(losses, chosen_rewards, rejected_rewards)
@@ -159,15 +159,20 @@ def load_reward_model(path: str, tokenizer, args):
 
 class RewardModel(torch.nn.Module):
     """The sequence classifier behind a forward of its own: (B, T) ids -> (B,) scores, each read at its row's last
-    real token (rs.get_reward). rs.get_reward runs the backbone and the score head directly; called through this
-    module's forward, the prepared (DDP / DeepSpeed) wrapper still sees the forward and synchronises gradients."""
+    real token by the scalar forward chosen for it (`scalar_forward`: plumbing/forwards.py), which runs the backbone
+    and the score head directly; called through this module's forward, the prepared (DDP / DeepSpeed) wrapper still
+    sees the forward and synchronises gradients."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        self.model = model
+        self.model, self.scalar_forward = model, None  # choose_forward
 
-    def forward(self, query_responses, context_length: int, pad_token_id: int, share_prompts: bool = False):
-        return rs.get_reward(self.model, query_responses, pad_token_id, context_length, share_prompts)
+    def choose_forward(self, forwards) -> None:
+        """The model's forward, chosen once it is placed (forwards.py: a shared prompt encoded once, packed, ...)."""
+        self.scalar_forward = forwards.scalar(self.model)
+
+    def forward(self, query_responses, context_length: int):
+        return self.scalar_forward.rewards(self.model, query_responses, context_length)
 
 
 @torch.no_grad()
@@ -209,7 +214,6 @@ def main() -> None:
     args.dataset = args.dataset or ru.default_dataset(args.model)
     model_path = ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 
@@ -230,12 +234,12 @@ def main() -> None:
                                              args.reward_model_input, f"{args.dataset}:{args.eval_split}")
     held_out = du.HeldOut(eval_rows, [], tokenizer)
     loop = tl.EpochLoop(args, len(train_rows), batch_size, "pairs")
-    # chosen and rejected rows repeat each prompt: encode it once if that saves enough (sizes equal on every process)
-    args.share_prompts = args.share_prompts and ps.worth_sharing(2 * args.per_device_train_batch_size, 2,
-                                                                 args.max_prompt_length,
-                                                                 args.max_length - args.max_prompt_length)
 
-    # 3. the reward model: the language model with a scalar head (+ LoRA with --use_peft)
+    # 3. the reward model: the language model with a scalar head (+ LoRA with --use_peft), and its forward, chosen once
+    #    (plumbing/forwards.py: chosen and rejected rows repeat a prompt, encoded once where that saves enough, ...)
+    forwards = fw.Forwards.from_args(args, pad, repeats=ps.Repeats(2 * args.per_device_train_batch_size, 2,
+                                                                   args.max_prompt_length,
+                                                                   args.max_length - args.max_prompt_length))
     model = RewardModel(load_reward_model(model_path, tokenizer, args))
 
     # 4. optimizer (eps 1e-5 as in SfFD's reward.py), schedule, the run folder, the state (resumed from
@@ -244,6 +248,7 @@ def main() -> None:
                                   weight_decay=args.weight_decay)
     scheduler = loop.scheduler(optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
+    models.unwrap(model).choose_forward(forwards)
     output_dir = ru.output_dir(args, args.dataset, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, model, optimizer, scheduler, output_dir, state)
@@ -256,20 +261,19 @@ def main() -> None:
     stop = tl.StopSignal()
     model.train()
     meter = tp.StepMeter(accelerator, models.unwrap(model))  # perf/*
+    micro_batches = acc.micro_batches(args, accelerator, model)  # or sized by --token_budget
     row_tokens = [du.row_tokens(row) for row in train_rows]  # chosen and rejected, each with its prompt
     for step in loop.steps(state["step"]):
         meter.start()
         # 5. one optimizer step over the next `batch_size` pairs of the epoch's order, micro-batches accumulated
         sums = {}
-        micro_batches = acc.MicroBatches(accelerator, model, tl.process_items(loop.batch_index(step), accelerator),
-                                         row_tokens, args.token_budget)  # or --token_budget's
-        for index in micro_batches:
+        for index in micro_batches.split(tl.process_items(loop.batch_index(step), accelerator), row_tokens):
             with micro_batches.accumulate():
                 # ALGO LOGIC: one forward over chosen and rejected, per-pair Bradley-Terry losses (b,), backward
                 losses, stats = batch_losses(args, model, train_rows, index, pad, accelerator.device)
-                micro_batches.backward(losses.mean(), micro_batches.row_share())  # a mean over pairs
+                micro_batches.backward(losses.mean())  # a mean over the micro-batch's pairs
             for k, v in stats.items():  # the step's means
-                sums[k] = sums.get(k, 0.0) + v.mean().item() * micro_batches.weight(micro_batches.row_share())
+                sums[k] = sums.get(k, 0.0) + v.mean().item() * micro_batches.weight()
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 

@@ -20,7 +20,7 @@ from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import episodes as ep
 from plumbing import evaluation as ev
-from plumbing import models, packing
+from plumbing import models
 from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
@@ -60,7 +60,7 @@ class Args(tl.TrainFlags, models.PolicyFlags, du.DataFlags, ro.RolloutFlags, pc.
     """mini-batches (optimizer steps) per pass over a batch of rollouts"""
 
 
-# Toy-tuned defaults, applied only to flags not given on the command line (see README "toy task").
+# Toy-tuned defaults, applied only to flags not given on the command line (docs/toy_worlds.md).
 ALIAS_DEFAULTS = {"toy": dict(
     total_episodes=8192, learning_rate=1e-4, per_device_train_batch_size=64, gradient_accumulation_steps=1, rloo_k=4,
     kl_coef=0.2, temperature=1.0, response_length=8, max_prompt_length=8, eval_steps=16, num_eval_prompts=256,
@@ -146,8 +146,8 @@ def clipped_policy_loss(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, 
     """Clipped-ratio REINFORCE loss. new/old_logprobs, response_mask: (B, R).
     advantages (B,): the completion is one action, ratio = exp(sum_t new - old) (RLOO's sequence view).
     advantages (B, R): every token is an action with its own ratio; token losses are summed per sequence.
-    is_weights (shaped as advantages): each action's loss times its weight (pc.importance_weights: samples of another
-    policy, vLLM's or earlier weights').
+    is_weights (shaped as advantages): each action's loss times its weight (Rollout.importance_weights: samples of
+    another policy, vLLM's or earlier weights').
     Returns (loss, stats) with stats = clipfrac, ratio (per action, for logging), approxkl."""
     mask = response_mask.to(new_logprobs.dtype)
     log_ratio = (new_logprobs - old_logprobs) * mask  # (B, R)
@@ -177,7 +177,7 @@ def validate(args: Args):
     if args.kl_target is not None and args.kl_coef == 0:
         raise UserError("--kl_target adapts a --kl_coef that starts above 0")
     if (args.use_vllm or args.max_staleness) and not args.token_level_kl and \
-            args.vllm_importance_sampling_mode.startswith("token_"):  # the sequence view: one action per completion
+            (args.vllm_importance_sampling_mode or "").startswith("token_"):  # the sequence view: a term per completion
         raise UserError(f"--vllm_importance_sampling_mode {args.vllm_importance_sampling_mode} weights each token's "
                         "loss, but rloo.py's loss has one term per completion (its sequence view): use "
                         "sequence_truncate / sequence_mask, or --token_level_kl for a loss per token")
@@ -192,7 +192,6 @@ def main():
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size, local_prompts = validate(args)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
@@ -205,25 +204,30 @@ def main():
     data = ro.load_prompt_data(args, tokenizer, policy_path, toolset)
     output_dir = ru.output_dir(args, data.name, accelerator)
 
-    # 3. models: policy (+LoRA), frozen reference; reward sources (a frozen reward model and/or functions)
+    # 3. models: policy (+LoRA) with its optimizer (linear decay per optimizer step), prepared; frozen reference;
+    #    reward sources (a frozen reward model and/or functions); the forward each runs, chosen once it is placed
+    #    (plumbing/forwards.py: a prompt's rloo_k samples encode it once, packed, ...)
     policy = models.load_policy(policy_path, tokenizer, args)
-    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator)
-    reward_sources = rs.load_rewards(args, tokenizer, args.model, data.name, [data.train, data.eval_data], accelerator,
-                                     toolset and toolset.environment_types, max_steps=num_total_batches)
-
-    # 4. optimizer, linear decay per optimizer step, checkpointable state, the sampler
     optimizer, scheduler = tl.adamw_linear_decay(policy, args.learning_rate, num_optimizer_steps)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    forwards = ro.rollout_forwards(args, tokenizer.pad_token_id, samples_per_prompt=args.rloo_k)
+    reference = ru.reference_from_flags(args, policy, tokenizer, policy_path, accelerator, forwards)
+    reward_sources = rs.load_rewards(args, tokenizer, forwards, args.model, data.name, [data.train, data.eval_data],
+                                     accelerator, toolset and toolset.environment_types, max_steps=num_total_batches)
+    forward = forwards.lm(policy)
+
+    # 4. checkpointable state, micro-batches, the sampler
     state = dict(step=0, episode=0, prompts_seen=0, nonfinite_skipped=0, kl_coef=args.kl_coef)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
     logger.progress(num_total_batches, state["step"], batch_size, "episodes",
                     ("objective/scores", "objective/kl", "eval/gold_score"))
-    sampler = ro.Sampler(args, accelerator, tokenizer, policy, reward_sources, reference, prompts=data.train_prompts,
-                         rows=data.train, samples_per_prompt=args.rloo_k, prompts_per_process=local_prompts,
-                         max_prompt_length=args.max_prompt_length, weights_version=state["step"], toolset=toolset,
-                         context_limit=data.context_limit)
-    # --max_staleness N > 0: the sampler runs N steps ahead of the trainer (its pending batches go into checkpoints)
-    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from) if args.max_staleness else sampler
+    micro_batches = acc.micro_batches(args, accelerator, policy)  # or sized by --token_budget
+    sampler = ro.Sampler(args, accelerator, tokenizer, policy, forward, reward_sources, reference,
+                         prompts=data.train_prompts, rows=data.train, samples_per_prompt=args.rloo_k,
+                         prompts_per_process=local_prompts, max_prompt_length=args.max_prompt_length,
+                         weights_version=state["step"], toolset=toolset, context_limit=data.context_limit)
+    # the batches: sampled now, or with --max_staleness N by the sampler N steps ahead (pending ones checkpointed)
+    rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)
     stop = tl.StopSignal()
     if state["step"] == 0:
         logger.log(ev.evaluate_policy(sampler, data.held_out, logger, 0), step=0)
@@ -250,22 +254,16 @@ def main():
         losses, stats = [], dict(clipfrac=[], approxkl=[], ratio=[])
         for _ in range(args.num_ppo_epochs):
             for mini_batch in batch.shuffled_rows().view(args.num_mini_batches, -1):
-                # per_device_train_batch_size rows each, or --token_budget real tokens (whole prompt groups)
-                micro_batches = acc.MicroBatches(accelerator, policy, mini_batch, batch.token_counts,
-                                                 args.token_budget, group_size=args.rloo_k)
-                for mb in micro_batches:
+                for mb in micro_batches.split(mini_batch, batch.token_counts, group_size=args.rloo_k):
                     micro = batch.subset(mb)
                     with micro_batches.accumulate():
-                        new_logprobs, _ = sampler.forward_logprobs(policy, micro)  # (b, R), with gradient
-                        # sampled by another policy (vLLM, earlier weights: pi_behaviour): each completion's loss
-                        # weighted by pi_old / pi_behaviour (the token view: each token's); None when pi_old sampled
-                        is_weights = pc.importance_weights(micro.old_logprobs, micro.behaviour_logprobs,
-                                                           micro.response_mask, micro.importance_sampling,
-                                                           sequence_loss=not args.token_level_kl)
+                        new_logprobs = forward.logprobs(policy, micro.query_responses, micro.context_length)  # (b, R)
+                        # sampled by another policy (vLLM, earlier weights): each term of the loss (a completion's, or
+                        # a token's) weighted by pi_old / pi_behaviour; None when pi_old sampled
+                        is_weights = micro.importance_weights(micro.old_logprobs, sequence_loss=advantages.dim() == 1)
                         loss, mb_stats = clipped_policy_loss(new_logprobs, micro.old_logprobs, advantages[mb],
                                                              micro.response_mask, args.cliprange, is_weights)
-                        # a mean over completions: weighted by the micro-batch's share of the mini-batch's
-                        losses.append(micro_batches.backward(loss, micro_batches.row_share()))
+                        losses.append(micro_batches.backward(loss))  # a mean over the micro-batch's completions
                     for key, value in mb_stats.items():
                         stats[key].append(value)
                 optimizer_step(torch.stack(losses[-len(micro_batches):]), state, step)  # clip, check, step, schedule
@@ -282,10 +280,8 @@ def main():
             "loss/policy": torch.stack(losses).mean(), "policy/clipfrac": torch.stack(stats["clipfrac"]).mean(),
             "policy/approxkl": torch.stack(stats["approxkl"]).mean(), "val/ratio": ratio.mean(),
             "val/ratio_var": ratio.var() if ratio.numel() > 1 else torch.tensor(0.0),
-            "val/num_eos_tokens": (~batch.truncated).sum().float(),
-            "val/response_length": response_mask.sum(1).float().mean(),
-            "nonfinite/skipped": float(state["nonfinite_skipped"]), **pc.importance_sampling_stats(
-                batch.old_logprobs, batch.behaviour_logprobs, response_mask, batch.importance_sampling),
+            **batch.length_metrics(), "nonfinite/skipped": float(state["nonfinite_skipped"]),
+            **batch.importance_sampling_stats(batch.old_logprobs, sequence_loss=advantages.dim() == 1),
         })
         metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})
         metrics["objective/kl_coef"] = kl_coef

@@ -14,15 +14,16 @@ import json
 import os
 import random
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 
 import policy_common as pc
 from plumbing import accumulation as acc
 from plumbing import data_utils as du
+from plumbing import forwards as fw
 from plumbing import greedy_eval as ge
-from plumbing import models, packing
+from plumbing import models
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
 from plumbing import train_loop as tl
@@ -70,21 +71,20 @@ def sft_loss(token_nll, mask, tokens_per_micro_batch: float):
     return token_nll.masked_fill(~mask, 0.0).sum() / tokens_per_micro_batch
 
 
-def completion_token_stats(model, rows, pad_token_id: int, device, chunk_tokens: Optional[int] = 0):
-    """rows -> per completion token (b, R): negative log-likelihood under `model`, whether the most likely token
-    is the demonstrated one, and the mask of the tokens trained on (False on padding and, in tool conversations, on
-    tool results). Only the positions that predict completion tokens are computed: no prompt token is a target (the
-    prompt is context only, TRL's SFTTrainer default `completion_only_loss`; Huang et al.'s sft.py trained on the query
-    tokens as well); the output layer runs on `chunk_tokens` of them at a time (--logprob_chunk_tokens; 0: all)."""
+def completion_token_stats(model, forward: pc.Forward, rows, pad_token_id: int, device):
+    """rows -> per completion token (b, R): negative log-likelihood under `model` (run by its `forward`), whether the
+    most likely token is the demonstrated one, and the mask of the tokens trained on (False on padding and, in tool
+    conversations, on tool results). Only the positions that predict completion tokens are computed: no prompt token
+    is a target (the prompt is context only, TRL's SFTTrainer default `completion_only_loss`; Huang et al.'s sft.py
+    trained on the query tokens as well)."""
     query_responses, context_length = du.concatenated_inputs(rows, pad_token_id, completions=("completion",))
     completion_mask = pc.pad_sequences([[int(m) for m in r["completion_mask"]] for r in rows], 0, "right").bool()
     query_responses = query_responses.to(device)  # (b, Lq + R): prompts left-padded, completions right-padded
     completions = query_responses[:, context_length:]  # (b, R)
     # the full softmax, as TRL's SFTTrainer: pad is never a target, so maximum likelihood pushes its probability
     # down and the checkpoint does not emit it under samplers that do not suppress it (the RL scripts mask it)
-    token_logprobs, top1 = pc.map_response_logits(model, query_responses, context_length, pad_token_id,
-                                                  token_logprob_and_top1, completions, mask_pad=False,
-                                                  chunk_tokens=chunk_tokens)  # (b, R) each
+    token_logprobs, top1 = forward.map_logits(model, query_responses, context_length, token_logprob_and_top1,
+                                              completions, mask_pad=False)  # (b, R) each
     mask = (completions != pad_token_id) & completion_mask.to(completions.device)
     return -token_logprobs, top1 & mask, mask
 
@@ -94,23 +94,20 @@ def token_logprob_and_top1(logits: torch.Tensor, tokens: torch.Tensor):
     return pc.selective_logprobs(logits, tokens), logits.detach().argmax(-1) == tokens
 
 
-def accumulate_gradients(policy, accelerator, rows, batch_index, pad_token_id: int, chunk_tokens: Optional[int] = 0,
-                         token_counts=None, token_budget: Optional[int] = None):
+def accumulate_gradients(policy, forward, accelerator, micro_batches, rows, batch_index, pad_token_id: int,
+                         token_counts=None):
     """Accumulate one optimizer step's gradients over the examples rows[batch_index] (every process's, in order; this
-    process's micro-batches: acc.MicroBatches, sized by `token_budget` real tokens, `token_counts[i]` each, if given).
-    Returns the step's loss and token_accuracy (after ru.reduce_metrics: token means over the whole batch) and
-    num_tokens. The token count comes from `rows`, which every process holds: no collective. `chunk_tokens`:
-    --logprob_chunk_tokens."""
+    process's micro-batches: `micro_batches`, acc.MicroBatches, or sized by --token_budget: `token_counts[i]` real
+    tokens each). Returns the step's loss and token_accuracy (after ru.reduce_metrics: token means over the whole
+    batch) and num_tokens. The token count comes from `rows`, which every process holds: no collective."""
     world, steps = accelerator.num_processes, accelerator.gradient_accumulation_steps
     num_tokens = sum(sum(rows[i]["completion_mask"]) for i in batch_index)  # loss tokens of the step, all processes
     tokens_per_micro_batch = num_tokens / (world * steps)
     sums = {"loss": 0.0, "token_accuracy": 0.0}
-    micro_batches = acc.MicroBatches(accelerator, policy, tl.process_items(batch_index, accelerator), token_counts,
-                                     token_budget)
-    for index in micro_batches:
+    for index in micro_batches.split(tl.process_items(batch_index, accelerator), token_counts, mean_over=None):
         with micro_batches.accumulate():
-            token_nll, correct, mask = completion_token_stats(policy, [rows[i] for i in index], pad_token_id,
-                                                              accelerator.device, chunk_tokens)
+            token_nll, correct, mask = completion_token_stats(policy, forward, [rows[i] for i in index], pad_token_id,
+                                                              accelerator.device)
             loss = sft_loss(token_nll, mask, tokens_per_micro_batch)
             micro_batches.backward(loss)  # normalised by the step's tokens: the micro-batches' losses add up
         # this process's part of the step's means; ru.reduce_metrics averages processes: token means over the batch
@@ -218,7 +215,7 @@ def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length
 
 
 @torch.no_grad()
-def evaluate(args, accelerator, policy, held_out, logger, step):
+def evaluate(args, accelerator, policy, forward, held_out, logger, step):
     """Held-out demonstrations (`held_out.rows`) -> eval/loss, eval/token_accuracy (token means over every process's
     examples; each process takes an even share, so all make the same model calls); greedy completions of the held-out
     prompts -> eval/gold_score (when the task has a gold scorer) and the sample table."""
@@ -228,8 +225,8 @@ def evaluate(args, accelerator, policy, held_out, logger, step):
     sums, tokens = {"eval/loss": 0.0, "eval/token_accuracy": 0.0}, 0
     for i in range(0, len(indices), args.per_device_eval_batch_size):
         chunk = indices[i:i + args.per_device_eval_batch_size]
-        token_nll, correct, mask = completion_token_stats(policy, [held_out.rows[j] for j in chunk], pad,
-                                                          accelerator.device, args.logprob_chunk_tokens)
+        token_nll, correct, mask = completion_token_stats(policy, forward, [held_out.rows[j] for j in chunk], pad,
+                                                          accelerator.device)
         keep = max(0, n_real - i)  # only the first n_real rows of the share count
         sums["eval/loss"] += token_nll[:keep].masked_fill(~mask[:keep], 0.0).sum().item()
         sums["eval/token_accuracy"] += correct[:keep].sum().item()
@@ -253,7 +250,6 @@ def main() -> None:
     args.dataset = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
     accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
-    packing.use_padding_free(args.padding_free)
     batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 
@@ -285,6 +281,7 @@ def main() -> None:
                                   eps=1e-5, weight_decay=args.weight_decay)
     scheduler = loop.scheduler(optimizer)
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    forward = fw.Forwards.from_args(args, tokenizer.pad_token_id).lm(policy)  # chosen once placed (forwards.py)
     output_dir = ru.output_dir(args, args.dataset, accelerator)
     state = dict(step=0, nonfinite_skipped=0)
     logger, optimizer_step = tl.start_or_resume(args, accelerator, policy, optimizer, scheduler, output_dir, state)
@@ -292,20 +289,20 @@ def main() -> None:
     logger.progress(loop.total_steps, state["step"], batch_size, "examples",
                     ("loss", "token_accuracy", "eval/gold_score"))
     if not args.resume_from:  # step 0: data counts and the evaluation before training
-        metrics = evaluate(args, accelerator, policy, held_out, logger, 0)
+        metrics = evaluate(args, accelerator, policy, forward, held_out, logger, 0)
         logger.log({"data/train_examples": len(train_rows), "data/dropped": dropped,
                     "data/eval_examples": len(eval_rows), "data/eval_dropped": eval_dropped, **metrics}, step=0)
 
     stop = tl.StopSignal()
     policy.train()
     meter = tp.StepMeter(accelerator, models.unwrap(policy))  # perf/*
+    micro_batches = acc.micro_batches(args, accelerator, policy)  # or sized by --token_budget
     row_tokens = [du.row_tokens(row, completions=("completion",)) for row in train_rows]
     for step in loop.steps(state["step"]):
         meter.start()
         # 5. one optimizer step over the next `batch_size` examples of the epoch's order, micro-batches accumulated
-        sums, num_tokens = accumulate_gradients(policy, accelerator, train_rows, loop.batch_index(step),
-                                                tokenizer.pad_token_id, args.logprob_chunk_tokens, row_tokens,
-                                                args.token_budget)
+        sums, num_tokens = accumulate_gradients(policy, forward, accelerator, micro_batches, train_rows,
+                                                loop.batch_index(step), tokenizer.pad_token_id, row_tokens)
         grad_norm = optimizer_step(sums["loss"], state, step)  # clip, check, step, schedule
         state.update(step=step, nonfinite_skipped=optimizer_step.skipped)
 
@@ -314,7 +311,7 @@ def main() -> None:
         metrics.update({"num_tokens": num_tokens, **loop.metrics(step, optimizer_step),
                         **meter.metrics(sum(row_tokens[i] for i in loop.batch_index(step)))})
         if loop.evaluate_now(step):
-            metrics.update(evaluate(args, accelerator, policy, held_out, logger, step))
+            metrics.update(evaluate(args, accelerator, policy, forward, held_out, logger, step))
         logger.log(metrics, step=step)
 
         # 7. checkpoints: periodic, and on SIGTERM / Ctrl-C on any process (then every process stops cleanly)

@@ -71,7 +71,6 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     import policy_common as pc
     from plumbing import models
     from plumbing import prompt_sharing as ps
-    from plumbing import reward_sources as rs
 
     torch.manual_seed(0)
     paths = setting_paths(setting)
@@ -98,22 +97,21 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
         prompts = load_from_disk(paths["prompt_dataset"])["train"]["prompt"][:B // k]
         queries = pc.pad_sequences([tokenizer(p)["input_ids"] for p in prompts], pad, "left").repeat_interleave(k, 0)
         share = f["share_prompts"] and ps.worth_sharing(min(B, chunk), k, queries.shape[1], R)
+        forward = (ps.SharedPromptForward if share else pc.Forward)(pad, temperature)  # the output layer unchunked
+        reward_forward = (ps.SharedPromptScalarForward if share else pc.ScalarForward)(pad)
         config = pc.make_generation_config(tokenizer, R, temperature)
-        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, share_prompts=share)
+        query_responses, _ = pc.batch_generation(policy, queries, pad, eos, config, chunk, forward=forward)
         ctx = queries.shape[1]
         passes["generate"] = timed(lambda: pc.batch_generation(policy, queries, pad, eos, config, chunk,
-                                                               share_prompts=share), repeats)
+                                                               forward=forward), repeats)
         if algo == "rloo" or f["beta"] > 0:
-            reference = pc.Reference("copy", models.load_causal_lm(paths["policy"], tokenizer))
-            passes["reference log-probs"] = timed(lambda: reference.logprobs(
-                query_responses, ctx, pad, temperature, chunk, share_prompts=share), repeats)
+            reference = pc.Reference("copy", forward, model=models.load_causal_lm(paths["policy"], tokenizer))
+            passes["reference log-probs"] = timed(lambda: reference.logprobs(query_responses, ctx, chunk), repeats)
         reward = models.load_scalar_model(paths["reward"], tokenizer)
         with torch.no_grad():
-            passes["reward"] = timed(lambda: rs.get_reward(reward, query_responses, pad, ctx, share_prompts=share),
-                                     repeats)
+            passes["reward"] = timed(lambda: reward_forward.rewards(reward, query_responses, ctx), repeats)
         responses = query_responses[:, ctx:]
-        update(lambda: (pc.selective_logprobs(pc.forward_logits(policy, query_responses, ctx, pad, temperature,
-                                                                share_prompts=share), responses)
+        update(lambda: (pc.selective_logprobs(forward.logits(policy, query_responses, ctx), responses)
                         * (responses != pad)).sum())
         return passes
 
@@ -129,13 +127,13 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
         passes["generate"] = timed(lambda: pc.batch_generation(policy, queries, pad, eos, config, chunk), repeats)
         teacher = models.load_causal_lm(paths["teacher"], tokenizer)
         teacher.eval()
+        forward = pc.Forward(pad, temperature)
         with torch.no_grad():
-            teacher_logits = pc.forward_logits(teacher, query_responses, ctx, pad, temperature)
-            passes["teacher logits"] = timed(lambda: pc.forward_logits(teacher, query_responses, ctx, pad,
-                                                                       temperature), repeats)
+            teacher_logits = forward.logits(teacher, query_responses, ctx)
+            passes["teacher logits"] = timed(lambda: forward.logits(teacher, query_responses, ctx), repeats)
         mask = query_responses[:, ctx:] != pad
-        update(lambda: (distill.generalized_jsd(pc.forward_logits(policy, query_responses, ctx, pad, temperature),
-                                                teacher_logits, f["beta"]) * mask).sum())
+        update(lambda: (distill.generalized_jsd(forward.logits(policy, query_responses, ctx), teacher_logits,
+                                                f["beta"]) * mask).sum())
         return passes
 
     # DPO and KTO: prompts and completions from the setting's datasets, each prompt twice (chosen / rejected,
@@ -155,20 +153,23 @@ def measure(setting: str, algo: str, repeats: int) -> dict:
     query_responses = torch.cat([pc.pad_sequences(prompt_ids, pad, "left"),
                                  pc.pad_sequences(completion_ids, pad, "right")], 1)  # (2n, Lq' + R')
     ctx = query_responses.shape[1] - max(map(len, completion_ids))
-    reference = pc.Reference("copy", models.load_causal_lm(paths["policy"], tokenizer))
     if algo == "dpo":
         share = f["share_prompts"] and ps.worth_sharing(2 * n, 2, Lq, R)
-        passes["reference log-probs"] = timed(lambda: reference.logprobs(query_responses, ctx, pad, 1.0, 2 * n,
-                                                                         share_prompts=share), repeats)
+        forward = (ps.SharedPromptForward if share else pc.Forward)(pad)
+        reference = pc.Reference("copy", forward, model=models.load_causal_lm(paths["policy"], tokenizer))
+        passes["reference log-probs"] = timed(lambda: reference.logprobs(query_responses, ctx, 2 * n), repeats)
         responses = query_responses[:, ctx:]
-        update(lambda: (pc.response_logprobs(policy, query_responses, ctx, pad, share_prompts=share)
-                        * (responses != pad)).sum())
-    else:
-        joint = kto.joint_forward(argparse.Namespace(**f))
+        update(lambda: (forward.logprobs(policy, query_responses, ctx) * (responses != pad)).sum())
+    else:  # kto.py's decision: each prompt encoded once (joint) where its forwards share prompts
+        kto_args = kto.Args(**{field.name: f[field.name] for field in dataclasses.fields(kto.Args)})
+        kto_args.padding_free, kto_args.logprob_chunk_tokens = False, 0  # unpacked, the output layer whole
+        forward = kto.kto_forwards(kto_args, pad).lm(policy)
+        joint = forward.shares_prompts
+        reference = pc.Reference("copy", forward, model=models.load_causal_lm(paths["policy"], tokenizer))
         with torch.no_grad():
             passes["reference log-probs"] = timed(lambda: kto.completion_logprob_sums(
                 reference.logprobs, query_responses, ctx, pad, joint), repeats)
-        update(lambda: kto.policy_logprob_sums(policy, query_responses, ctx, pad, joint)[:n].sum())
+        update(lambda: kto.policy_logprob_sums(policy, forward, query_responses, ctx, pad, joint)[:n].sum())
     return passes
 
 

@@ -37,6 +37,7 @@ from speed_settings import TLDR  # noqa: E402
 import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
+from plumbing import prompt_sharing as ps  # noqa: E402
 
 SETTINGS = {"4 prompts x 4 samples, shared prefill": (4, 4), "16 distinct prompts": (16, 1)}  # (prompts, k)
 CACHES = ("dynamic", "static")
@@ -49,12 +50,13 @@ def time_batches(model, tokenizer, prompts: list, k: int, cache: str, batches: i
     pad, eos, per = tokenizer.pad_token_id, tokenizer.eos_token_id, len(prompts) // batches
     config = pc.make_generation_config(tokenizer, TLDR["response_length"], TLDR["temperature"],
                                        cache_implementation=cache)
+    forward = ps.SharedPromptForward(pad) if k > 1 else pc.Forward(pad)  # k > 1: each prompt's prefill encoded once
     seconds, samples = [], []
     for b in range(batches):
         queries = pc.pad_sequences(prompts[b * per:(b + 1) * per], pad, "left").repeat_interleave(k, 0)
         torch.manual_seed(b)
         start = time.perf_counter()
-        query_responses, _ = pc.batch_generation(model, queries, pad, eos, config, len(queries), share_prompts=k > 1)
+        query_responses, _ = pc.batch_generation(model, queries, pad, eos, config, len(queries), forward=forward)
         seconds.append(time.perf_counter() - start)
         samples.append(query_responses)
     return statistics.mean(seconds), samples

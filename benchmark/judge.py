@@ -170,7 +170,6 @@ def reward_model_report(args, examples: list) -> dict:
 
     import policy_common as pc
     from plumbing import models
-    from plumbing import reward_sources as rs
     from plumbing import run_utils as ru
 
     name = args.reward_model or (ru.default_reward_model(args.model) if args.model else None)
@@ -181,6 +180,7 @@ def reward_model_report(args, examples: list) -> dict:
     model = models.load_scalar_model(path, tokenizer, bf16=args.bf16).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
+    forward = pc.ScalarForward(tokenizer.pad_token_id)
 
     @torch.no_grad()
     def scores(key):
@@ -193,7 +193,7 @@ def reward_model_report(args, examples: list) -> dict:
                 rows.append((q, r + [tokenizer.eos_token_id]))
             queries = pc.pad_sequences([q for q, _ in rows], tokenizer.pad_token_id, "left")
             responses = pc.pad_sequences([r for _, r in rows], tokenizer.pad_token_id, "right")
-            out += rs.get_reward(model, torch.cat([queries, responses], 1).to(device), tokenizer.pad_token_id).tolist()
+            out += forward.rewards(model, torch.cat([queries, responses], 1).to(device)).tolist()
         return out
 
     policy, reference = scores("completion"), scores("reference")

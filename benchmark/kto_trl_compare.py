@@ -67,7 +67,7 @@ def our_run(setting: str, seed: int, extra_flags: list):
     eval_prompts = du.load_held_out_prompts(dataset_name, args.eval_split, args.num_eval_prompts)
     tl.fit_lengths(args, tokenizer, policy_path, [*train_data["prompt"], *eval_data["prompt"]], eval_prompts,
                    cut_held_out=True)
-    examples, _ = kto.tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
+    examples, _ = du.tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length, dataset_name)
     groups = kto.make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     loop = tl.EpochLoop(args, len(groups), args.gradient_accumulation_steps, "samples",
                         rows_per_item=args.per_device_train_batch_size)

@@ -4,7 +4,7 @@
 
 Sampling suppresses the pad token, so completions come from p(token) / (1 - p(pad)). Before, the forward passes
 (old log-probs, the reference, the gradient) scored the unsuppressed p instead: every response token's log-prob
-was low by -log(1 - p(pad)). Now `policy_common.forward_logits` masks pad as sampling does. For sampled completions
+was low by -log(1 - p(pad)). Now `policy_common.Forward.logits` masks pad as sampling does. For sampled completions
 this prints the pad token's probability at the response positions, the per-sequence log-prob gap it made (sampling
 minus the unmasked forward), and the largest difference between the sampling log-probs and today's forward
 (float rounding only).
@@ -40,14 +40,15 @@ def measure(policy_path: str, dataset: str, split: str, num_prompts: int, k: int
     config = pc.make_generation_config(tokenizer, response_length, temperature)
     query_responses, sampled = pc.batch_generation(model, queries, pad, eos, config, chunk)
     C = queries.shape[1]
+    forward = pc.Forward(pad, temperature)
     mask = query_responses[:, C:] != pad
     p_pad, unmasked, masked = [], [], []
     for i in range(0, len(query_responses), chunk):
         rows = query_responses[i:i + chunk]
-        raw = pc.forward_logits(model, rows, C, pad, temperature, mask_pad=False)  # the unmasked distribution
+        raw = forward.logits(model, rows, C, mask_pad=False)  # the unmasked distribution
         p_pad.append(raw.softmax(-1)[..., pad])
         unmasked.append(pc.selective_logprobs(raw, rows[:, C:]))
-        masked.append(pc.response_logprobs(model, rows, C, pad, temperature))
+        masked.append(forward.logprobs(model, rows, C))
     p_pad, unmasked, masked = torch.cat(p_pad)[mask], torch.cat(unmasked), torch.cat(masked)
     gap = ((sampled - unmasked) * mask).sum(1)  # per sequence: sum over tokens of -log(1 - p(pad))
     return {"sequences": len(query_responses), "tokens": int(mask.sum()), "p_pad_mean": p_pad.mean().item(),
@@ -79,7 +80,7 @@ def main():
     lines = ["# Pad-token probability: what scoring the unsuppressed distribution cost", "",
              f"Written by `python benchmark/pad_mass.py` on {datetime.date.today()}. Completions sampled with pad "
              "suppressed; 'before' = the forward without masking (as every forward scored until issue 20), 'after' = "
-             "`pc.response_logprobs` today (pad masked as in sampling).", "",
+             "`pc.Forward.logprobs` today (pad masked as in sampling).", "",
              "| policy | sequences (tokens) | p(pad) mean / max per token | before: log-prob gap per sequence, mean / "
              "max (nats) | after: largest difference from the sampling log-probs |",
              "| --- | --- | --- | --- | --- |"]

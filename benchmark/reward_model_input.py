@@ -23,7 +23,6 @@ import torch  # noqa: E402
 import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
-from plumbing import reward_sources as rs  # noqa: E402
 from plumbing import run_utils as ru  # noqa: E402
 
 
@@ -40,11 +39,11 @@ def pair_accuracies(reward_path: str, dataset: str, split: str, num_pairs: int, 
         prompt = du.render_prompt(tokenizer, row["prompt"])
         texts += [prompt + du.render_completion(tokenizer, row["prompt"], row[c]) for c in ("chosen", "rejected")]
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    out = {"pairs": len(data)}
+    out, forward = {"pairs": len(data)}, pc.ScalarForward(tokenizer.pad_token_id)
     for mode, suffix in (("tokens", [tokenizer.eos_token_id]), ("text", [])):
-        scores = torch.cat([rs.get_reward(model, pc.pad_sequences([x + suffix for x in ids[i:i + batch_size]],
-                                                                   tokenizer.pad_token_id, "right"),
-                                          tokenizer.pad_token_id) for i in range(0, len(ids), batch_size)])
+        scores = torch.cat([forward.rewards(model, pc.pad_sequences([x + suffix for x in ids[i:i + batch_size]],
+                                                                    tokenizer.pad_token_id, "right"))
+                            for i in range(0, len(ids), batch_size)])
         out[mode] = (scores[0::2] > scores[1::2]).float().mean().item()
     return out
 

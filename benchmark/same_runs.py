@@ -26,6 +26,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from plumbing import metrics_log as ml  # noqa: E402
+
 SHORT = ["--seed", "3", "--eval_steps", "2", "--num_eval_prompts", "32"]
 RUNS = {  # name -> (script, flags): a few steps each, branches the default runs do not take in the variants
     "sft": ("sft.py", [*SHORT, "--max_steps", "4"]),
@@ -62,6 +65,58 @@ RUNS = {  # name -> (script, flags): a few steps each, branches the default runs
     "grpo_env": ("grpo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "3", "--tools", "None", "--environment",
                              "benchmark/toy_environment.py:LookupBox", "--reward_weights", "1.0", "0.5"]),
     "sft_tools": ("sft.py", [*SHORT, "--model", "toy_tools", "--max_steps", "3"]),
+    # grpo's 2026 settings, one run each (issue 62: their composition moved into grpo.py's ALGO LOGIC)
+    "grpo_entropy": ("grpo.py", [*SHORT, "--max_steps", "3", "--entropy_coef", "0.01", "--top_entropy_quantile",
+                                 "0.5", "--num_iterations", "2"]),
+    "grpo_adaptive_entropy": ("grpo.py", [*SHORT, "--max_steps", "3", "--use_adaptive_entropy", "--entropy_target",
+                                          "3.0", "--entropy_coef_delta", "0.01"]),
+    "grpo_off_policy": ("grpo.py", [*SHORT, "--max_steps", "4", "--off_policy_mask_threshold", "0.0",
+                                    "--max_staleness", "1", "--no_use_bias_correction_kl"]),
+    "grpo_gdpo": ("grpo.py", [*SHORT, "--max_steps", "3", "--multi_objective_aggregation", "normalize_then_sum",
+                              "--reward_funcs", "gold", "--reward_model", "toy", "--reward_weights", "1.0", "0.5"]),
+    "grpo_ragen": ("grpo.py", [*SHORT, "--max_steps", "3", "--reward_variance_filtering", "top_p",
+                               "--reward_variance_top_p", "0.5", "--reward_funcs", "gold"]),
+    "grpo_ragen_k": ("grpo.py", [*SHORT, "--max_steps", "3", "--reward_variance_filtering", "top_k",
+                                 "--reward_variance_top_k", "3"]),
+    "grpo_maxrl": ("grpo.py", [*SHORT, "--max_steps", "3", "--scale_rewards", "maxrl", "--reward_funcs", "gold",
+                               "--missing_eos_penalty", "0"]),
+    # --token_budget (micro-batches sized by tokens) in every script that takes it
+    "grpo_budget": ("grpo.py", [*SHORT, "--max_steps", "3", "--token_budget", "96", "--loss_type", "bnpo"]),
+    "grpo_budget_dapo": ("grpo.py", [*SHORT, "--max_steps", "3", "--token_budget", "96", "--entropy_coef", "0.01"]),
+    "grpo_budget_grpo": ("grpo.py", [*SHORT, "--max_steps", "3", "--token_budget", "96", "--loss_type", "grpo"]),
+    "rloo_budget": ("rloo.py", [*SHORT, "--max_steps", "3", "--token_budget", "96"]),
+    "ppo_budget": ("ppo.py", [*SHORT, "--max_steps", "2", "--token_budget", "64"]),
+    "dpo_budget": ("dpo.py", [*SHORT, "--max_steps", "3", "--token_budget", "160"]),
+    "reward_budget": ("reward.py", ["--seed", "3", "--eval_steps", "2", "--max_eval_pairs", "64", "--max_steps", "3",
+                                    "--token_budget", "160"]),
+    "sft_budget": ("sft.py", [*SHORT, "--max_steps", "3", "--token_budget", "160"]),
+    "distill_budget": ("distill.py", [*SHORT, "--max_steps", "3", "--token_budget", "96"]),
+    # --padding_free in every script
+    "sft_packed": ("sft.py", [*SHORT, "--max_steps", "3", "--padding_free"]),
+    "reward_packed": ("reward.py", ["--seed", "3", "--eval_steps", "2", "--max_eval_pairs", "64", "--max_steps", "3",
+                                    "--padding_free"]),
+    "dpo_packed": ("dpo.py", [*SHORT, "--max_steps", "3", "--padding_free"]),
+    "kto_packed": ("kto.py", [*SHORT, "--max_steps", "3", "--padding_free"]),
+    "rloo_packed": ("rloo.py", [*SHORT, "--max_steps", "3", "--padding_free", "--token_budget", "96"]),
+    "grpo_packed": ("grpo.py", [*SHORT, "--max_steps", "3", "--padding_free", "--num_iterations", "2"]),
+    "ppo_packed": ("ppo.py", [*SHORT, "--max_steps", "2", "--padding_free"]),
+    "distill_packed": ("distill.py", [*SHORT, "--max_steps", "3", "--padding_free"]),
+    "grpo_tools_packed": ("grpo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "2", "--padding_free"]),
+    # the output layer in chunks (the toy's vocabulary never chunks by default), KTO's joint forward, the static cache
+    "grpo_chunked": ("grpo.py", [*SHORT, "--max_steps", "3", "--logprob_chunk_tokens", "8", "--entropy_coef", "0.01",
+                                 "--num_iterations", "2"]),
+    "rloo_chunked": ("rloo.py", [*SHORT, "--max_steps", "3", "--logprob_chunk_tokens", "8"]),
+    "ppo_chunked": ("ppo.py", [*SHORT, "--max_steps", "2", "--logprob_chunk_tokens", "8"]),
+    "dpo_chunked": ("dpo.py", [*SHORT, "--max_steps", "3", "--logprob_chunk_tokens", "8", "--padding_free"]),
+    "sft_chunked": ("sft.py", [*SHORT, "--max_steps", "3", "--logprob_chunk_tokens", "8"]),
+    "distill_chunked": ("distill.py", [*SHORT, "--max_steps", "3", "--logprob_chunk_tokens", "8"]),
+    "kto_joint": ("kto.py", [*SHORT, "--max_steps", "3", "--max_prompt_length", "16", "--max_length", "22",
+                             "--logprob_chunk_tokens", "8"]),
+    "kto_joint_ref": ("kto.py", [*SHORT, "--max_steps", "3", "--max_prompt_length", "16", "--max_length", "22",
+                                 "--precompute_ref_logprobs"]),
+    "rloo_static": ("rloo.py", [*SHORT, "--max_steps", "3", "--cache_implementation", "static"]),
+    "distill_top_k": ("distill.py", [*SHORT, "--max_steps", "3", "--loss_top_k", "4"]),
+    "distill_seq_kd": ("distill.py", [*SHORT, "--max_steps", "4", "--lmbda", "0.5", "--seq_kd"]),
 }
 VLLM_RUNS = {
     "rloo_vllm": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm"]),
@@ -71,6 +126,9 @@ VLLM_RUNS = {
     "rloo_vllm_async": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm", "--max_staleness", "1"]),
     "grpo_vllm_tools": ("grpo.py", [*SHORT, "--model", "toy_tools", "--max_steps", "2", "--use_vllm"]),
     "distill_vllm": ("distill.py", [*SHORT, "--max_steps", "2", "--use_vllm", "--loss", "pg"]),
+    "rloo_vllm_token": ("rloo.py", [*SHORT, "--max_steps", "3", "--use_vllm", "--token_level_kl"]),
+    "grpo_vllm_packed": ("grpo.py", [*SHORT, "--max_steps", "2", "--use_vllm", "--padding_free",
+                                     "--off_policy_mask_threshold", "0.0"]),
 }
 
 
@@ -105,12 +163,7 @@ def tensors(model_folder: str) -> dict:
 
 def metric_rows(run_folder: str) -> list:
     with open(os.path.join(run_folder, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if not is_wall_clock(k)} for line in f]
-
-
-def is_wall_clock(key: str) -> bool:
-    """time/*, perf/* and the *_seconds metrics (async/trainer_wait_seconds, ...) measure the machine, not the run."""
-    return key.startswith(("time/", "perf/")) or key.endswith("_seconds")
+        return [{k: v for k, v in json.loads(line).items() if not ml.is_wall_clock(k)} for line in f]
 
 
 def close(a, b, rtol: float) -> bool:

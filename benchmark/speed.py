@@ -259,7 +259,7 @@ def baseline_lines(results: dict) -> list:
         if share and "error" not in share:
             lines += [f"Shared prompts ({share['what']}; each distinct query encoded once, its cache reused; "
                       f"`worth_sharing` says {'yes' if share['worth_sharing'] else 'no'}):", "",
-                      "| pass | share_prompts=True (ms) | share_prompts=False (ms) | time ratio |",
+                      "| pass | SharedPromptForward (ms) | plain Forward (ms) | time ratio |",
                       "| --- | --- | --- | --- |"]
             lines += [f"| {name} | {1000 * t['shared']:.1f} | {1000 * t['plain']:.1f} | "
                       f"{t['shared'] / t['plain']:.2f}x |"
@@ -270,7 +270,7 @@ def baseline_lines(results: dict) -> list:
             lines += [f"Response log-probs, {sel['what']}:", "",
                       "| method | ms | peak extra memory (MiB) | time ratio | memory ratio |",
                       "| --- | --- | --- | --- | --- |",
-                      f"| `pc.{'response_logprobs' if shape == 'toy' else 'selective_logprobs'}` (logsumexp in row "
+                      f"| `pc.{'Forward.logprobs' if shape == 'toy' else 'selective_logprobs'}` (logsumexp in row "
                       f"chunks) | {1000 * sel['seconds']:.1f} | {sel['peak_extra_mib']:.0f} | "
                       f"{sel['seconds'] / full['seconds']:.2f}x | "
                       f"{ratio(sel['peak_extra_mib'], full['peak_extra_mib'])} |",

@@ -4,12 +4,13 @@ process (peak memory is that process's); the result is written as JSON to --out.
 
   generation               pc.batch_generation (one batched call, prompts shared as rloo.py decides) against a
                            naive per-example model.generate loop, on the RLOO toy batch (16 prompts x k=4)
-  sharing:toy|tldr         share_prompts=True against share_prompts=False: no-grad log-probs, forward + backward,
-                           and generation. toy: the RLOO toy batch on the toy policy; tldr: TL;DR shapes (4 prompts
-                           x k=2, 400-token prompts, 53-token responses) on a random-weight GPT-NeoX whose layers do
-                           about 8x the work of its output layer, as in Pythia-1B (speed_settings.py): the
-                           saving is set by shapes and that proportion, not by weights
-  logprobs:VARIANT:SHAPE   VARIANT selective = pc.response_logprobs (toy) or pc.selective_logprobs (pythia), full =
+  sharing:toy|tldr         prompt_sharing.SharedPromptForward against the plain policy_common.Forward: no-grad
+                           log-probs, forward + backward, and generation. toy: the RLOO toy batch on the toy policy;
+                           tldr: TL;DR shapes (4 prompts x k=2, 400-token prompts, 53-token responses) on a
+                           random-weight GPT-NeoX whose layers do about 8x the work of its output layer, as in
+                           Pythia-1B (speed_settings.py): the saving is set by shapes and that proportion, not by
+                           weights
+  logprobs:VARIANT:SHAPE   VARIANT selective = pc.Forward.logprobs (toy) or pc.selective_logprobs (pythia), full =
                            logits.log_softmax(-1).gather(...); SHAPE toy = the toy policy's forward on 64 prompts,
                            pythia = given logits of 16 x 53 x 50304 (TL;DR completions, Pythia's vocabulary)
 
@@ -69,11 +70,12 @@ def generation(repeats: int) -> dict:
     config = pc.make_generation_config(tok, d["response_length"], d["temperature"])
     pad, eos = tok.pad_token_id, tok.eos_token_id
     share = ps.worth_sharing(len(queries), d["rloo_k"], queries.shape[1], d["response_length"])
+    forward = (ps.SharedPromptForward if share else pc.Forward)(pad, d["temperature"])
     tokens = {}
 
     def batched():
         qr, _ = pc.batch_generation(model, queries, pad, eos, config, d["local_rollout_forward_batch_size"],
-                                    share_prompts=share)
+                                    forward=forward)
         tokens["batch_generation"] = int((qr[:, queries.shape[1]:] != pad).sum())
 
     @torch.no_grad()
@@ -111,15 +113,17 @@ def sharing(shape: str, repeats: int) -> dict:
     config = pc.make_generation_config(types.SimpleNamespace(pad_token_id=pad, eos_token_id=eos, bos_token_id=eos),
                                        R if shape == "toy" else 8, 1.0)
 
+    forwards = {True: ps.SharedPromptForward(pad), False: pc.Forward(pad)}  # shared against plain
+
     def logprobs(share):
         with torch.no_grad():
-            pc.response_logprobs(model, query_responses, ctx, pad, share_prompts=share)
+            forwards[share].logprobs(model, query_responses, ctx)
 
     def train(share):
-        pc.response_logprobs(model, query_responses, ctx, pad, share_prompts=share).sum().backward()
+        forwards[share].logprobs(model, query_responses, ctx).sum().backward()
 
     def generate(share):
-        pc.batch_generation(model, queries, pad, eos, config, queries.shape[0], share_prompts=share)
+        pc.batch_generation(model, queries, pad, eos, config, queries.shape[0], forward=forwards[share])
 
     passes = {}
     for name, fn, training in (("no-grad log-probs", logprobs, False), ("forward + backward", train, True),
@@ -159,12 +163,13 @@ def logprobs(variant: str, shape: str, repeats: int) -> dict:
         prompts = du.load_prompt_dataset(paths["prompt_dataset"], "train")["prompt"][:64]
         q = pc.pad_sequences(du.tokenize_prompts(tok, prompts), tok.pad_token_id, "left")
         qr, ctx, pad = torch.cat([q, torch.randint(3, len(tok), (q.shape[0], 8))], 1), q.shape[1], tok.pad_token_id
+        forward = pc.Forward(pad)
 
         @torch.no_grad()
         def run():
             if variant == "selective":
-                return pc.response_logprobs(model, qr, ctx, pad)
-            logits = pc.forward_logits(model, qr, ctx, pad)
+                return forward.logprobs(model, qr, ctx)
+            logits = forward.logits(model, qr, ctx)
             return logits.log_softmax(-1).gather(-1, qr[:, ctx:].unsqueeze(-1)).squeeze(-1)
         what = f"toy policy forward + log-probs, {qr.shape[0]} x {qr.shape[1]} tokens, vocab {len(tok)}"
     else:  # Pythia-shaped logits: B=16 completions of R=53 tokens, vocab 50304 (TL;DR setting), float32

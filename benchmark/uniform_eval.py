@@ -29,7 +29,6 @@ import policy_common as pc  # noqa: E402
 from plumbing import data_utils as du  # noqa: E402
 from plumbing import models  # noqa: E402
 from plumbing import prompt_sharing as ps  # noqa: E402
-from plumbing import reward_sources as rs  # noqa: E402
 from toy_worlds import toy_task  # noqa: E402
 
 
@@ -50,8 +49,11 @@ class ToyEvaluator:
                                         "left")
         self.samples_per_prompt, self.seed = samples_per_prompt, seed
         # the KL samples repeat each prompt samples_per_prompt times: encode it once when that saves enough
-        self.share_prompts = ps.worth_sharing(len(self.prompts) * samples_per_prompt, samples_per_prompt,
-                                              self.queries.shape[1], self.response_length)
+        share_prompts = ps.worth_sharing(len(self.prompts) * samples_per_prompt, samples_per_prompt,
+                                         self.queries.shape[1], self.response_length)
+        pad = self.tokenizer.pad_token_id  # log-probs at temperature 1, as the KL samples are drawn
+        self.forward = (ps.SharedPromptForward if share_prompts else pc.Forward)(pad)
+        self.reward_forward = pc.ScalarForward(pad)
 
     def load_policy(self, path: str):
         """A saved model folder (`DIR/model`), or an accelerate checkpoint folder holding model.safetensors
@@ -83,17 +85,16 @@ class ToyEvaluator:
         responses = query_responses[:, context_length:]
         completions = [tok.decode(r, skip_special_tokens=True) for r in responses]
         gold = [toy_task.gold_score(p, c) for p, c in zip(self.prompts, completions)]
-        rm = rs.get_reward(self.reward_model, query_responses, pad)
+        rm = self.reward_forward.rewards(self.reward_model, query_responses)
 
         # sampled sequence KL to the SFT policy (fixed seed: the same draw for every policy evaluated)
         torch.manual_seed(self.seed)
         sampling = pc.make_generation_config(tok, self.response_length, temperature=1.0)
         queries = self.queries.repeat_interleave(self.samples_per_prompt, 0)
-        sampled, _ = pc.batch_generation(policy, queries, pad, eos, sampling, chunk_size=1024,
-                                         share_prompts=self.share_prompts)
+        sampled, _ = pc.batch_generation(policy, queries, pad, eos, sampling, chunk_size=1024, forward=self.forward)
         mask = sampled[:, context_length:] != pad
-        logp = pc.response_logprobs(policy, sampled, context_length, pad, share_prompts=self.share_prompts)
-        ref_logp = pc.response_logprobs(self.reference, sampled, context_length, pad, share_prompts=self.share_prompts)
+        logp = self.forward.logprobs(policy, sampled, context_length)
+        ref_logp = self.forward.logprobs(self.reference, sampled, context_length)
         kl = ((logp - ref_logp) * mask).sum(1)
         return {
             "gold_score": sum(gold) / len(gold), "rm_score": rm.mean().item(), "kl": kl.mean().item(),

@@ -71,17 +71,18 @@ def run(name: str, rounds: int) -> dict:
     queries = pc.pad_sequences(prompts, pad, "left").repeat_interleave(k, 0)
     config = pc.make_generation_config(tokenizer, response_length, temperature)
     share = ps.worth_sharing(len(queries), k, queries.shape[1], response_length)
+    forward = (ps.SharedPromptForward if share else pc.Forward)(pad, temperature)
     start = time.perf_counter()
     generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] +
                                  response_length, rows_per_call=len(queries), seed=0)
     startup = time.perf_counter() - start
     for _ in range(2):  # warm-up
         generator.generate(policy, 0, queries, config)
-        pc.batch_generation(policy, queries, pad, eos, config, len(queries), share_prompts=share, return_entropy=True)
+        pc.batch_generation(policy, queries, pad, eos, config, len(queries), forward=forward, return_entropy=True)
     times = {"batch_generation": [], "vllm": [], "sync": []}
     for r in range(rounds):
         start = time.perf_counter()
-        pc.batch_generation(policy, queries, pad, eos, config, len(queries), share_prompts=share, return_entropy=True)
+        pc.batch_generation(policy, queries, pad, eos, config, len(queries), forward=forward, return_entropy=True)
         times["batch_generation"].append(time.perf_counter() - start)
         with torch.no_grad():  # the weights move, as after an optimizer step
             for p in policy.parameters():

@@ -368,6 +368,24 @@ def to_unpaired(dataset, name: str):
     return dataset
 
 
+def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
+    """kto.py's unpaired rows (`to_unpaired`) -> (examples, dropped). Each example: index, prompt_ids, completion_ids
+    (ending with one EOS: tokenize_completion), label. Rows whose prompt or completion is emptied by truncation are
+    dropped and counted."""
+    examples, dropped = [], 0
+    for row in dataset:
+        prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"],
+                                                                   max_prompt_length, max_length)
+        if not prompt_ids or not completion_ids:
+            dropped += 1
+            continue
+        examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids,
+                             label=bool(row["label"])))
+    if not examples:
+        raise UserError(f"dataset {name!r}: every row was emptied by truncation (max_length {max_length})")
+    return examples, dropped
+
+
 def require_text_or_messages(values: dict, name: str, row: int) -> None:
     """A UserError naming the dataset `name`, the row and the column of the first of `values` ({column: value}) that
     is neither text nor a list of {role, content} messages (what the offline scripts tokenise)."""
@@ -395,7 +413,7 @@ def concatenated_inputs(rows: Sequence[dict], pad_token_id: int, completions: Se
     """b rows -> (query_responses (k b, Lq + R), context_length Lq): each row's `prompt` token ids with each of its
     k `completions` (keys of token-id lists), all in one batch for one forward pass. Prompts are LEFT-padded to Lq and
     repeated k times, completions RIGHT-padded to R, so every completion starts at position Lq (the layout of
-    policy_common.forward_logits); the rows' first completions come first (rows 0..b-1), then their second ones
+    policy_common.Forward.logits); the rows' first completions come first (rows 0..b-1), then their second ones
     (rows b..2b-1), and so on. dpo.py and reward.py: chosen then rejected; kto.py: each example's own completion, then
     its mismatched one; sft.py: its one completion."""
     prompts = pc.pad_sequences([row[prompt] for row in rows], pad_token_id, "left")  # (b, Lq)

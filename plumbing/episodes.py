@@ -240,7 +240,8 @@ def tool_suffix_ids(tokenizer, tool_messages: List[dict], stop_ids: Sequence[int
 @dataclass
 class Episode:
     """One episode: `prompt_ids`, `response_ids` (sampled and tool tokens, in order), `action_mask` (True on the
-    sampled ones), `logprobs` / `sampler_logprobs` / `entropy` per response token (0 on tool tokens), `messages`
+    sampled ones), `behaviour_logprobs` (of the policy that sampled: HF's or vLLM's) and `entropy` per response token
+    (0 on tool tokens), `messages`
     (the conversation after the prompt: assistant turns as parsed, tool messages), `environment` (its instance, or
     None), `prompt` (the prompt messages after the environment's reset), counts of `tool_calls`, `tool_failures`,
     `turns`, and how it ended (`truncated`: by the budget)."""
@@ -250,8 +251,7 @@ class Episode:
     prompt: object = None  # the prompt messages after the environment's reset (what reward functions get)
     response_ids: List[int] = field(default_factory=list)
     action_mask: List[bool] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
-    sampler_logprobs: List[float] = field(default_factory=list)
+    behaviour_logprobs: List[float] = field(default_factory=list)
     entropy: List[float] = field(default_factory=list)
     messages: List[dict] = field(default_factory=list)
     tool_calls: int = 0
@@ -266,12 +266,11 @@ class Episode:
     def sampled(self) -> int:
         return sum(self.action_mask)
 
-    def append(self, ids: Sequence[int], sampled: bool, logprobs=None, sampler_logprobs=None, entropy=None):
+    def append(self, ids: Sequence[int], sampled: bool, behaviour_logprobs=None, entropy=None):
         n = len(ids)
         self.response_ids += list(ids)
         self.action_mask += [sampled] * n
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * n
-        self.sampler_logprobs += list(sampler_logprobs) if sampler_logprobs is not None else [0.0] * n
+        self.behaviour_logprobs += list(behaviour_logprobs) if behaviour_logprobs is not None else [0.0] * n
         self.entropy += list(entropy) if entropy is not None else [0.0] * n
 
 
@@ -309,8 +308,8 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
                  max_tool_result_tokens: Optional[int] = None, accelerator=None) -> List[Episode]:
     """Play `episodes` to the end. generate(sequences: list of token-id lists, budgets: the most new tokens of each,
     first_turn) ->
-    (turns: token-id lists, each cut after its EOS; logprobs; sampler_logprobs or None; entropy or None: per-token
-    lists) samples one turn per sequence. Each turn gets at most the episode's remaining budget: response_length
+    (turns: token-id lists, each cut after its EOS; the behaviour log-probs; entropy or None: per-token lists) samples
+    one turn per sequence. Each turn gets at most the episode's remaining budget: response_length
     sampled tokens in all, and context_limit tokens of prompt + response; a tool result is cut to
     max_tool_result_tokens tokens. See the module docstring for how episodes end and for the collectives."""
     stops = set(toolset.stop_ids) | {tokenizer.eos_token_id}  # the EOS, and e.g. GPT-OSS's <|call|>
@@ -322,12 +321,11 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
         budgets = [min(response_length - e.sampled, context_limit - len(e.prompt_ids) - len(e.response_ids))
                    for e in running]
         rows = [e.prompt_ids + e.response_ids for e in running] or [episodes[0].prompt_ids]  # dummy row: same calls
-        turns, logprobs, sampler_logprobs, entropy = generate(rows, budgets or [1], turn == 0)
+        turns, behaviour_logprobs, entropy = generate(rows, budgets or [1], turn == 0)
         for i, (episode, budget) in enumerate(zip(running, budgets)):
             ids = turns[i][:budget]
             cut = slice(0, len(ids))
-            episode.append(ids, True, logprobs[i][cut], None if sampler_logprobs is None else sampler_logprobs[i][cut],
-                           None if entropy is None else entropy[i][cut])
+            episode.append(ids, True, behaviour_logprobs[i][cut], None if entropy is None else entropy[i][cut])
             episode.turns += 1
             message = tc.parse_turn(tokenizer, ids, episode.prompt_ids + episode.response_ids[:-len(ids)],
                                     toolset.schemas, toolset.call_format)
@@ -368,8 +366,8 @@ def run_episodes(episodes: List[Episode], generate: Callable, tokenizer, toolset
 
 def episode_tensors(episodes: List[Episode], pad_token_id: int, device=None) -> dict:
     """Episodes -> the rollout's tensors: query_responses (B, Lq + R) [left-padded prompt | response right-padded
-    with pad], context_length Lq, action_mask (B, R) bool (True on sampled tokens), logprobs, sampler_logprobs,
-    entropy (B, R) float (pc.PADDING_LOGPROB / 0 off the sampled tokens), truncated (B,) bool."""
+    with pad], context_length Lq, action_mask (B, R) bool (True on sampled tokens), behaviour_logprobs, entropy (B, R)
+    float (pc.PADDING_LOGPROB / 0 off the sampled tokens), truncated (B,) bool."""
     queries = pc.pad_sequences([e.prompt_ids for e in episodes], pad_token_id, "left")
     width = max(1, max(len(e.response_ids) for e in episodes))
 
@@ -380,9 +378,7 @@ def episode_tensors(episodes: List[Episode], pad_token_id: int, device=None) -> 
     action_mask = right([e.action_mask for e in episodes], False, torch.bool)
     out = dict(query_responses=torch.cat([queries, responses], 1), context_length=queries.shape[1],
                action_mask=action_mask,
-               logprobs=right([e.logprobs for e in episodes], 0.0, torch.float32).masked_fill(~action_mask,
-                                                                                            pc.PADDING_LOGPROB),
-               sampler_logprobs=right([e.sampler_logprobs for e in episodes], 0.0, torch.float32).masked_fill(
+               behaviour_logprobs=right([e.behaviour_logprobs for e in episodes], 0.0, torch.float32).masked_fill(
                    ~action_mask, pc.PADDING_LOGPROB),
                entropy=right([e.entropy for e in episodes], 0.0, torch.float32),
                truncated=torch.tensor([e.truncated for e in episodes]))

@@ -39,6 +39,8 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
     sums.update({**({"kl": 0.0} if sampler.reference is not None else {}),
                  **({"gold_score": 0.0} if held_out.gold is not None else {}),
                  **({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})})
+    # one completion per prompt: the forwards without prompt sharing
+    forward, reference = sampler.forward.unshared(), sampler.reference and sampler.reference.unshared()
     training = sampler.policy.training
     sampler.policy.eval()
     for i in range(0, len(indices), chunk):
@@ -55,10 +57,9 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
             tool_sums.append(episodes[:real])  # only the real rows count
         source_scores.append(per_source[:real])
         sums["scores"] += scores[:real].sum().item()
-        if sampler.reference is not None:
-            logprobs = pc.response_logprobs(sampler.policy, query_responses, context_length, pad, args.temperature,
-                                            chunk_tokens=args.logprob_chunk_tokens)
-            ref_logprobs = sampler.reference.logprobs(query_responses, context_length, pad, args.temperature)
+        if reference is not None:
+            logprobs = forward.logprobs(sampler.policy, query_responses, context_length)
+            ref_logprobs = reference.logprobs(query_responses, context_length)
             sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
         sums["response_length"] += mask[:real].sum().item()
         sums["eos_rate"] += (~truncated)[:real].sum().item()

@@ -1,5 +1,5 @@
 """Greedy completions of held-out prompts for the offline scripts (sft.py, dpo.py, kto.py): their evaluation's
-samples and, when the task has one, its gold score. (The RL scripts evaluate through rollout.Sampler.evaluate.)"""
+samples and, when the task has one, its gold score. (The RL scripts evaluate through evaluation.py.)"""
 
 from __future__ import annotations
 

@@ -235,6 +235,12 @@ class Progress:
             self.bar.close()
 
 
+def is_wall_clock(key: str) -> bool:
+    """Does metric `key` measure the machine rather than the run: time/*, perf/* and the *_seconds ones
+    (async/trainer_wait_seconds, ...), which two runs of the same seed do not share?"""
+    return key.startswith(("time/", "perf/")) or key.endswith("_seconds")
+
+
 def to_float(v):
     """A tensor or numpy scalar as a plain Python number (anything else unchanged)."""
     if isinstance(v, torch.Tensor):

@@ -1,12 +1,15 @@
 """Loading models and tokenizers by name (a hub id or a local folder), with one-line errors: tokenizers that always
 have an EOS and a pad token distinct from it, causal LMs and scalar-head models (reward, value) with dropout off and
 embeddings fitted to the tokenizer, the trainable policy with its shared flags (LoRA, 4-bit, activation
-checkpointing). Aliases such as `toy` are resolved by run_utils.resolve_model before names get here.
+checkpointing). Aliases such as `toy` are resolved by run_utils.resolve_model before names get here. Then what the
+forwards need to know of a loaded model (the arguments its forward takes, its output layer) and where it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
@@ -284,3 +287,80 @@ def prepare_frozen(model: nn.Module, accelerator) -> nn.Module:
         engine.eval()
         return engine
     return model.to(accelerator.device)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Inside a model: the arguments its forward takes, its output layer
+# ---------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _parameter_names(forward) -> frozenset:
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def forward_parameters(model: nn.Module) -> frozenset:
+    """Names of the arguments the model's own forward takes (wrappers and a PEFT adapter looked through); read once
+    per forward function."""
+    inner = unwrap(model)
+    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner  # PEFT
+    return _parameter_names(getattr(inner.forward, "__func__", inner.forward))
+
+
+def cache_argument(model: nn.Module) -> Optional[str]:
+    """The name under which the model's forward takes and returns its key/value cache: `cache` (transformers
+    >= 5.20) or `past_key_values` (earlier releases, and vLLM's 5.19 pin); None when it takes none."""
+    parameters = forward_parameters(model)
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def keep_last(model: nn.Module, n: int) -> dict:
+    """forward kwargs: the output layer on the last `n` positions only, where the forward takes `logits_to_keep`
+    (custom code may not): callers slice [:, -n:] either way."""
+    return {"logits_to_keep": n} if "logits_to_keep" in forward_parameters(model) else {}
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The causal LM inside DDP / DeepSpeed / compile wrappers and a PEFT adapter."""
+    model = unwrap(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def output_layer(model: nn.Module) -> nn.Module:
+    """The model's output layer (the LoRA-wrapped one when an adapter targets it)."""
+    head = causal_lm(model).get_output_embeddings()
+    if head is None:
+        raise UserError(f"{type(causal_lm(model)).__name__} has no output layer (get_output_embeddings() is None): "
+                        "pass --logprob_chunk_tokens 0")
+    return head
+
+
+@contextlib.contextmanager
+def hidden_instead_of_logits(model: nn.Module):
+    """Within the block, the model's forward returns its last hidden states (B, T', H) where it would return logits:
+    the output layer hands back its input. Each forward is checked to return that tensor (its storage and shape): a
+    model that transforms the output layer's result would otherwise hand out transformed hidden states."""
+    base, head = causal_lm(model), output_layer(model)
+    returned = []
+
+    def identity(hidden, *args, **kwargs):
+        returned.append(hidden)
+        return hidden
+
+    def check(module, inputs, output):
+        logits = output.logits if hasattr(output, "logits") else output[0]
+        # the same storage and shape (DeepSpeed ZeRO-3's module hooks hand back a new tensor object on it)
+        if not any(logits.data_ptr() == r.data_ptr() and logits.shape == r.shape for r in returned):
+            raise UserError(f"{type(base).__name__}'s forward changes its output layer's result, so log-probs cannot "
+                            "be computed in chunks from its hidden states: pass --logprob_chunk_tokens 0")
+        returned.clear()
+
+    saved = head.__dict__.get("forward")  # an instance-level forward (accelerate's offload hooks) is restored
+    head.forward = identity
+    handle = base.register_forward_hook(check)
+    try:
+        yield
+    finally:
+        handle.remove()
+        if saved is None:
+            del head.forward
+        else:
+            head.forward = saved

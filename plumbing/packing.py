@@ -16,45 +16,21 @@ costs (`bins`: longer sequences leave less padding at their ends and cost more a
 flash-attention implementation (GPU) takes no 4D mask: there every row goes into one sequence and transformers
 finds the boundaries from the restarting position ids (varlen kernels), without query sharing.
 
-Whether a model honours the packed inputs is checked once per model class on a tiny batch (`supported`): a model
-whose packed forward differs from its padded one (custom code that ignores the mask, sliding-window attention)
-runs padded, with one log line. Nothing here keeps per-run state but the switch set from --padding_free and that
-per-class verdict, and every process makes the same model calls whatever its data (one forward per call).
+Whether a model honours the packed inputs is checked when its forward is chosen (forwards.py, once per model, on a
+tiny batch: `lm_supported`, `backbone_supported`): a model whose packed forward differs from its padded one (custom
+code that ignores the mask, sliding-window attention) runs padded, with one log line. Nothing here keeps state, and
+every process makes the same model calls whatever its data (one forward per call).
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from plumbing import chunked_head
-
-_ENABLED = False  # set once from --padding_free (use_padding_free)
-_VERDICTS: dict = {}  # (model class, kind, attention implementation) -> packed forward supported?
-
-
-def use_padding_free(on: bool) -> None:
-    """Run the forwards of policy_common and reward_sources on packed rows from now on (--padding_free)."""
-    global _ENABLED
-    _ENABLED = bool(on)
-
-
-def enabled() -> bool:
-    return _ENABLED
-
-
-@contextlib.contextmanager
-def padding_free(on: bool = True):
-    """`use_padding_free(on)` within the block (tests, benchmarks), the previous setting restored after it."""
-    saved = _ENABLED
-    use_padding_free(on)
-    try:
-        yield
-    finally:
-        use_padding_free(saved)
+import policy_common as pc
+from plumbing import chunked_head, models
 
 
 @dataclass
@@ -222,15 +198,11 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 def supported(model: torch.nn.Module, run: Callable, kind: str, pad_token_id: int) -> bool:
     """Does `run(input_ids, attention_mask, position_ids) -> (b, t, H)` give the same outputs packed as padded? Tried
-    once per model class, attention implementation and `kind` on a tiny batch (three rows, two sharing a query),
-    without gradient and in eval mode; a model that does not is run padded, with one log line."""
-    key = (type(model), kind, attention_implementation(model))
-    if key in _VERDICTS:
-        return _VERDICTS[key]
+    on a tiny batch (three rows, two sharing a query), without gradient and in eval mode; a model that does not is run
+    padded, with one log line (`kind` names the forward in it)."""
     if sliding_window(model):
         print(f"note: --padding_free: {type(model).__name__} attends within a sliding window, which the packed mask "
               "does not reproduce; its forwards run padded", flush=True)
-        _VERDICTS[key] = False
         return False
     vocab_size = model.get_input_embeddings().weight.shape[0]
     tokens = [(7 * i + 3) % vocab_size for i in range(12)]
@@ -239,8 +211,7 @@ def supported(model: torch.nn.Module, run: Callable, kind: str, pad_token_id: in
             tokens[0:3] + tokens[5:8],
             [pad_token_id] + tokens[8:10] + tokens[10:11] + [pad_token_id] * 2]
     query_responses = torch.tensor(rows, device=_device(model))
-    attention_mask = (query_responses != pad_token_id).long()  # policy_common.padding_inputs (which imports this)
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    attention_mask, position_ids = pc.padding_inputs(query_responses, pad_token_id)
     packed = model_layout(model, query_responses, pad_token_id, context_length=3, share=True)
     training = model.training
     model.eval()
@@ -259,22 +230,21 @@ def supported(model: torch.nn.Module, run: Callable, kind: str, pad_token_id: in
     finally:
         model.train(training)
     if not ok:
-        print(f"note: --padding_free: {type(model).__name__}'s packed forward differs from its padded one "
+        print(f"note: --padding_free: {type(model).__name__}'s packed {kind} forward differs from its padded one "
               f"({difference}); its forwards run padded", flush=True)
-    _VERDICTS[key] = ok
     return ok
 
 
-# ---- The forwards of policy_common (causal LMs) and reward_sources (reward and value models), packed
+# ---- The forwards of causal LMs and of reward and value models, packed (forwards.py chooses them)
 def lm_supported(model: torch.nn.Module, pad_token_id: int) -> bool:
     """Can this causal LM's forwards run packed? `supported`, and an output layer that can be applied apart from the
     forward (chunked_head.supported: no soft-capping or logit scale)."""
-    lm = chunked_head.causal_lm(model)
+    lm = models.causal_lm(model)
     if not chunked_head.supported(model) or lm.get_output_embeddings() is None:
         return False
 
     def run(input_ids, attention_mask, position_ids):
-        with chunked_head.hidden_instead_of_logits(model):
+        with models.hidden_instead_of_logits(model):
             return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).logits
 
@@ -284,7 +254,7 @@ def lm_supported(model: torch.nn.Module, pad_token_id: int) -> bool:
 def response_outputs(model: torch.nn.Module, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
                      share_prompts: bool = False, grad_rows: Optional[int] = None,
                      hidden: bool = False) -> torch.Tensor:
-    """policy_common.response_outputs on packed rows: one forward over the packed sequences, the hidden states of the
+    """policy_common.Forward.outputs on packed rows: one forward over the packed sequences, the hidden states of the
     real positions that predict a response token gathered, the output layer run on those only (not with `hidden`):
     (B, R, V) logits, or (B, R, H) hidden states, zeros at pad positions. `grad_rows=n`: rows n.. packed and run
     apart, without gradient."""
@@ -296,14 +266,14 @@ def response_outputs(model: torch.nn.Module, query_responses: torch.Tensor, cont
             other = response_outputs(model, query_responses[grad_rows:], context_length, pad_token_id, share_prompts,
                                      None, hidden)
         return torch.cat([first, other])
-    packed = model_layout(chunked_head.causal_lm(model), query_responses, pad_token_id, context_length, share_prompts)
-    with chunked_head.hidden_instead_of_logits(model):
+    packed = model_layout(models.causal_lm(model), query_responses, pad_token_id, context_length, share_prompts)
+    with models.hidden_instead_of_logits(model):
         states = model(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
                        position_ids=packed.position_ids, use_cache=False).logits  # (P, C, H)
     # the token at column c - 1 predicts the response token at column c; a response token's predecessor is real
     predicting, where = packed.gather(states, slice(context_length - 1, T - 1),
                                       keep=query_responses[:, context_length:] != pad_token_id)
-    outputs = predicting if hidden else chunked_head.output_layer(model)(predicting)  # (n, X)
+    outputs = predicting if hidden else models.output_layer(model)(predicting)  # (n, X)
     result = outputs.new_zeros(B, T - context_length, outputs.shape[-1])
     result[where] = outputs
     return result
@@ -320,7 +290,7 @@ def backbone_supported(backbone: torch.nn.Module, pad_token_id: int) -> bool:
 
 def scalar_outputs(model: torch.nn.Module, backbone: torch.nn.Module, query_responses: torch.Tensor,
                    pad_token_id: int, context_length: int = 0, share_prompts: bool = False) -> torch.Tensor:
-    """reward_sources.scalar_forward on packed rows: (B, T) -> (B, T) the sequence classifier `model`'s score head
+    """policy_common.ScalarForward.values on packed rows: (B, T) -> (B, T) the sequence classifier `model`'s score head
     on its `backbone`'s last hidden states at every real token, 0 at padding."""
     packed = model_layout(backbone, query_responses, pad_token_id, context_length, share_prompts)
     hidden = backbone(input_ids=packed.input_ids, attention_mask=packed.attention_mask,
@@ -330,3 +300,40 @@ def scalar_outputs(model: torch.nn.Module, backbone: torch.nn.Module, query_resp
     values = scores.new_zeros(query_responses.shape)
     values[where] = scores
     return values
+
+
+class PackedForward(pc.Forward):
+    """`inner`'s forward (plain, or sharing prompts: then rows with one query make one tree segment) on packed rows
+    (`response_outputs`); generation's prefill is `inner`'s."""
+
+    def __init__(self, inner: pc.Forward):
+        super().__init__(inner.pad_token_id, inner.temperature)
+        self.inner, self.shares_prompts = inner, inner.shares_prompts
+
+    def unshared(self) -> pc.Forward:
+        return PackedForward(self.inner.unshared())
+
+    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False):
+        if query_responses.shape[1] == context_length:  # no response position
+            return self.inner.outputs(model, query_responses, context_length, grad_rows, hidden)
+        return response_outputs(model, query_responses, context_length, self.pad_token_id, self.shares_prompts,
+                                grad_rows, hidden)
+
+    def prefill(self, model, queries, attention_mask, position_ids, cache=None) -> dict:
+        return self.inner.prefill(model, queries, attention_mask, position_ids, cache)
+
+
+class PackedScalarForward(pc.ScalarForward):
+    """`inner`'s scalar forward (a reward or value model's) on packed rows (`scalar_outputs`)."""
+
+    def __init__(self, inner: pc.ScalarForward):
+        super().__init__(inner.pad_token_id)
+        self.inner, self.shares_prompts = inner, inner.shares_prompts
+
+    def unshared(self) -> pc.ScalarForward:
+        return PackedScalarForward(self.inner.unshared())
+
+    def values(self, model, query_responses, context_length=0):
+        base = models.unwrap(model)
+        return scalar_outputs(base, getattr(base, base.base_model_prefix), query_responses, self.pad_token_id,
+                              context_length, self.shares_prompts)

@@ -12,7 +12,7 @@ How the reward model reads a completion (`--reward_model_input`):
           token: the convention of TRL's RLOO and GRPO trainers. Any tokenizer; the reward model never sees EOS.
   Default: what the reward model's config records (`reward_model_input`, written by this project when it trains
   one), else tokens when it shares the policy's vocabulary, else text. Read at a position it was never trained
-  on, a reward model returns noise, silently: see README "Rewards".
+  on, a reward model returns noise, silently: see docs/rewards.md.
 
 Reward functions (`--reward_funcs`): `gold` (the dataset's ground-truth scorer, where it has one: the toy task),
 `path/to/file.py:function` or `package.module:function`, called as TRL calls them, by keyword:
@@ -47,10 +47,10 @@ import torch
 
 import policy_common as pc
 from plumbing import data_utils as du
-from plumbing import models, packing
-from plumbing import prompt_sharing as ps
+from plumbing import models
 from plumbing import run_utils as ru
 from plumbing.errors import RolloutError, UserError
+from plumbing.forwards import Forwards
 
 BUILTINS = ("gold",)
 REWARD_MODEL = "reward_model"  # the reward model's name in reward/<name> metrics
@@ -226,15 +226,21 @@ def _raises(function: RewardFunction, arguments: Dict[str, list]) -> bool:
 # The reward sources of a run, combined
 # ---------------------------------------------------------------------------------------------------------
 class Rewards:
-    """The run's reward sources: an optional frozen reward model (read per `mode`: "tokens" or "text"), reward
-    functions, one weight per source. `names` are the sources' metric names, reward model first."""
+    """The run's reward sources: an optional frozen reward model (read per `mode`: "tokens" or "text") with the
+    forward chosen for it (`forward`: plumbing/forwards.py; None: the plain one), reward functions, one weight per
+    source. `names` are the sources' metric names, reward model first."""
 
     def __init__(self, tokenizer, reward_model=None, reward_tokenizer=None, mode: str = "tokens",
                  functions: Sequence[RewardFunction] = (), weights: Optional[Sequence[float]] = None,
-                 path: Optional[str] = None, required: bool = True, max_steps: int = 0):
+                 path: Optional[str] = None, required: bool = True, max_steps: int = 0,
+                 forward: Optional[pc.ScalarForward] = None):
         from transformers import TrainerState
 
         self.tokenizer, self.reward_model, self.reward_tokenizer = tokenizer, reward_model, reward_tokenizer
+        if forward is None and reward_model is not None:  # reward functions alone need no forward (nor tokenizer)
+            forward = pc.ScalarForward((tokenizer if mode == "tokens" or reward_tokenizer is None
+                                        else reward_tokenizer).pad_token_id)
+        self.forward = forward
         self.trainer_state = TrainerState(max_steps=max_steps)  # what reward functions get as trainer_state
         self.logged_metrics, self.extra_columns = defaultdict(list), {}  # log_metric's and log_extra's, not yet read
         self.mode, self.path = mode, path  # path: where the reward model was loaded from
@@ -253,13 +259,15 @@ class Rewards:
 
     @torch.no_grad()
     def __call__(self, query_responses: torch.Tensor, context_length: int, rows: Sequence[dict], accelerator=None,
-                 chunk_size: Optional[int] = None, share_prompts: bool = False, episodes: Optional[list] = None,
+                 chunk_size: Optional[int] = None, shared: bool = False, episodes: Optional[list] = None,
                  step: Optional[int] = None):
         """Score B completions. query_responses (B, T) = [left-padded query | response, right-padded];
         `rows` the B dataset rows (dicts with `prompt` and any other columns) the queries came from; `episodes`
         (multi-turn, episodes.py): reward functions see each episode's conversation as its completion, and
         `environments=` its environment instances; a reward model reads the episode's whole token sequence (tool
         results included) as the response: as tokens, scored at its last token; as text, decoded as one completion.
+        `shared`: the rows repeat prompts as the run's forwards were chosen for (the rollout's samples of a prompt;
+        False: rows that do not, evaluation's), so its reward model may encode each prompt once.
         Returns (scores (B,), per_source (B, S)): per_source holds each source's score, NaN where a function
         returned None; scores = sum over sources of weight * score, NaNs left out (0 for a row no source scored).
         With reward functions every process must call this together (their failure is agreed: one all-reduce).
@@ -269,7 +277,7 @@ class Rewards:
             self.trainer_state.global_step = step
         columns = []
         if self.reward_model is not None:
-            columns.append(self._model_scores(query_responses, context_length, rows, chunk_size, share_prompts))
+            columns.append(self._model_scores(query_responses, context_length, rows, chunk_size, shared))
         if self.functions:
             arguments = self._arguments(responses, rows, episodes)
             message = None
@@ -290,19 +298,19 @@ class Rewards:
         verdicts = per_source[:, self.verdict_columns]  # (B, F)
         return ((verdicts >= 1.0) | verdicts.isnan()).all(1) & ~verdicts.isnan().all(1)
 
-    def _model_scores(self, query_responses, context_length, rows, chunk_size, share_prompts):
-        pad = self.tokenizer.pad_token_id
+    def _model_scores(self, query_responses, context_length, rows, chunk_size, shared):
         chunk = chunk_size or query_responses.shape[0]
         if self.mode == "tokens":
-            return torch.cat([get_reward(self.reward_model, query_responses[i:i + chunk], pad, context_length,
-                                            share_prompts) for i in range(0, query_responses.shape[0], chunk)])
+            forward = self.forward if shared else self.forward.unshared()
+            return torch.cat([forward.rewards(self.reward_model, query_responses[i:i + chunk], context_length)
+                              for i in range(0, query_responses.shape[0], chunk)])
         texts = [self._text(query_response, context_length, row["prompt"])
                  for query_response, row in zip(query_responses, rows)]
         reward_pad, scores = self.reward_tokenizer.pad_token_id, []
         for i in range(0, len(texts), chunk):
             ids = [self.reward_tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts[i:i + chunk]]
             batch = pc.pad_sequences(ids, reward_pad, "right").to(query_responses.device)
-            scores.append(get_reward(self.reward_model, batch, reward_pad))
+            scores.append(self.forward.rewards(self.reward_model, batch))
         return torch.cat(scores)
 
     def _text(self, query_response: torch.Tensor, context_length: int, prompt) -> str:
@@ -393,35 +401,6 @@ class Rewards:
         return {f"{prefix}{name}": sum(values) / len(values) for name, values in sorted(logged.items()) if values}
 
 
-def scalar_forward(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
-                   share_prompts: bool = False) -> torch.Tensor:
-    """Per-token scalar outputs of a sequence-classification model (reward or value): (B, T) -> (B, T).
-    Runs the backbone and the `score` head directly so that every position is read, padding-safe. With
-    `share_prompts`, rows with identical queries (the first `context_length` tokens) encode the query once, as
-    in `forward_logits`. With --padding_free the backbone runs on packed rows (packing.py) and pad positions get 0."""
-    base = models.unwrap(model)
-    backbone = getattr(base, base.base_model_prefix)
-    if packing.enabled() and packing.backbone_supported(backbone, pad_token_id):
-        return packing.scalar_outputs(base, backbone, query_responses, pad_token_id, context_length, share_prompts)
-    attention_mask, position_ids = pc.padding_inputs(query_responses, pad_token_id)
-    hidden = None
-    if share_prompts and 0 < context_length < query_responses.shape[1] and ps.takes_cache(backbone):
-        hidden = ps.shared_hidden(backbone, query_responses, attention_mask, position_ids, context_length)
-    if hidden is None:
-        hidden = backbone(input_ids=query_responses.masked_fill(attention_mask == 0, 0), attention_mask=attention_mask,
-                          position_ids=position_ids, use_cache=False).last_hidden_state
-    return base.score(hidden).squeeze(-1)
-
-
-def get_reward(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
-               share_prompts: bool = False) -> torch.Tensor:
-    """(B, T) -> (B,) reward-model score read at the last non-pad token of each row (`context_length`,
-    `share_prompts`: as in `scalar_forward`)."""
-    values = scalar_forward(model, query_responses, pad_token_id, context_length, share_prompts)
-    last = pc.last_token_index(query_responses != pad_token_id)
-    return values[torch.arange(values.shape[0], device=values.device), last]
-
-
 def penalise_missing_eos(scores: torch.Tensor, truncated: torch.Tensor, penalty: Optional[float]) -> torch.Tensor:
     """(B,) scores, (B,) bool `truncated` (the completion, or the episode's last turn, was cut by the budget before
     its EOS) -> scores minus `penalty` there (--missing_eos_penalty, the "EOS trick" of TRL and Huang et al. 2024,
@@ -447,10 +426,11 @@ def reward_model_input(flag: Optional[str], recorded: Optional[str], same_vocabu
     return mode
 
 
-def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequence, accelerator,
+def load_rewards(args, tokenizer, forwards: Forwards, model_alias: str, dataset: str, datasets: Sequence, accelerator,
                  environments: Sequence[type] = (), max_steps: int = 0) -> Rewards:
     """The run's Rewards from the shared flags `--reward_model` (None = the one paired with --model, or none when
-    --reward_funcs are given), `--reward_model_input`, `--reward_funcs`, `--reward_weights`. Checks, at start-up,
+    --reward_funcs are given), `--reward_model_input`, `--reward_funcs`, `--reward_weights`; the reward model's forward
+    chosen from the run's `forwards` (in text mode: its own pad token, its rows repeating nothing). Checks, at start-up,
     that every column a function requires is in each of `datasets`, and that conversational data read as text
     has a chat template. The reward model gets a pad token of its own if it has none (the policy's is untouched)."""
     functions = [load_reward_function(spec, dataset) for spec in args.reward_funcs or []]
@@ -488,5 +468,8 @@ def load_rewards(args, tokenizer, model_alias: str, dataset: str, datasets: Sequ
     why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
     accelerator.print(f"reward model {path} reads {mode} ({why})")
-    return Rewards(tokenizer, models.prepare_frozen(model, accelerator), reward_tokenizer, mode, functions, weights,
-                   path, max_steps=max_steps)
+    if mode == "text":
+        forwards = forwards.replace(pad_token_id=reward_tokenizer.pad_token_id, repeats=None)
+    model = models.prepare_frozen(model, accelerator)
+    return Rewards(tokenizer, model, reward_tokenizer, mode, functions, weights, path, max_steps=max_steps,
+                   forward=forwards.scalar(model))  # its forward chosen where it runs

@@ -8,8 +8,8 @@ reference model's log-probs; each reward source's score and their weighted sum, 
 may come from earlier weights (run_ahead.py). Evaluation: evaluation.py (offline scripts: greedy_eval.py).
 
 The sampler owns the choices that change speed, never the numbers an algorithm computes:
-- prompt sharing (prompt_sharing.py): a prompt repeated over rows is encoded once in generation, scoring and the
-  training forward (`Sampler.logprobs`); decided once, from flags that are the same on every process;
+- the policy's forward, chosen once at setup (forwards.py, from `rollout_forwards`: prompt sharing, packing, the
+  output layer in chunks), in generation's prefill, scoring, and the scripts' training forward;
 - chunk sizes: --local_rollout_forward_batch_size rows per generation and per no-grad forward;
 - HF generate or vLLM, and the engine's weight sync (before a generation that follows an optimizer step);
 - the order of rows in the update (`Rollout.shuffled_rows`): a prompt's samples stay together.
@@ -19,14 +19,14 @@ generation sampled from, are the old log-probs (those of the policy before this 
 recomputes them. That holds while four things agree: sampling never emits pad (`make_generation_config` suppresses
 it), generation applies the temperature and nothing else (top_k 0, top_p 1, the model's own sampling defaults
 ignored: `batch_generation`), and every forward scores that same distribution (logits / temperature with pad masked:
-`forward_logits`, `mask_pad_`). A top-p, a top-k, a repetition penalty or a logits processor added to generation
+`Forward.logits`, `mask_pad_`). A top-p, a top-k, a repetition penalty or a logits processor added to generation
 would break it without an error, so it is measured: at the first rollout and every LOGPROB_CHECK_EVERY-th (by step,
 so a resumed run checks the same steps), the first LOGPROB_CHECK_ROWS rows are scored again by a forward, and the
 largest |sampled - recomputed| over their tokens, on all processes, is logged as `rollout/logprob_check`. Above the
 tolerance (float32: 1e-3 on any token; bf16/fp16, whose kernels round differently in generation and in a forward:
 0.05 on average over the tokens) the run stops with a RolloutError, its finished steps checkpointed. With vLLM (other
 kernels, a KV cache, bf16) or earlier weights the old log-probs come from a trainer forward, and
-`Rollout.importance_weights` reweights the policy loss by pi_old / pi_sampler.
+`Rollout.importance_weights` reweights the policy loss by pi_old / pi_behaviour.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ from plumbing import run_utils as ru
 from plumbing import vllm_generation as vg
 from plumbing import vllm_server as vs
 from plumbing.errors import RolloutError, UserError, require_positive
+from plumbing.forwards import Forwards
+from plumbing.importance_sampling import ImportanceSampling, importance_sampling_stats, importance_weights
 
 LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant (the first rollout is checked)
 LOGPROB_CHECK_ROWS = 4  # rows scored again by a forward at each check
@@ -131,6 +133,15 @@ def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Too
                       du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)), context_limit)
 
 
+def rollout_forwards(args, pad_token_id: int, samples_per_prompt: int) -> Forwards:
+    """An RL run's forwards (forwards.py): log-probs of logits / --temperature; the samples_per_prompt completions of a
+    prompt encode it once where that saves enough at the sampler's chunks (min(--per_device_train_batch_size,
+    --local_rollout_forward_batch_size) rows, prompts of --max_prompt_length, completions of --response_length)."""
+    repeats = ps.Repeats(min(args.per_device_train_batch_size, args.local_rollout_forward_batch_size),
+                         samples_per_prompt, args.max_prompt_length, args.response_length)
+    return Forwards.from_args(args, pad_token_id, temperature=args.temperature, repeats=repeats)
+
+
 @dataclass
 class Samples:
     """`Sampler.generate`'s unscored completions: `Rollout`'s fields, the episodes, the sampling weights' version."""
@@ -162,7 +173,7 @@ class Rollout:
     ref_logprobs: Optional[torch.Tensor]  # (B, R) the reference's; meaningless after EOS (mask with response_mask)
     entropy: Optional[torch.Tensor]  # (B, R) entropy of the sampling distribution at each response position
     # (B, R) pi_behaviour: the log-probs of the policy that sampled (a vLLM engine, or earlier weights with
-    # --max_staleness), whose samples the loss reweights (pc.importance_weights); None: pi_old sampled them itself
+    # --max_staleness), whose samples the loss reweights (`importance_weights`); None: pi_old sampled them itself
     behaviour_logprobs: Optional[torch.Tensor]
     metrics: dict  # rollout/logprob_check (at the steps checked), time/weight_sync_seconds (vLLM)
     pad_token_id: int
@@ -170,7 +181,7 @@ class Rollout:
     action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
     episode_truncated: Optional[torch.Tensor] = None  # (B,) multi-turn: the episode ended at the budget
     # how the loss of another policy's samples is reweighted (--vllm_importance_sampling_*, with behaviour_logprobs)
-    importance_sampling: pc.ImportanceSampling = pc.ImportanceSampling()
+    importance_sampling: ImportanceSampling = ImportanceSampling()
 
     @property
     def responses(self) -> torch.Tensor:
@@ -183,6 +194,16 @@ class Rollout:
         to and including the EOS (multi-turn: of every turn; tool-result tokens are not actions)."""
         mask = self.responses != self.pad_token_id
         return mask if self.action_mask is None else mask & self.action_mask
+
+    def length_metrics(self) -> dict:
+        """val/num_eos_tokens (completions that ended with EOS), val/truncated_fraction, val/response_length (mean)."""
+        return {"val/num_eos_tokens": (~self.truncated).sum().float(), "val/truncated_fraction":
+                self.truncated.float().mean(), "val/response_length": self.response_mask.sum(1).float().mean()}
+
+    @property
+    def scored_rewards(self) -> torch.Tensor:
+        """(B,) `scores`, NaN where no reward source scored the completion (left out of its group's statistics)."""
+        return self.scores.masked_fill(self.source_scores.isnan().all(1), math.nan)
 
     @property
     def token_counts(self) -> torch.Tensor:
@@ -204,6 +225,18 @@ class Rollout:
         prompts = len(self.query_responses) // k
         return (torch.randperm(prompts, device=device)[:, None] * k + torch.arange(k, device=device)).flatten()
 
+    def importance_weights(self, old_logprobs: torch.Tensor, sequence_loss: bool = False):
+        """The weights pi_old / pi_behaviour of the loss terms of another policy's samples (importance_sampling.py):
+        (B, R), or (B,) for a loss with one term per completion (`sequence_loss`); None when pi_old sampled them.
+        old_logprobs (B, R): pi_old's (the rollout's, or the training forward's own, detached, at one pass)."""
+        return importance_weights(old_logprobs, self.behaviour_logprobs, self.response_mask,
+                                  self.importance_sampling, sequence_loss)
+
+    def importance_sampling_stats(self, old_logprobs: torch.Tensor, sequence_loss: bool = False) -> dict:
+        """vllm/* (or async/*) metrics of those weights (importance_sampling.py); {} when pi_old sampled them."""
+        return importance_sampling_stats(old_logprobs, self.behaviour_logprobs, self.response_mask,
+                                         self.importance_sampling, sequence_loss)
+
     def subset(self, rows: torch.Tensor) -> "Rollout":
         """The rows `rows` (whole groups of samples_per_prompt, in order) as a Rollout of their own."""
         per_row = ("query_responses", "scores", "source_scores", "old_logprobs", "ref_logprobs", "entropy",
@@ -212,66 +245,28 @@ class Rollout:
         return dataclasses.replace(self, rows=[self.rows[i] for i in rows.tolist()], **picked)
 
 
-def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
-    """Several rollouts of one step as one (rows in order; e.g. dynamic sampling's rounds): prompts re-padded on the
-    left to the longest context, responses on the right to the longest (pad; PADDING_LOGPROB for old log-probs,
-    0 elsewhere, outside the response mask either way); numeric metrics averaged over the rounds that have them, but
-    durations (*_seconds) summed."""
-    if len(rollouts) == 1:
-        return rollouts[0]
-    first, pad = rollouts[0], rollouts[0].pad_token_id
-    context_length = max(r.context_length for r in rollouts)
-    length = max(r.query_responses.shape[1] - r.context_length for r in rollouts)  # R
-
-    def response_side(name: str, fill):  # (B, R_i) per rollout -> (sum B, R), right-filled
-        if getattr(first, name) is None:
-            return None
-        return torch.cat([torch.nn.functional.pad(getattr(r, name), (0, length - getattr(r, name).shape[1]),
-                                                  value=fill) for r in rollouts])
-
-    query_responses = torch.cat([torch.nn.functional.pad(r.query_responses, (
-        context_length - r.context_length, length - r.query_responses.shape[1] + r.context_length), value=pad)
-        for r in rollouts])  # (sum B, Lq + R): left pad to the longest prompt, right pad to the longest response
-    metrics = {}
-    for key in {key for r in rollouts for key in r.metrics}:
-        values = [r.metrics[key] for r in rollouts if key in r.metrics]
-        metrics[key] = sum(values) / (1 if key.endswith("_seconds") else len(values))  # durations add up
-    return dataclasses.replace(
-        first, query_responses=query_responses, context_length=context_length,
-        rows=[row for r in rollouts for row in r.rows],
-        scores=torch.cat([r.scores for r in rollouts]), source_scores=torch.cat([r.source_scores for r in rollouts]),
-        old_logprobs=response_side("old_logprobs", pc.PADDING_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
-        entropy=response_side("entropy", 0.0), behaviour_logprobs=response_side("behaviour_logprobs", 0.0),
-        action_mask=response_side("action_mask", False), metrics=metrics,
-        episode_truncated=None if first.episode_truncated is None else torch.cat([r.episode_truncated
-                                                                                   for r in rollouts]))
-
-
 class Sampler:
     """Sampling and scoring for one RL run (see the module docstring).
 
     policy: the causal LM that samples and is trained (rloo, grpo: the prepared policy; ppo: the policy inside its
-    policy-and-value model). reference: a policy_common.Reference, or None (no reference log-probs). prompts: the
-    training prompts' token ids; rows: their dataset rows (a datasets.Dataset or list). Each process takes
-    `prompts_per_process` prompts of the data stream per rollout and samples each `samples_per_prompt` times.
-    max_prompt_length: the longest prompt it may see (sizes the vLLM engine and the prompt-sharing decision).
-    weights_version: optimizer steps behind the policy's weights now (0; a resumed run's step). Reads the shared
-    flags --response_length, --temperature, --missing_eos_penalty, --local_rollout_forward_batch_size,
-    --share_prompts, --seed and --use_vllm/--vllm_*."""
+    policy-and-value model); forward: the forward chosen for it (`rollout_forwards(...).lm(policy)`). reference: a
+    policy_common.Reference, or None (no reference log-probs). prompts: the training prompts' token ids; rows: their
+    dataset rows (a datasets.Dataset or list). Each process takes `prompts_per_process` prompts of the data stream per
+    rollout and samples each `samples_per_prompt` times. max_prompt_length: the longest prompt it may see (sizes the
+    vLLM engine). weights_version: optimizer steps behind the policy's weights now (0; a resumed run's step). Reads
+    the shared flags --response_length, --temperature, --missing_eos_penalty, --local_rollout_forward_batch_size,
+    --seed and --use_vllm/--vllm_*."""
 
-    def __init__(self, args, accelerator, tokenizer, policy: nn.Module, reward_sources: rs.Rewards, reference, *,
-                 prompts: Sequence[List[int]], rows, samples_per_prompt: int, prompts_per_process: int,
-                 max_prompt_length: int, weights_version: int = 0, toolset: Optional[ep.Toolset] = None,
-                 context_limit: Optional[int] = None):
+    def __init__(self, args, accelerator, tokenizer, policy: nn.Module, forward: pc.Forward,
+                 reward_sources: rs.Rewards, reference, *, prompts: Sequence[List[int]], rows, samples_per_prompt: int,
+                 prompts_per_process: int, max_prompt_length: int, weights_version: int = 0,
+                 toolset: Optional[ep.Toolset] = None, context_limit: Optional[int] = None):
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
-        self.policy, self.reward_sources, self.reference = policy, reward_sources, reference
+        self.policy, self.forward, self.reward_sources, self.reference = policy, forward, reward_sources, reference
         self.prompts, self.rows = prompts, rows
         self.samples_per_prompt, self.prompts_per_process = samples_per_prompt, prompts_per_process
         self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
-        self.share = getattr(args, "share_prompts", False) and ps.worth_sharing(  # the same on every process
-            min(args.per_device_train_batch_size, self.chunk), samples_per_prompt, max_prompt_length,
-            args.response_length)
         self.generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature,
                                                           cache_implementation=args.cache_implementation)
         self.toolset, self.environments = toolset, toolset and envs.EnvironmentPool(toolset)  # multi-turn (episodes.py)
@@ -315,32 +310,29 @@ class Sampler:
         training, metrics, hf = self.policy.training, {}, self.vllm is None or self.toolset is not None
         if hf:  # (a vLLM engine samples in its own process; the policy may be training meanwhile: run_ahead.py)
             self.policy.eval()
+        by_engine = self.vllm is not None
         if self.toolset is None:
-            query_responses, logprobs, entropies, sampler_logprobs = self.sample(queries, weights_version, entropy,
-                                                                                 seeds=seeds)
+            query_responses, behaviour_logprobs, entropies = self.sample(queries, weights_version, entropy, seeds=seeds)
             truncated, action_mask, episodes = ~(query_responses[:, context_length:] == self.eos).any(1), None, None
         else:
             episodes = self.play(rows, self.generation_config, weights_version, entropy=entropy)
             tensors = ep.episode_tensors(episodes, self.pad, accelerator.device)
             query_responses, context_length = tensors["query_responses"], tensors["context_length"]
             action_mask, truncated = tensors["action_mask"], tensors["truncated"]
-            logprobs, entropies = tensors["logprobs"], tensors["entropy"] if entropy else None
-            sampler_logprobs = None if self.vllm is None else tensors["sampler_logprobs"]
+            behaviour_logprobs, entropies = tensors["behaviour_logprobs"], tensors["entropy"] if entropy else None
             metrics.update(ep.episode_metrics(episodes, accelerator))
         response_mask = query_responses[:, context_length:] != self.pad  # (B, R)
         if action_mask is not None:
             response_mask &= action_mask
-        if self.vllm is None and weights_version % LOGPROB_CHECK_EVERY == 0:
-            metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, logprobs,
+        if not by_engine and weights_version % LOGPROB_CHECK_EVERY == 0:
+            metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, behaviour_logprobs,
                                                                    response_mask, weights_version + 1)
-        metrics.update({"time/weight_sync_seconds": self.vllm.last_sync_seconds} if self.vllm is not None else {})
+        metrics.update({"time/weight_sync_seconds": self.vllm.last_sync_seconds} if by_engine else {})
         if hf:
             self.policy.train(training)
         metrics["time/generate_seconds"] = time.perf_counter() - start
-        by_engine = self.vllm is not None
-        return Samples(query_responses, context_length, indices, rows, sampler_logprobs if by_engine else logprobs,
-                       by_engine, None if by_engine else entropies, action_mask, truncated, episodes, metrics,
-                       weights_version)
+        return Samples(query_responses, context_length, indices, rows, behaviour_logprobs, by_engine,
+                       None if by_engine else entropies, action_mask, truncated, episodes, metrics, weights_version)
 
     @torch.no_grad()
     def score(self, samples: Samples, weights_version: int, *, old_logprobs: bool = True,
@@ -359,9 +351,8 @@ class Sampler:
         if behaviour_logprobs is not None and (old_logprobs or entropy):  # the trainer's own log-probs of the samples
             training = self.policy.training
             self.policy.eval()
-            logprobs = pc.response_logprobs_no_grad(self.policy, query_responses, context_length, self.pad,
-                                                    args.temperature, self.chunk, share_prompts=self.share,
-                                                    return_entropy=entropy, chunk_tokens=args.logprob_chunk_tokens)
+            logprobs = self.forward.logprobs_no_grad(self.policy, query_responses, context_length,
+                                                     chunk_size=self.chunk, entropy=entropy)
             logprobs, entropies = logprobs if entropy else (logprobs, None)
             self.policy.train(training)
         if logprobs is not None:
@@ -371,15 +362,14 @@ class Sampler:
 
         # 2. score: each reward source, weighted; the missing-EOS penalty ("EOS trick")
         scores, source_scores = self.reward_sources(query_responses, context_length, samples.rows, self.accelerator,
-                                                    self.chunk, share_prompts=self.share, episodes=samples.episodes,
+                                                    self.chunk, shared=True, episodes=samples.episodes,
                                                     step=samples.weights_version)
         scores = rs.penalise_missing_eos(scores, samples.truncated, args.missing_eos_penalty)  # (B,), (B, S)
 
         # 3. the reference's log-probs
         ref_logprobs = None
         if self.reference is not None:
-            ref_logprobs = self.reference.logprobs(query_responses, context_length, self.pad, args.temperature,
-                                                   self.chunk, share_prompts=self.share)
+            ref_logprobs = self.reference.logprobs(query_responses, context_length, self.chunk)
         return Rollout(query_responses=query_responses, context_length=context_length,
                        samples_per_prompt=self.samples_per_prompt, rows=samples.rows, scores=scores,
                        source_scores=source_scores, old_logprobs=logprobs if old_logprobs else None,
@@ -387,24 +377,24 @@ class Sampler:
                        metrics=dict(samples.metrics), pad_token_id=self.pad, eos_token_id=self.eos,
                        action_mask=samples.action_mask,
                        episode_truncated=None if samples.episodes is None else samples.truncated,
-                       importance_sampling=pc.ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"))
+                       importance_sampling=ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"))
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
                first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True, seeds=None):
         """One completion per row of `queries` (B, Lq), left-padded, by HF generate or vLLM -> (query_responses
-        (B, Lq + R), logprobs (B, R) of the sampled tokens (HF; None with vLLM), entropy (B, R) or None, vLLM's
-        log-probs (B, R) or None). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
+        (B, Lq + R), behaviour log-probs (B, R) of the sampled tokens under the policy that sampled them, entropy
+        (B, R) or None (HF only)). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
         stops each row at its own (HF generates R for every row; the caller cuts). use_vllm=False: HF generate even
         with an engine. seeds: vLLM's per row (None: drawn)."""
         config = generation_config or self.generation_config
         if self.vllm is not None and use_vllm:
-            query_responses, sampler_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
-                                                                   budgets, seeds)
-            return query_responses, None, None, sampler_logprobs
+            query_responses, behaviour_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
+                                                                     budgets, seeds)
+            return query_responses, behaviour_logprobs, None
         query_responses, logprobs, *entropies = pc.batch_generation(
             self.policy, queries, self.pad, self.eos, config, self.chunk, self.accelerator,
-            share_prompts=self.share and first_turn, return_entropy=entropy)
-        return query_responses, logprobs, entropies[0] if entropy else None, None
+            forward=self.forward if first_turn else None, return_entropy=entropy)  # later turns: one row per prompt
+        return query_responses, logprobs, entropies[0] if entropy else None
 
     def play(self, rows: Sequence[dict], generation_config, weights_version: int = 0, *, entropy: bool = False,
              use_vllm: bool = True) -> list:
@@ -419,15 +409,15 @@ class Sampler:
             config.max_new_tokens = max(budgets)
             if len(self.toolset.stop_ids) > 1:  # a turn also ends at e.g. GPT-OSS's <|call|>
                 config.eos_token_id = list(self.toolset.stop_ids)
-            query_responses, logprobs, entropies, sampler_logprobs = self.sample(
-                queries, weights_version, entropy, config, first_turn, budgets, use_vllm)
+            query_responses, behaviour_logprobs, entropies = self.sample(queries, weights_version, entropy, config,
+                                                                         first_turn, budgets, use_vllm)
             responses = query_responses[:, queries.shape[1]:].tolist()
             turns = [[t for t in response if t != self.pad] for response in responses]
 
             def lists(values):
                 return None if values is None else [v[:len(t)] for v, t in zip(values.tolist(), turns)]
 
-            return turns, lists(logprobs) or [[0.0] * len(t) for t in turns], lists(sampler_logprobs), lists(entropies)
+            return turns, lists(behaviour_logprobs), lists(entropies)
 
         return ep.run_episodes(episodes, generate, self.tokenizer, self.toolset,
                                response_length=generation_config.max_new_tokens, context_limit=self.context_limit,
@@ -441,8 +431,7 @@ class Sampler:
         forward; returns the largest |sampled - recomputed| over their tokens on all processes (one all-reduce);
         raises RolloutError on every process when it is above the tolerance."""
         rows = query_responses[:LOGPROB_CHECK_ROWS]
-        recomputed = pc.response_logprobs_no_grad(self.policy, rows, context_length, self.pad, self.args.temperature,
-                                                  share_prompts=self.share, chunk_tokens=self.args.logprob_chunk_tokens)
+        recomputed = self.forward.logprobs_no_grad(self.policy, rows, context_length)
         mask = response_mask[:LOGPROB_CHECK_ROWS]  # the sampled tokens
         diff = (recomputed - sampled_logprobs[:LOGPROB_CHECK_ROWS]).abs()[mask]
         stats = torch.stack([diff.max(), diff.mean()]) if diff.numel() else diff.new_zeros(2)
@@ -459,17 +448,6 @@ class Sampler:
                 "the losses would use wrong old log-probs (rollout.py's docstring)")
         return largest
 
-    def forward_logprobs(self, model: nn.Module, batch: Rollout, *, entropy: bool = False,
-                         entropy_grad: bool = False):
-        """The training forward: ((b, R) log-probs of `batch`'s responses (a micro-batch: `Rollout.subset`) under
-        `model`, with gradient unless called under no_grad; (b, R) entropy at each response position with `entropy`
-        (with gradient too with `entropy_grad`: an entropy bonus), else None), scored as the rollout scored them
-        (logits / temperature, pad masked, the prompt sharing decided for it)."""
-        results = pc.response_logprobs(model, batch.query_responses, batch.context_length, self.pad,
-                                       self.args.temperature, share_prompts=self.share, return_entropy=entropy,
-                                       chunk_tokens=self.args.logprob_chunk_tokens, entropy_grad=entropy_grad)
-        return results if entropy else (results, None)
-
     def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config):
         """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq), or with
         tools one episode per row of `rows` -> (query_responses, context_length, response_mask (b, R): the sampled
@@ -484,9 +462,6 @@ class Sampler:
         query_responses, context_length = tensors["query_responses"], tensors["context_length"]
         mask = (query_responses[:, context_length:] != self.pad) & tensors["action_mask"]
         return query_responses, context_length, mask, tensors["truncated"], episodes
-
-    def save(self, folder: str) -> None:
-        """Nothing to keep in a checkpoint: this sampler holds no batch between steps (run_ahead.RunAhead does)."""
 
     def close(self) -> None:
         """Stop the vLLM engine, if there is one."""

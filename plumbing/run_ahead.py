@@ -14,10 +14,10 @@ decoupled objective of AReaL (Fu et al. 2025) and Hilton et al. 2022 ("Batch siz
 optimization"):
     loss_t = -min(r_t A_t, clip(r_t, 1 - eps, 1 + eps) A_t) * w_t,   r_t = pi / pi_prox,   w_t = pi_prox / pi_behav
 with w truncated or masked as --vllm_importance_sampling_mode / _clip_max / _clip_min say (by default AReaL's rule,
-token_mask: a token whose weight exceeds the cap is left out; policy_common.importance_weights, computed by the
+token_mask: a token whose weight exceeds the cap is left out; `Rollout.importance_weights`, computed by the
 scripts beside their loss). Reference log-probs and
-rewards are computed at training time, as in the synchronous loop. At N = 0 the scripts call `Sampler.rollout`
-directly and nothing here runs.
+rewards are computed at training time, as in the synchronous loop. At N = 0 (the default) each batch is
+`Sampler.rollout`'s, sampled and scored in step: the scripts' loop is the same either way.
 
 Where generation runs:
 - --use_vllm: the engine lives in its own process already, and one worker thread here drives it (its calls wait on
@@ -43,22 +43,25 @@ trainer's weights before it), the importance weights under async/ (HF) or vllm/ 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import safetensors.torch
+import torch
 
+import policy_common as pc
 from plumbing import rollout as ro
+from plumbing import run_utils as ru
 from plumbing import vllm_generation as vg
 from plumbing.errors import UserError
 
-# a Samples' tensors, by their names in a checkpoint's pending-<process>.safetensors; the behaviour log-probs are
-# `sampler_logprobs` when an engine sampled them, `logprobs` when HF generate did
-SAVED = ("query_responses", "entropy", "truncated")
+# a Samples' tensors, by their names in a checkpoint's pending-<process>.safetensors
+SAVED = ("query_responses", "behaviour_logprobs", "entropy", "truncated")
 
 
 @dataclass
@@ -76,15 +79,12 @@ class AsyncFlags:
         if self.max_staleness and (getattr(self, "tools", None) or getattr(self, "environment", None)):
             raise UserError("--max_staleness with --tools / --environment is not supported yet: multi-turn episodes "
                             "agree between processes turn by turn, which a sampler running ahead cannot do")
-        if self.max_staleness and getattr(self, "dynamic_sampling", False):
-            raise UserError("--max_staleness with --dynamic_sampling is not supported: the rounds a step needs depend "
-                            "on its rewards, which a sampler running ahead does not know")
 
 
 class RunAhead:
-    """The rollouts of an RL run with its sampler `max_staleness` steps ahead (module docstring). `rollout` takes the
-    place of `Sampler.rollout`; `save` goes to the checkpoints (train_loop's extra_files); `close` at the end.
-    resume_from: the checkpoint the run resumed from (its pending batches are trained first)."""
+    """The rollouts of an RL run, its sampler `max_staleness` steps ahead (module docstring; 0: in step, each batch
+    `Sampler.rollout`'s). The scripts' loop calls `rollout`; `save` goes to the checkpoints (train_loop's extra_files);
+    `close` at the end. resume_from: the checkpoint the run resumed from (its pending batches are trained first)."""
 
     def __init__(self, sampler: ro.Sampler, max_staleness: int, resume_from: Optional[str] = None):
         self.sampler, self.max_staleness = sampler, max_staleness
@@ -104,6 +104,8 @@ class RunAhead:
         """The batch of the step after `weights_version` optimizer steps, its prompts at `prompts_seen` (as
         `Sampler.rollout`), sampled by the weights of version max(0, weights_version - max_staleness) and scored with
         the weights now; first the batches up to max_staleness steps ahead are submitted, sampled by the weights now."""
+        if not self.max_staleness:
+            return self.sampler.rollout(prompts_seen, weights_version, old_logprobs=old_logprobs, entropy=entropy)
         start = time.perf_counter()
         # 1. keep this batch and the next max_staleness ones sampled or being sampled
         position = self.pending[-1][0] + self.prompts_per_step if self.pending else prompts_seen
@@ -121,6 +123,32 @@ class RunAhead:
         batch.metrics.update({"async/staleness_mean": behind, "async/staleness_max": behind,
                               "async/trainer_wait_seconds": waited})
         return batch
+
+    def rollout_groups(self, prompts_seen: int, weights_version: int, accept, max_rounds: int, *,
+                       old_logprobs: bool = True):
+        """A batch of prompts_per_process groups (a prompt's samples) that `accept` takes (a Rollout -> (P,) bool, one
+        per group), rolling out the next prompts of the stream round after round until EVERY process holds that many
+        (one all-reduce per round, so all run the same rounds) or `max_rounds` ran, then topped up with refused groups
+        (DAPO's dynamic sampling: grpo.py). Returns (batch, rounds, metrics: dynamic_sampling/rounds and
+        /frac_flat_sampled, the refused share of the groups sampled). In step (max_staleness 0: a sampler running ahead
+        cannot know which prompts a round needs)."""
+        sampler, kept, refused, rounds, n_refused = self.sampler, [], [], 0, 0
+        k, wanted = sampler.samples_per_prompt, sampler.prompts_per_process * sampler.samples_per_prompt
+        while True:
+            rollout = self.rollout(prompts_seen + rounds * self.prompts_per_step, weights_version,
+                                   old_logprobs=old_logprobs)
+            rounds += 1
+            accepted = accept(rollout)  # (P,)
+            rows = torch.arange(len(rollout.rows), device=accepted.device).view(-1, k)  # (P, k)
+            kept.append(rollout.subset(rows[accepted].flatten()))
+            refused.append(rollout.subset(rows[~accepted].flatten()))
+            n_refused += (~accepted).sum().item()
+            short = sum(len(r.rows) for r in kept) < wanted
+            if ru.global_sum(sampler.accelerator, float(short)) == 0 or rounds == max_rounds:
+                break
+        metrics = {"dynamic_sampling/rounds": float(rounds),
+                   "dynamic_sampling/frac_flat_sampled": n_refused / (rounds * sampler.prompts_per_process)}
+        return concat_rollouts([r for r in kept + refused if r.rows]).subset(torch.arange(wanted)), rounds, metrics
 
     def submit(self, position: int, weights_version: int, entropy: bool) -> None:
         """Sample the batch of prompts at `position` with the weights of `weights_version` (the policy's now): on the
@@ -149,17 +177,19 @@ class RunAhead:
 
     def save(self, folder: str) -> None:
         """Write this process's pending batches into checkpoint `folder` (waiting for those being sampled):
-        pending-<process>.safetensors (their tensors) and pending-<process>.json (positions, versions, metrics)."""
+        pending-<process>.safetensors (their tensors) and pending-<process>.json (positions, versions, metrics); at
+        max_staleness 0 nothing is pending."""
+        if not self.max_staleness:
+            return
         tensors, batches = {}, []
         for i, (position, version, job) in enumerate(self.pending):
             samples = job.result() if isinstance(job, Future) else job
             self.pending[i] = (position, version, samples)
             saved = {name: getattr(samples, name) for name in SAVED}
-            saved["sampler_logprobs" if samples.by_engine else "logprobs"] = samples.behaviour_logprobs
             tensors.update({f"{i}.{name}": value.detach().cpu().contiguous() for name, value in saved.items()
                             if value is not None})
             batches.append(dict(position=position, version=version, context_length=samples.context_length,
-                                indices=list(samples.indices), metrics=samples.metrics))
+                                indices=list(samples.indices), by_engine=samples.by_engine, metrics=samples.metrics))
         safetensors.torch.save_file(tensors, os.path.join(folder, self.file + ".safetensors"))
         with open(os.path.join(folder, self.file + ".json"), "w") as f:
             json.dump(dict(max_staleness=self.max_staleness, batches=batches), f)
@@ -178,12 +208,10 @@ class RunAhead:
         k = sampler.samples_per_prompt
         for i, saved in enumerate(batches):
             values = {name: tensors.get(f"{i}.{name}") for name in SAVED}
-            by_engine = f"{i}.sampler_logprobs" in tensors
             rows = [sampler.rows[j] for j in saved["indices"] for _ in range(k)]
             samples = ro.Samples(**values, context_length=saved["context_length"], indices=saved["indices"], rows=rows,
-                                 behaviour_logprobs=tensors[f"{i}.sampler_logprobs" if by_engine else f"{i}.logprobs"],
-                                 by_engine=by_engine, action_mask=None, episodes=None, metrics=saved["metrics"],
-                                 weights_version=saved["version"])
+                                 by_engine=saved["by_engine"], action_mask=None, episodes=None,
+                                 metrics=saved["metrics"], weights_version=saved["version"])
             self.pending.append((saved["position"], saved["version"], samples))
 
     def close(self) -> None:
@@ -191,3 +219,38 @@ class RunAhead:
         if self.worker is not None:
             self.worker.shutdown(wait=True, cancel_futures=True)
         self.sampler.close()
+
+
+def concat_rollouts(rollouts: Sequence[ro.Rollout]) -> ro.Rollout:
+    """Several rollouts of one step as one (rows in order; e.g. dynamic sampling's rounds): prompts re-padded on the
+    left to the longest context, responses on the right to the longest (pad; PADDING_LOGPROB for old log-probs,
+    0 elsewhere, outside the response mask either way); numeric metrics averaged over the rounds that have them, but
+    durations (*_seconds) summed."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    first, pad = rollouts[0], rollouts[0].pad_token_id
+    context_length = max(r.context_length for r in rollouts)
+    length = max(r.query_responses.shape[1] - r.context_length for r in rollouts)  # R
+
+    def response_side(name: str, fill):  # (B, R_i) per rollout -> (sum B, R), right-filled
+        if getattr(first, name) is None:
+            return None
+        return torch.cat([torch.nn.functional.pad(getattr(r, name), (0, length - getattr(r, name).shape[1]),
+                                                  value=fill) for r in rollouts])
+
+    query_responses = torch.cat([torch.nn.functional.pad(r.query_responses, (
+        context_length - r.context_length, length - r.query_responses.shape[1] + r.context_length), value=pad)
+        for r in rollouts])  # (sum B, Lq + R): left pad to the longest prompt, right pad to the longest response
+    metrics = {}
+    for key in {key for r in rollouts for key in r.metrics}:
+        values = [r.metrics[key] for r in rollouts if key in r.metrics]
+        metrics[key] = sum(values) / (1 if key.endswith("_seconds") else len(values))  # durations add up
+    return dataclasses.replace(
+        first, query_responses=query_responses, context_length=context_length,
+        rows=[row for r in rollouts for row in r.rows],
+        scores=torch.cat([r.scores for r in rollouts]), source_scores=torch.cat([r.source_scores for r in rollouts]),
+        old_logprobs=response_side("old_logprobs", pc.PADDING_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
+        entropy=response_side("entropy", 0.0), behaviour_logprobs=response_side("behaviour_logprobs", 0.0),
+        action_mask=response_side("action_mask", False), metrics=metrics,
+        episode_truncated=None if first.episode_truncated is None else torch.cat([r.episode_truncated
+                                                                                   for r in rollouts]))

@@ -50,14 +50,14 @@ def resolve_model(name: str) -> str:
     return MODEL_ALIASES[name][0] if name in MODEL_ALIASES else name
 
 
-def reference_from_flags(args, policy, tokenizer, policy_path: str, accelerator,
+def reference_from_flags(args, policy, tokenizer, policy_path: str, accelerator, forwards,
                          reference_free: bool = False) -> pc.Reference:
     """`policy_common.create_reference` from a script's flags: --ref_model (an alias resolved as --model's),
-    --use_peft, --bf16, --trust_remote_code, --logprob_chunk_tokens."""
-    return pc.create_reference(policy, tokenizer, policy_name=policy_path, use_peft=args.use_peft,
+    --use_peft, --bf16, --trust_remote_code; the reference's forward chosen from the run's `forwards` (forwards.py)."""
+    return pc.create_reference(policy, tokenizer, forwards.lm, policy_name=policy_path, use_peft=args.use_peft,
                                ref_model=resolve_model(args.ref_model) if args.ref_model else None,
                                reference_free=reference_free, accelerator=accelerator, bf16=args.bf16,
-                               trust_remote_code=args.trust_remote_code, chunk_tokens=args.logprob_chunk_tokens)
+                               trust_remote_code=args.trust_remote_code)
 
 
 def resolve_reward_model(name: str) -> str:
@@ -365,6 +365,16 @@ def global_means(accelerator, sums: Dict[str, float], count: float) -> Dict[str,
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(totals, reduction="sum")
     return {k: v / max(totals[-1].item(), 1.0) for k, v in zip(keys, totals[:-1].tolist())}
+
+
+def global_mean_std(values: torch.Tensor, accelerator=None):
+    """(B,) values, NaN where none -> their mean and unbiased std over every process's (two all-reduces)."""
+    scored = ~values.isnan()
+    sums = torch.stack([values[scored].sum(), scored.sum().to(values.dtype)])
+    sums = sums if accelerator is None else accelerator.reduce(sums, reduction="sum")
+    squares = ((values[scored] - sums[0] / sums[1]) ** 2).sum()
+    squares = squares if accelerator is None else accelerator.reduce(squares, reduction="sum")
+    return sums[0] / sums[1], (squares / (sums[1] - 1).clamp(min=1)).sqrt()
 
 
 def global_sum(accelerator, value: float) -> float:

@@ -69,9 +69,11 @@ def peak_memory_gib(device: torch.device) -> float:
 class StepMeter:
     """Times each training step (`start` at its beginning, `metrics` before its evaluation) and reports the perf/*
     metrics. models: the trained models (their parameters count for the MFU); passes: the times the update goes over
-    the batch (rloo/ppo: num_ppo_epochs, grpo: num_iterations)."""
+    the batch (rloo/ppo: num_ppo_epochs, grpo: num_iterations); episode: the RL scripts' episodes so far (a resumed
+    run's), from which `batch_metrics` counts time/episodes_per_second."""
 
-    def __init__(self, accelerator, *models: nn.Module, passes: int = 1):
+    def __init__(self, accelerator, *models: nn.Module, passes: int = 1, episode: int = 0):
+        self.first_episode, self.created = episode, time.time()
         self.accelerator, self.device = accelerator, accelerator.device
         self.flops_per_token = 6 * matmul_parameters(*models) * passes
         peak = peak_flops(self.device)
@@ -100,13 +102,18 @@ class StepMeter:
             metrics["perf/mfu"] = self.flops_per_token * tokens / (seconds * self.peak)
         return metrics
 
-    def batch_metrics(self, query_responses: torch.Tensor, pad_token_id: int,
-                      rollout_metrics: Optional[dict] = None) -> Dict[str, float]:
+    def batch_metrics(self, query_responses: torch.Tensor, pad_token_id: int, rollout_metrics: Optional[dict] = None,
+                      episode: Optional[int] = None) -> Dict[str, float]:
         """`metrics` of a step that trained on this process's `query_responses` (B, T): their tokens summed over all
-        processes (a collective: every process calls it), and perf/padding_fraction."""
+        processes (a collective: every process calls it), and perf/padding_fraction; with `episode` (the RL scripts'
+        count after the step) also episode and time/episodes_per_second since the meter was made."""
         tokens = ru.global_sum(self.accelerator, sequence_tokens(query_responses, pad_token_id))
         positions = ru.global_sum(self.accelerator, query_responses.numel())
-        return {**self.metrics(tokens, rollout_metrics), "perf/padding_fraction": 1 - tokens / max(positions, 1)}
+        metrics = {**self.metrics(tokens, rollout_metrics), "perf/padding_fraction": 1 - tokens / max(positions, 1)}
+        if episode is not None:
+            metrics.update({"episode": episode, "time/episodes_per_second":
+                            (episode - self.first_episode) / (time.time() - self.created)})
+        return metrics
 
 
 def sequence_tokens(query_responses: torch.Tensor, pad_token_id: int) -> int:

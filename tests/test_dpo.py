@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import read_metrics, run_script, run_script_in_process
+from conftest import read_metrics, run_script, run_script_in_process, without_wall_clock
 
 import policy_common as pc
 from dpo import (
@@ -22,6 +22,7 @@ from dpo import (
     validate,
 )
 from plumbing import models
+from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing.data_utils import concatenated_inputs
 from plumbing.errors import UserError
@@ -128,7 +129,7 @@ def test_concatenated_forward_equals_separate_forwards(toy_model):
     query_responses, context_length = concatenated_inputs(rows, pad)
     assert query_responses.shape[0] == 2 * len(rows)
     with torch.no_grad():
-        token_logprobs = pc.response_logprobs(model, query_responses, context_length, pad)
+        token_logprobs = pc.Forward(pad).logprobs(model, query_responses, context_length)
     logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad)
     for i, row in enumerate(rows):
         for j, column in enumerate(("chosen", "rejected")):
@@ -146,11 +147,12 @@ def test_precomputed_reference_equals_on_the_fly(toy_model, toy):
 
     tokenizer, _ = toy_model
     pad, rows = tokenizer.pad_token_id, hand_rows(tokenizer)
-    reference = pc.Reference("copy", model=models.load_causal_lm(toy["policy"], tokenizer))
+    reference = pc.Reference("copy", pc.Forward(pad), model=models.load_causal_lm(toy["policy"], tokenizer))
     query_responses, context_length = concatenated_inputs(rows, pad)  # all rows in one batch: other padding
     on_the_fly = reference_logps(reference, rows, query_responses, context_length, pad)
     # each row's (chosen, rejected) sums, batches of 2 with each prompt encoded once for its chosen and rejected rows
-    precompute_reference_logps(reference, rows, 2, pad, Accelerator(cpu=True), share_prompts=True)
+    shared = pc.Reference("copy", ps.SharedPromptForward(pad), model=reference.model)
+    precompute_reference_logps(shared, rows, 2, pad, Accelerator(cpu=True))
     assert all(row["ref_logps"].shape == (2,) for row in rows)
     picked = [rows[2], rows[0]]
     looked_up = reference_logps(reference, picked, *concatenated_inputs(picked, pad), pad)
@@ -210,8 +212,8 @@ def short_run(toy, tmp_path_factory):
     return out
 
 
-def run_dpo(*args):
-    return run_script("dpo.py", *args, threads=1)  # the toy model gains nothing from more threads
+def run_dpo(*args, fresh=False):
+    return run_script("dpo.py", *args, threads=1, fresh=fresh)  # the toy model gains nothing from more threads
 
 
 def load_weights(folder):
@@ -242,16 +244,13 @@ def test_short_run_metrics_and_model(short_run):
 
 def test_determinism_and_resume(short_run, tmp_path):
     again, resumed = str(tmp_path / "b"), str(tmp_path / "c")
-    run_dpo("--output_dir", again, *SHORT)
+    run_dpo("--output_dir", again, *SHORT, fresh=True)  # a new interpreter's own hash seed and RNGs (conftest)
 
-    def strip(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
-
-    assert strip(read_metrics(again)) == strip(read_metrics(short_run))
+    assert without_wall_clock(read_metrics(again)) == without_wall_clock(read_metrics(short_run))
 
     run_dpo("--output_dir", resumed, *SHORT, "--resume_from", os.path.join(short_run, "checkpoint-3"))
-    later = [r for r in strip(read_metrics(short_run)) if r["step"] > 3]
-    got = strip(read_metrics(resumed))
+    later = [r for r in without_wall_clock(read_metrics(short_run)) if r["step"] > 3]
+    got = without_wall_clock(read_metrics(resumed))
     assert [r["step"] for r in got] == [4, 5, 6]
     for a, b in zip(got, later):
         assert a.keys() == b.keys()
@@ -273,11 +272,10 @@ def test_resume_without_output_dir_continues_in_the_checkpoint_folder(short_run,
     run_dpo(*SHORT, "--resume_from", os.path.join(run, "checkpoint-3"))
     rows, original = read_metrics(run), read_metrics(short_run)
     assert [r["step"] for r in rows] == list(range(7))
-    for a, b in zip(rows[4:], original[4:]):
-        assert a.keys() == b.keys()
+    assert [r.keys() for r in rows[4:]] == [r.keys() for r in original[4:]]
+    for a, b in zip(without_wall_clock(rows[4:]), without_wall_clock(original[4:])):
         for k in a:
-            if not k.startswith(("time/", "perf/")):
-                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+            assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
     wa, wb = load_weights(os.path.join(run, "model")), load_weights(os.path.join(short_run, "model"))
     assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wb)
 
@@ -299,15 +297,14 @@ def test_two_processes_match_one_for_the_same_global_batch(short_run, tmp_path):
                            "dpo.py", "--output_dir", out, *flags], cwd=ROOT, env=script_env(1), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    one, two = read_metrics(short_run), read_metrics(out)
+    one, two = without_wall_clock(read_metrics(short_run)), without_wall_clock(read_metrics(out))
     assert [r["step"] for r in one] == [r["step"] for r in two]
     for a, b in zip(one, two):
         for k in a:
             if k.endswith("rewards/accuracies") and abs(a[k.replace("accuracies", "margins")]) < 1e-5:
                 # policy still equal to the reference (warm-up): every margin is float noise, its sign arbitrary
                 continue
-            if not k.startswith(("time/", "perf/")):
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
 
 
 def test_peft_run_uses_the_adapter_off_base_as_reference(toy, tmp_path):

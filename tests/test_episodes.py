@@ -45,7 +45,7 @@ def encode(tokenizer, text):
 
 def scripted(tokenizer, turns_by_row):
     """A sampler that writes fixed turns: turns_by_row[i][t] is row i's t-th turn (text ending with EOS). Rows are
-    matched by their first tokens (the prompt); log-probs are -(position in the turn + 1)."""
+    matched by their first tokens (the prompt); behaviour log-probs are -(position in the turn + 1); no entropy."""
     calls = {}
 
     def generate(sequences, budgets, first_turn):
@@ -57,7 +57,7 @@ def scripted(tokenizer, turns_by_row):
             ids = encode(tokenizer, turns_by_row[row][t])[:max_new_tokens]
             turns.append(ids)
             logprobs.append([-(j + 1.0) for j in range(len(ids))])
-        return turns, logprobs, None, None
+        return turns, logprobs, None
 
     return generate
 
@@ -99,8 +99,8 @@ def test_episode_is_the_rendered_conversation_qwen_template(qwen_tokenizer):
                          "<|im_start|>assistant\n")
     # the log-probs are the sampler's, on its tokens; 0 on the tool tokens
     turn = len(encode(qwen_tokenizer, CALL))
-    assert episode.logprobs[:turn] == [-(j + 1.0) for j in range(turn)]
-    assert all(lp == 0.0 for lp, a in zip(episode.logprobs, episode.action_mask) if not a)
+    assert episode.behaviour_logprobs[:turn] == [-(j + 1.0) for j in range(turn)]
+    assert all(lp == 0.0 for lp, a in zip(episode.behaviour_logprobs, episode.action_mask) if not a)
 
 
 def test_a_call_written_unlike_the_template_is_trained_as_sampled(qwen_tokenizer):
@@ -211,7 +211,7 @@ def test_loss_gradient_is_zero_on_tool_tokens(qwen_tokenizer, script):
     pad = qwen_tokenizer.pad_token_id
     model = tiny_model(qwen_tokenizer)
     qr, lq = t["query_responses"], t["context_length"]
-    logits = pc.forward_logits(model, qr, lq, pad)
+    logits = pc.Forward(pad).logits(model, qr, lq)
     logits.retain_grad()
     new = pc.selective_logprobs(logits, qr[:, lq:])
     mask = (qr[:, lq:] != pad) & t["action_mask"]

@@ -14,7 +14,14 @@ from collections import defaultdict
 
 import pytest
 import torch
-from conftest import read_metrics, run_script, run_script_in_process, run_two_processes
+from conftest import (
+    read_metrics,
+    run_script,
+    run_script_in_process,
+    run_two_processes,
+    without_wall_clock,
+    worker_accelerator,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -130,7 +137,7 @@ def test_sequence_ratios_with_a_token_sum_loss_warn_once(flags, warned, capsys, 
     out = capsys.readouterr().out
     assert out.count("warning:") == (1 if warned else 0)
     if warned:
-        assert "weights each sequence by its completion length" in out and "--loss_type grpo" in out
+        assert "weighting GSPO's sequences by their length" in out and "--loss_type grpo" in out
 
 
 REWARD = st.one_of(st.sampled_from([0.0, 1.0, NAN]), st.floats(-5, 5))  # ties (zero std) and NaNs are common
@@ -160,20 +167,9 @@ def global_rewards():
 
 def _batch_scale_worker(rank, port, results):
     """One of 2 gloo processes, each with a real Accelerator, holding half of `global_rewards()`."""
-    import os
-
-    from accelerate import Accelerator
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", ACCELERATE_USE_CPU="1")
-    accelerator = Accelerator(cpu=True)
-    try:
-        assert accelerator.num_processes == 2
+    with worker_accelerator(rank, port) as accelerator:
         rewards = global_rewards()[12 * rank:12 * rank + 12]
         results[rank] = {scale: group_advantages(rewards, 4, scale, accelerator)[0] for scale in ("batch", "group")}
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_batch_scaling_over_two_processes_equals_one_process():
@@ -453,10 +449,6 @@ def all_finite(rows):
     return all(isinstance(v, (int, float)) and math.isfinite(v) for r in rows for v in r.values())
 
 
-def without_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
-
-
 @pytest.fixture(scope="module")
 def run_default(toy, tmp_path_factory):
     """The toy default (reward model, beta 0.2, dapo): 16 steps of 64 completions, eval at 0 and 16."""
@@ -575,7 +567,7 @@ def test_resume_in_place_equals_uninterrupted_run(run_resumable, tmp_path):
     with open(os.path.join(out, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in read_metrics(run_resumable)[:3])
     run_script("grpo.py", *RESUME_ARGS, "--resume_from", os.path.join(out, "checkpoint-2"), threads=1)
-    rows, full = without_time(read_metrics(out)), without_time(read_metrics(run_resumable))
+    rows, full = without_wall_clock(read_metrics(out)), without_wall_clock(read_metrics(run_resumable))
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4] and rows[:3] == full[:3]
     for a, b in zip(rows[3:], full[3:]):
         assert a.keys() == b.keys()

@@ -16,11 +16,11 @@ from conftest import read_metrics, run_script
 from test_grpo import _FakeAccelerator, trl_loss
 
 from grpo import (
-    adaptive_entropy_coef,
+    EntropyFlags,
+    GRPOLoss,
     decoupled_advantages,
     group_advantages,
     high_entropy_mask,
-    micro_batch_loss,
     off_policy_mask,
     per_token_loss,
     reward_variance_groups,
@@ -57,6 +57,11 @@ def settings(**overrides):
                 epsilon=E, epsilon_high=E_HIGH, use_bias_correction_kl=False, loss_type="dapo", response_length=5,
                 entropy_coef=0.0, use_adaptive_entropy=False)
     return types.SimpleNamespace(**{**base, **overrides})
+
+
+def entropy_flags(args, **overrides) -> EntropyFlags:
+    """grpo.py's entropy flags of `settings` (TRL 1.16's defaults: target 0.2, delta 0.005, within [0, 1])."""
+    return EntropyFlags(entropy_coef=args.entropy_coef, use_adaptive_entropy=args.use_adaptive_entropy, **overrides)
 
 
 def slow_loss(t, args, beta, entropy_coef):
@@ -121,10 +126,11 @@ CASES = {
 
 
 def ours(t, args, beta, entropy_coef, dtype=torch.float32):
+    """grpo.GRPOLoss of the settings `args` (entropy_coef None: no entropy bonus) on the batch `t`."""
     new = t["new"].to(dtype).clone().requires_grad_(True)
     entropy = t["entropy"].to(dtype).clone().requires_grad_(True)
-    loss, stats, window = micro_batch_loss(
-        args, new, entropy, t["old"].to(dtype), t["sampling"].to(dtype), t["ref"].to(dtype),
+    loss, stats, window = GRPOLoss.from_args(args)(
+        new, entropy, t["old"].to(dtype), t["sampling"].to(dtype), t["ref"].to(dtype),
         t["advantages"].to(dtype), t["mask"], None, beta=beta, entropy_coef=entropy_coef,
         tokens_per_micro_batch=t["mask"].sum().item())
     loss.backward()
@@ -136,7 +142,10 @@ def ours(t, args, beta, entropy_coef, dtype=torch.float32):
 def test_micro_batch_loss_equals_a_slow_float64_loop(case, beta):
     t = padded_batch(1, torch.float64)
     args = settings(**CASES[case])
-    loss, new_grad, entropy_grad, _, window = ours(t, args, beta, args.entropy_coef, torch.float64)
+    # the coefficient of the step: the flag's, adaptive control's too once the last entropy is at the target or below
+    entropy_coef = entropy_flags(args).step_entropy_coef(dict(entropy_coef=args.entropy_coef, last_entropy=0.1))
+    assert entropy_coef == (args.entropy_coef if args.entropy_coef or args.use_adaptive_entropy else None)
+    loss, new_grad, entropy_grad, _, window = ours(t, args, beta, entropy_coef, torch.float64)
     new = t["new"].clone().requires_grad_(True)
     entropy = t["entropy"].clone().requires_grad_(True)
     expected = slow_loss({**t, "new": new, "entropy": entropy}, args, beta, args.entropy_coef)
@@ -170,10 +179,11 @@ def test_bias_corrected_kl_changes_the_on_policy_gradient_hand_worked():
 def test_the_cases_exercise_each_setting():
     """The batch is built so that every setting changes the loss: were one ignored, the tests above could pass."""
     t = padded_batch(1, torch.float64)
-    plain = ours(t, settings(), 0.04, 0.0, torch.float64)
+    plain = ours(t, settings(), 0.04, None, torch.float64)
     for case, overrides in CASES.items():
         args = settings(**overrides)
-        changed = ours(t, args, 0.04, args.entropy_coef, torch.float64)
+        entropy_coef = entropy_flags(args).step_entropy_coef(dict(entropy_coef=args.entropy_coef, last_entropy=0.1))
+        changed = ours(t, args, 0.04, entropy_coef, torch.float64)
         assert not torch.allclose(changed[1], plain[1]) or not torch.allclose(changed[0], plain[0]), case
     masked = off_policy_mask(t["advantages"], t["new"], t["sampling"], t["mask"], 0.5)[:, 0]
     assert 0 < masked.sum() < len(masked)  # some completions dropped, some kept
@@ -191,7 +201,12 @@ def test_micro_batch_loss_equals_trl_compute_loss(case, beta):
     args = settings(**overrides)
     # Skywork-OR1 applies the coefficient once the previous step's entropy is at or below the target (0.2)
     last_entropy = 5.0 if case == "adaptive_entropy_gated" else 0.1
-    applied = args.entropy_coef if not args.use_adaptive_entropy or last_entropy <= 0.2 else 0.0
+    flags, state = entropy_flags(args), dict(entropy_coef=args.entropy_coef, last_entropy=last_entropy)
+    applied = flags.step_entropy_coef(state)
+    if args.entropy_coef or args.use_adaptive_entropy:  # by hand: the coefficient, 0 above the target
+        assert applied == (args.entropy_coef if not args.use_adaptive_entropy or last_entropy <= 0.2 else 0.0)
+    else:
+        assert applied is None  # no bonus
     loss, new_grad, entropy_grad, stats, window = ours(t, args, beta, applied)
     b, r = t["new"].shape
     inputs = dict(prompt_ids=torch.ones(b, 2, dtype=torch.long), prompt_mask=torch.ones(b, 2, dtype=torch.long),
@@ -214,8 +229,9 @@ def test_micro_batch_loss_equals_trl_compute_loss(case, beta):
     if args.entropy_coef or args.use_adaptive_entropy:
         torch.testing.assert_close(entropy_grad, entropy.grad, atol=1e-6, rtol=1e-5)
     if args.use_adaptive_entropy:
-        coef = adaptive_entropy_coef(args.entropy_coef, (window[0] / window[1]).item(), 0.2, 0.005, 0.0, 1.0)
-        assert coef == pytest.approx(metrics["train"]["entropy_coef"][0], abs=1e-7)
+        flags.update_entropy_coef(state, window, _FakeAccelerator())  # one process: the window is the world's
+        assert state["last_entropy"] == pytest.approx((window[0] / window[1]).item())
+        assert state["entropy_coef"] == pytest.approx(metrics["train"]["entropy_coef"][0], abs=1e-7)
 
 
 def test_off_policy_mask_equals_trl_and_ignores_unscored_tokens():
@@ -256,12 +272,25 @@ def test_high_entropy_mask_keeps_the_top_quantile_of_loss_tokens(quantile):
 
 
 def test_adaptive_entropy_coefficient_hand_worked():
-    """Skywork-OR1: +delta while the entropy is at or below the target, -delta above, within [min, max]."""
-    coef, trace = 0.0, []
+    """Skywork-OR1: +delta while the entropy is at or below the target, -delta above, within [min, max]; the bonus of
+    a step applies only once the last step's entropy was at or below the target."""
+    flags = EntropyFlags(entropy_coef=0.0, use_adaptive_entropy=True, entropy_target=0.2, entropy_coef_delta=0.01,
+                         entropy_coef_min=0.0, entropy_coef_max=0.02)
+    state, trace, applied = dict(entropy_coef=0.0, last_entropy=math.inf), [], []
     for entropy in [0.5, 0.1, 0.2, 0.1, 0.3, 0.3, 0.3]:
-        coef = adaptive_entropy_coef(coef, entropy, target=0.2, delta=0.01, low=0.0, high=0.02)
-        trace.append(round(coef, 10))
+        applied.append(flags.step_entropy_coef(state))
+        # the step's trained tokens: entropy sum and count (4 tokens of this mean entropy)
+        flags.update_entropy_coef(state, torch.tensor([4 * entropy, 4.0], dtype=torch.float64), _FakeAccelerator())
+        assert state["last_entropy"] == pytest.approx(entropy)
+        trace.append(round(state["entropy_coef"], 10))
     assert trace == [0.0, 0.01, 0.02, 0.02, 0.01, 0.0, 0.0]
+    # applied before each step: 0 until an entropy at or below the target, then the coefficient, 0 again above it
+    assert [round(a, 10) for a in applied] == [0.0, 0.0, 0.01, 0.02, 0.02, 0.0, 0.0]
+    # a fixed bonus: the coefficient every step, never moved; no bonus at all: None
+    fixed, state = EntropyFlags(entropy_coef=0.05), dict(entropy_coef=0.05, last_entropy=5.0)
+    fixed.update_entropy_coef(state, torch.tensor([20.0, 4.0]), _FakeAccelerator())
+    assert fixed.step_entropy_coef(state) == 0.05 and state == dict(entropy_coef=0.05, last_entropy=5.0)
+    assert EntropyFlags().step_entropy_coef(dict(entropy_coef=0.0, last_entropy=math.inf)) is None
 
 
 # ---------------------------------------------------------------------------------------------------------

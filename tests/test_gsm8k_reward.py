@@ -99,7 +99,8 @@ def test_format_reward():
 
 def test_loads_as_reward_function():
     """reward_sources.py loads the checker from its path (as --reward_funcs path.py:function) and it scores a batch."""
-    reward_sources = pytest.importorskip("reward_sources")
+    from plumbing import reward_sources
+
     fn = reward_sources.load_reward_function(os.path.join(GSM8K, "gsm8k_reward.py") + ":gsm8k_accuracy", "data/gsm8k")
     assert fn.fn(prompts=["q", "q"], completions=["#### 72", "#### 7"], completion_ids=[[1], [2]],
                  answer=["72", "72"]) == [1.0, 0.0]
@@ -120,7 +121,7 @@ def test_convert_is_a_prompt_dataset(tmp_path):
     """convert() on an in-memory GSM8K DatasetDict: columns prompt/answer only, saved and loaded back as the RL
     scripts load a prompt dataset (train split, test split for evaluation)."""
     datasets = pytest.importorskip("datasets")
-    data_utils = pytest.importorskip("data_utils")
+    from plumbing import data_utils
     source = datasets.DatasetDict({
         "train": datasets.Dataset.from_dict({"question": ["How many clips?", "How much profit?"],
                                              "answer": [NATALIA, HOUSE]}),

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script, run_script_in_process
+from conftest import read_metrics, run_script, run_script_in_process, without_wall_clock
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,10 +26,6 @@ SHORT = ["--num_eval_prompts", "32", "--num_eval_examples", "128"]
 TRAIN_KEYS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "kl", "logps/chosen", "logps/rejected",
               "count/desirable", "count/undesirable", "lr", "epoch", "grad_norm"]
 EVAL_KEYS = ["eval/" + k for k in TRAIN_KEYS[:9]] + ["eval/gold_score"]
-
-
-def strip_time(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
 
 
 def assert_rows_close(a, b, rel=1e-5, abs_=1e-6):
@@ -179,22 +175,21 @@ def base_run(toy, tmp_path_factory):
 def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
     """Long prompts: each prompt encoded once for its own and mismatched completion (the mismatched ones scored
     without gradient) gives the same loss, metrics and gradients as the two-forward path; a policy equal to the
-    reference gives rewards and KL of exactly 0 either way. The choice comes from the flags alone."""
-    from types import SimpleNamespace
-
+    reference gives rewards and KL of exactly 0 either way. The choice comes from the flags alone (kto_forwards)."""
     from accelerate import Accelerator
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     import kto
     import policy_common as pc
+    from plumbing import prompt_sharing as ps
 
     torch.manual_seed(0)
     config = GPTNeoXConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
                            eos_token_id=1, pad_token_id=0)
     policy = GPTNeoXForCausalLM(config).train()
-    reference = pc.Reference("copy", GPTNeoXForCausalLM(config))
-    reference.model.load_state_dict(policy.state_dict())
+    reference_model = GPTNeoXForCausalLM(config)
+    reference_model.load_state_dict(policy.state_dict())
     rng = random.Random(1)
     group = [dict(prompt_ids=[rng.randrange(2, 40) for _ in range(rng.randrange(20, 30))],
                   completion_ids=[rng.randrange(2, 40) for _ in range(rng.randrange(2, 6))] + [1],
@@ -204,11 +199,17 @@ def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
     batch = kto.collate(group, 0)
     T, ctx = batch["query_responses"].shape[1], batch["context_length"]
     flags = dict(max_prompt_length=30, max_length=36, per_device_train_batch_size=8, share_prompts=True,
-                 gradient_checkpointing=False)
-    assert kto.joint_forward(SimpleNamespace(**flags))
+                 gradient_checkpointing=False, logprob_chunk_tokens=0, beta=0.1, desirable_weight=1.0,
+                 undesirable_weight=1.0)
+
+    def forwards(**change):  # the run's forwards from these flags, and whether the policy's shares prompts (joint)
+        run_forwards = kto.kto_forwards(kto.Args(**{**flags, **change}), 0)
+        return run_forwards, run_forwards.lm(policy).shares_prompts
+
+    assert forwards()[1] and isinstance(forwards()[0].lm(policy), ps.SharedPromptForward)
     for change in (dict(gradient_checkpointing=True), dict(share_prompts=False), dict(max_length=46)):  # no cache kept,
-        assert not kto.joint_forward(SimpleNamespace(**{**flags, **change}))  # sharing off, completions > prompts / 2
-    args = SimpleNamespace(beta=0.1, desirable_weight=1.0, undesirable_weight=1.0, logprob_chunk_tokens=0)
+        assert not forwards(**change)[1]  # sharing off, completions > prompts / 2
+    args = kto.Args(**flags)
     calls = []  # input shapes of the policy's forwards, and whether each keeps a graph
     policy.register_forward_pre_hook(
         lambda m, a, kw: calls.append((*kw["input_ids"].shape, torch.is_grad_enabled())), with_kwargs=True)
@@ -216,7 +217,10 @@ def test_joint_forward_gives_the_loss_and_gradients_of_two_forwards():
     for joint in (True, False):
         calls.clear()
         policy.zero_grad()
-        loss, sums = kto.kto_step(policy, reference, batch, args, 0, Accelerator(cpu=True), joint)
+        run_forwards, shares = forwards(share_prompts=joint)
+        assert shares == joint
+        reference = pc.Reference("copy", run_forwards.lm(reference_model), model=reference_model)
+        loss, sums = kto.kto_step(policy, run_forwards.lm(policy), reference, batch, args, 0, Accelerator(cpu=True))
         assert abs(sums["rewards/chosen"]) < 1e-5 and abs(sums["kl"]) < 1e-5  # policy == reference (to float rounding)
         # joint: the 8 prompts once, then the 8 mismatched completions without gradient, then the 8 own ones on
         # the prompts' cache; else the two halves in full, the mismatched one without gradient
@@ -251,7 +255,9 @@ def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half
 
     import kto
     import policy_common as pc
+    from plumbing import prompt_sharing as ps
 
+    shared, plain_forward = ps.SharedPromptForward(0), pc.Forward(0)  # --share_prompts's forward (joint), the plain one
     torch.manual_seed(0)
     neox = GPTNeoXConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                          intermediate_size=64, max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0,
@@ -273,12 +279,13 @@ def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half
     for name, model in policies.items():
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
-        joint, saved = saved_for_backward_bytes(lambda: kto.policy_logprob_sums(model, query_responses, ctx, 0, True))
+        joint, saved = saved_for_backward_bytes(
+            lambda: kto.policy_logprob_sums(model, shared, query_responses, ctx, 0, True))
         _, earlier_saved = saved_for_backward_bytes(lambda: kto.completion_logprob_sums(
-            functools.partial(pc.response_logprobs, model), query_responses, ctx, 0, joint=True))
-        _, own_saved = saved_for_backward_bytes(lambda: pc.response_logprobs(model, query_responses[:6], ctx, 0))
+            functools.partial(shared.logprobs, model), query_responses, ctx, 0, joint=True))
+        _, own_saved = saved_for_backward_bytes(lambda: plain_forward.logprobs(model, query_responses[:6], ctx))
         assert saved < earlier_saved and saved < own_saved, (name, saved, earlier_saved, own_saved)
-        two_forwards = kto.policy_logprob_sums(model, query_responses, ctx, 0, False)
+        two_forwards = kto.policy_logprob_sums(model, plain_forward, query_responses, ctx, 0, False)
         torch.testing.assert_close(joint, two_forwards, atol=1e-5, rtol=0)
         with torch.no_grad():  # one unpadded row at a time, the pad token without probability (pc.mask_pad_)
             obvious = []
@@ -301,8 +308,8 @@ def test_joint_policy_logprobs_equal_the_obvious_rows_and_keep_only_the_own_half
 
     torch.manual_seed(0)
     plain = NoCache(neox).train()
-    torch.testing.assert_close(kto.policy_logprob_sums(plain, query_responses, ctx, 0, True),
-                               kto.policy_logprob_sums(plain, query_responses, ctx, 0, False))
+    torch.testing.assert_close(kto.policy_logprob_sums(plain, shared, query_responses, ctx, 0, True),
+                               kto.policy_logprob_sums(plain, plain_forward, query_responses, ctx, 0, False))
 
 
 def test_run_writes_metrics_and_a_reloadable_model(base_run):
@@ -330,7 +337,7 @@ def resumed_run(base_run, tmp_path_factory):
     returns (folder, rows up to step 2 of the first run)."""
     out = str(tmp_path_factory.mktemp("kto") / "resumed")
     common = ["--output_dir", out, "--eval_steps", "2", "--seed", "3", "--max_steps", "4", *SHORT]
-    run_script("kto.py", *common, "--save_steps", "2")
+    run_script("kto.py", *common, "--save_steps", "2", fresh=True)  # a new interpreter's own hash seed and RNGs
     first_part = [r for r in read_metrics(out) if r["step"] <= 2]
     run_script("kto.py", *common, "--resume_from", os.path.join(out, "checkpoint-2"))
     return out, first_part
@@ -338,21 +345,21 @@ def resumed_run(base_run, tmp_path_factory):
 
 def test_same_seed_same_metrics(base_run, resumed_run):
     # two separate processes with seed 3: identical rows (up to time/*) over the steps both ran
-    first_part = strip_time(resumed_run[1])
+    first_part = without_wall_clock(resumed_run[1])
     assert [r["step"] for r in first_part] == [0, 0, 1, 2, 2]
-    assert first_part == [r for r in strip_time(read_metrics(base_run)) if r["step"] <= 2]
+    assert first_part == [r for r in without_wall_clock(read_metrics(base_run)) if r["step"] <= 2]
 
 
 def test_precomputed_reference_logprobs_equal_on_the_fly(base_run, tmp_path):
     out = str(tmp_path / "pre")
     run_script("kto.py", "--output_dir", out, "--max_steps", "4", "--eval_steps", "2", "--seed", "3",
                "--precompute_ref_logprobs", *SHORT)
-    assert_rows_close(strip_time(read_metrics(out)), strip_time(read_metrics(base_run)))
+    assert_rows_close(without_wall_clock(read_metrics(out)), without_wall_clock(read_metrics(base_run)))
 
 
 def test_resume_equals_uninterrupted_run(base_run, resumed_run):
     out = resumed_run[0]
-    assert_rows_close(strip_time(read_metrics(out)), strip_time(read_metrics(base_run)))
+    assert_rows_close(without_wall_clock(read_metrics(out)), without_wall_clock(read_metrics(base_run)))
     from safetensors.torch import load_file
 
     a, b = (load_file(os.path.join(d, "model", "model.safetensors")) for d in (base_run, out))

@@ -1,7 +1,8 @@
 """The layout the README states, as rules (no list of names, so a copied script such as rloo_myidea.py passes):
 the root holds runnable scripts and policy_common.py; the shared code lives in plumbing/, the toy worlds in
 toy_worlds/; imports go one way (scripts -> policy_common and plumbing -> toy_worlds), with no cycle among the shared
-modules; no shared module above 500 lines; one import path for UserError."""
+modules and nothing policy_common builds on building on shared code itself; no shared module above 500 lines; one import
+path for UserError."""
 
 import ast
 import glob
@@ -94,6 +95,19 @@ def test_shared_modules_import_without_a_cycle():
 
     for module in SHARED:
         visit(module, [])
+
+
+def test_policy_common_sits_below_what_builds_on_it():
+    """Imports run one way, with no arrow back up: what policy_common (the plain forward, generation, the reference)
+    imports from plumbing imports no other project module but plumbing.errors (models.py: loading models and looking
+    inside them). The faster forwards (prompt sharing, packing, the chunked output layer) import policy_common, never
+    the reverse, and plumbing/forwards.py chooses among them."""
+    below = project_imports(SHARED_ROOT_MODULE) & set(SHARED)
+    assert below, "policy_common imports no shared module at all: update this test"
+    for module in below:
+        under = project_imports(module) & set(SHARED)
+        assert under <= {"plumbing.errors"}, (f"policy_common imports {module}, which imports {sorted(under)}: what "
+                                              "policy_common builds on must not build on shared code itself")
 
 
 @pytest.mark.parametrize("module", [m for m in SHARED if not m.startswith("toy_worlds.")])

@@ -1,6 +1,6 @@
 """The plumbing sft.py, reward.py, dpo.py and kto.py share, against hand-worked examples and slow obvious versions:
 du.concatenated_inputs (one batch of prompts with k completions each), du.require_text_or_messages,
-du.load_held_out_prompts, tl.fit_lengths (the lengths fitted to the data and the model), tl.micro_batches,
+du.load_held_out_prompts, tl.fit_lengths (the lengths fitted to the data and the model), tl.process_items,
 tl.EpochLoop (steps, data order, schedule, step metrics, evaluation cadence) and tl.gather_in_order."""
 
 import json

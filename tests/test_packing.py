@@ -1,15 +1,15 @@
 """Padding-free forwards (packing.py, --padding_free): the packed layout on a hand-worked batch; log-probs, entropies,
-rewards and values equal to each row run alone without padding (GPT-NeoX, Llama, LoRA; prompts shared or not;
-temperature; the output layer in chunks); gradients equal to the padded forward's; rows without gradient keep none;
-models whose attention cannot take the packed inputs fall back to padding with one line; every script runs packed
-with the padded run's numbers."""
+rewards and values of packing.PackedForward / PackedScalarForward equal to each row run alone without padding
+(GPT-NeoX, Llama, LoRA; prompts shared or not; temperature; the output layer in chunks); gradients equal to the padded
+forward's; rows without gradient keep none; what forwards.Forwards chooses per model (packed, sharing prompts where
+worth it, the output layer in chunks; `.unshared()`), models whose attention cannot take the packed inputs left padded
+with one line; every script runs packed with the padded run's numbers."""
 
 import pytest
 import torch
-from conftest import assert_same_numbers, read_metrics, run_script
+from conftest import TWO_PROCESS_RLOO, assert_same_numbers, read_metrics, run_distributed, run_script, tiny_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scale import run_distributed
 from transformers import (
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
@@ -21,8 +21,8 @@ from transformers import (
 )
 
 import policy_common as pc
-from plumbing import models, packing
-from plumbing import reward_sources as rs
+from plumbing import chunked_head, forwards, models, packing
+from plumbing import prompt_sharing as ps
 
 PAD, VOCAB = 0, 40
 
@@ -54,7 +54,19 @@ def lora():
     return model
 
 
+def sliding_window():
+    torch.manual_seed(0)
+    return MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            sliding_window=4, pad_token_id=PAD, eos_token_id=1, bos_token_id=1))
+
+
 MODELS = {"neox": neox, "llama": llama, "lora": lora}
+
+
+def padded_forward(share: bool, temperature: float = 1.0) -> pc.Forward:
+    """The padded forward, sharing prompts (prompt_sharing.SharedPromptForward) or not."""
+    return (ps.SharedPromptForward if share else pc.Forward)(PAD, temperature)
 
 
 def grouped_batch(seed: int, group_sizes, max_query=6, max_response=5):
@@ -81,8 +93,8 @@ def assert_same_gradients_packed(model, query_responses, Lq, weights, temperatur
     """The gradient of sum(response log-probs x `weights` (B, R)) is the same packed as padded, for every parameter."""
     def grads(padding_free):
         model.zero_grad()
-        with packing.padding_free(padding_free):
-            logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, temperature, share)
+        forward = padded_forward(share, temperature)
+        logprobs = (packing.PackedForward(forward) if padding_free else forward).logprobs(model, query_responses, Lq)
         (logprobs * weights).sum().backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -175,10 +187,10 @@ def test_first_fit_decreasing_never_overfills_a_bin(lengths):
 def test_packed_logprobs_and_entropy_equal_each_row_alone(name, share, temperature):
     model = MODELS[name]()
     query_responses, Lq, rows = grouped_batch(len(name) + share, [3, 1, 2, 2])
-    with torch.no_grad(), packing.padding_free():
-        logprobs, entropy = pc.response_logprobs(model, query_responses, Lq, PAD, temperature, share,
-                                                 return_entropy=True)
-    padded_entropy = pc.response_logprobs(model, query_responses, Lq, PAD, temperature, return_entropy=True)[1]
+    with torch.no_grad():
+        logprobs, entropy = packing.PackedForward(padded_forward(share, temperature)).logprobs(
+            model, query_responses, Lq, entropy=True)
+    padded_entropy = pc.Forward(PAD, temperature).logprobs(model, query_responses, Lq, entropy=True)[1]
     with torch.no_grad():
         for i, (query, response) in enumerate(rows):
             torch.testing.assert_close(logprobs[i, :len(response)],
@@ -226,8 +238,9 @@ def test_flash_branch_packs_one_sequence_with_the_padded_numbers(name, flash_sta
     flat = packing.model_layout(model, query_responses, PAD, Lq, share=True)
     assert flat.input_ids.shape[0] == 1 and flat.attention_mask is None  # one sequence, queries not shared
     assert packing.lm_supported(model, PAD)  # the tiny-batch check passes: the packed forward is taken
-    with torch.no_grad(), packing.padding_free():
-        logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, 0.7, True)
+    assert isinstance(forwards.Forwards(PAD, padding_free=True).lm(model), packing.PackedForward)
+    with torch.no_grad():
+        logprobs = packing.PackedForward(padded_forward(True, 0.7)).logprobs(model, query_responses, Lq)
         for i, (query, response) in enumerate(rows):
             torch.testing.assert_close(logprobs[i, :len(response)], unpadded_logprobs(model, query, response, 0.7),
                                        atol=1e-5, rtol=0)
@@ -240,16 +253,15 @@ def test_packed_rows_without_gradient_keep_none(share):
     model = neox()
     query_responses, Lq, _ = grouped_batch(3, [2, 2, 2])
     mask = (query_responses[:, Lq:] != PAD).float()
-    with packing.padding_free():
-        logprobs = pc.response_logprobs(model, query_responses, Lq, PAD, share_prompts=share, grad_rows=3)
-        (logprobs[:3] * mask[:3]).sum().backward()
+    logprobs = packing.PackedForward(padded_forward(share)).logprobs(model, query_responses, Lq, grad_rows=3)
+    (logprobs[:3] * mask[:3]).sum().backward()
     with_split = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    (pc.response_logprobs(model, query_responses[:3], Lq, PAD) * mask[:3]).sum().backward()
+    (pc.Forward(PAD).logprobs(model, query_responses[:3], Lq) * mask[:3]).sum().backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(with_split[n], p.grad, atol=1e-5, rtol=1e-4)
     with torch.no_grad():
-        expected = pc.response_logprobs(model, query_responses, Lq, PAD)
+        expected = pc.Forward(PAD).logprobs(model, query_responses, Lq)
     torch.testing.assert_close(logprobs.detach() * mask, expected * mask, atol=1e-5, rtol=0)
 
 
@@ -258,10 +270,10 @@ def test_packed_chunked_output_layer_equals_the_padded_one():
     model = neox()
     query_responses, Lq, _ = grouped_batch(5, [3, 3])
     mask = query_responses[:, Lq:] != PAD
-    padded = pc.response_logprobs(model, query_responses, Lq, PAD, 0.8, return_entropy=True, chunk_tokens=0)
-    with packing.padding_free():
-        packed = pc.response_logprobs(model, query_responses, Lq, PAD, 0.8, True, return_entropy=True,
-                                      chunk_tokens=4)
+    padded = pc.Forward(PAD, 0.8).logprobs(model, query_responses, Lq, entropy=True)
+    forward = chunked_head.ChunkedHead(packing.PackedForward(padded_forward(True, 0.8)), 4)
+    assert forward.chunked(model, mask.numel())
+    packed = forward.logprobs(model, query_responses, Lq, entropy=True)
     for a, b in zip(packed, padded):
         torch.testing.assert_close(a[mask], b[mask], atol=1e-5, rtol=0)
 
@@ -271,17 +283,20 @@ def test_packed_rewards_and_values_equal_each_row_alone(share):
     torch.manual_seed(2)
     model = GPTNeoXForSequenceClassification(neox_config(num_labels=1))
     query_responses, Lq, rows = grouped_batch(11, [2, 3, 1])
-    with packing.padding_free():
-        rewards = rs.get_reward(model, query_responses, PAD, Lq, share)
-        values = rs.scalar_forward(model, query_responses, PAD, Lq, share)
-        whole_rows = rs.scalar_forward(model, query_responses, PAD)  # PPO's value model: no context length
+    padded = (ps.SharedPromptScalarForward if share else pc.ScalarForward)(PAD)
+    packed = packing.PackedScalarForward(padded)
+    assert packed.shares_prompts == share
+    rewards = packed.rewards(model, query_responses, Lq)
+    values = packed.values(model, query_responses, Lq)
+    # PPO's value model: whole rows, no context length
+    whole_rows = packing.PackedScalarForward(pc.ScalarForward(PAD)).values(model, query_responses)
     real = query_responses != PAD
-    torch.testing.assert_close(whole_rows[real], rs.scalar_forward(model, query_responses, PAD)[real], atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(whole_rows[real], pc.ScalarForward(PAD).values(model, query_responses)[real],
+                               atol=1e-5, rtol=0)
     values.sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    rs.scalar_forward(model, query_responses, PAD, Lq).masked_fill(query_responses == PAD, 0).sum().backward()
+    pc.ScalarForward(PAD).values(model, query_responses, Lq).masked_fill(query_responses == PAD, 0).sum().backward()
     for n, g in packed_grads.items():
         torch.testing.assert_close(g, dict(model.named_parameters())[n].grad, atol=1e-5, rtol=1e-4, msg=n)
     with torch.no_grad():
@@ -299,32 +314,104 @@ class MaskIgnoringNeoX(GPTNeoXForCausalLM):
         return super().forward(input_ids=input_ids, attention_mask=None, **kwargs)
 
 
+WORTH_SHARING = ps.Repeats(rows=64, rows_per_prompt=4, prompt_length=8, response_length=8)  # padded or packed
+ONLY_PACKED = ps.Repeats(rows=8, rows_per_prompt=4, prompt_length=8, response_length=8)  # saves too little padded
+
+
 def test_a_model_ignoring_the_mask_runs_padded_with_one_line(capsys):
+    """The model is checked once, when its forward is chosen: one line, the padded forward (sharing prompts as
+    asked), whose every call and `.unshared()` twin then run padded without checking again."""
     torch.manual_seed(0)
     model = MaskIgnoringNeoX(neox_config())
     query_responses, Lq, rows = grouped_batch(2, [2, 2])
-    with packing.padding_free(), torch.no_grad():
-        first = pc.response_logprobs(model, query_responses, Lq, PAD, share_prompts=True)
-        second = pc.response_logprobs(model, query_responses, Lq, PAD)
+    forward = forwards.Forwards(PAD, padding_free=True, repeats=WORTH_SHARING).lm(model)
+    assert type(forward) is ps.SharedPromptForward
+    with torch.no_grad():
+        first = forward.logprobs(model, query_responses, Lq)
+        second = forward.unshared().logprobs(model, query_responses, Lq)
     out = capsys.readouterr().out
     assert out.count("--padding_free") == 1 and "MaskIgnoringNeoX" in out and "run padded" in out
     with torch.no_grad():
-        expected = pc.response_logprobs(model, query_responses, Lq, PAD)
+        expected = pc.Forward(PAD).logprobs(model, query_responses, Lq)
     torch.testing.assert_close(first, expected)
     torch.testing.assert_close(second, expected)
 
 
 def test_sliding_window_attention_runs_padded(capsys):
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             sliding_window=4, pad_token_id=PAD, eos_token_id=1, bos_token_id=1))
+    model = sliding_window()
     query_responses, Lq, _ = grouped_batch(4, [2, 1])
-    with packing.padding_free(), torch.no_grad():
-        got = pc.response_logprobs(model, query_responses, Lq, PAD)
+    forward = forwards.Forwards(PAD, padding_free=True).lm(model)
+    assert type(forward) is pc.Forward
+    with torch.no_grad():
+        got = forward.logprobs(model, query_responses, Lq)
     assert "sliding window" in capsys.readouterr().out
     with torch.no_grad():
-        torch.testing.assert_close(got, pc.response_logprobs(model, query_responses, Lq, PAD))
+        torch.testing.assert_close(got, pc.Forward(PAD).logprobs(model, query_responses, Lq))
+
+
+def layers(forward) -> list:
+    """A chosen forward as the classes it is built from, outermost first: [ChunkedHead, PackedForward, Forward]."""
+    return [type(forward)] + (layers(forward.inner) if hasattr(forward, "inner") else [])
+
+
+@pytest.mark.parametrize("name", ["neox", "llama"])
+def test_forwards_choose_packing_sharing_and_chunking_per_model(name, capsys):
+    """forwards.Forwards(padding_free=True).lm(model): packed for a model whose packed forward matches its padded one,
+    the padded forward for a model with a sliding window; prompts shared only where prompt_sharing.worth_sharing says
+    (packed: any repeat; padded: enough saved positions); a ChunkedHead unless chunk_tokens is 0. `.unshared()` drops
+    prompt sharing and keeps packing, chunking and the temperature. The chosen forward gives the plain forward's
+    numbers."""
+    model, window = MODELS[name](), sliding_window()
+    Packed, Chunked, Shared = packing.PackedForward, chunked_head.ChunkedHead, ps.SharedPromptForward
+
+    def chosen(m, repeats=WORTH_SHARING, chunk_tokens=0, padding_free=True):
+        forward = forwards.Forwards(PAD, 0.7, padding_free, chunk_tokens, repeats).lm(m)
+        assert forward.pad_token_id == PAD and forward.temperature == 0.7
+        return forward
+
+    assert ps.worth_sharing(*WORTH_SHARING) and ps.worth_sharing(*ONLY_PACKED, packed=True)
+    assert not ps.worth_sharing(*ONLY_PACKED)
+    assert layers(chosen(model)) == [Packed, Shared] and chosen(model).shares_prompts
+    assert layers(chosen(model, ONLY_PACKED)) == [Packed, Shared]  # a shared prompt costs no extra call packed
+    assert layers(chosen(model, None)) == [Packed, pc.Forward] and not chosen(model, None).shares_prompts
+    assert layers(chosen(model, ps.Repeats(64, 1, 8, 8))) == [Packed, pc.Forward]  # no prompt repeats
+    assert layers(chosen(model, padding_free=False)) == [Shared]
+    assert layers(chosen(model, ONLY_PACKED, padding_free=False)) == [pc.Forward]
+    assert "--padding_free" not in capsys.readouterr().out  # every check passed
+    assert layers(chosen(window)) == [Shared]  # padded, each check with one line
+    assert layers(chosen(window, ONLY_PACKED)) == [pc.Forward]  # padded: sharing saves too little
+    assert capsys.readouterr().out.count("sliding window") == 2
+    for chunk_tokens in (None, 8):
+        forward = chosen(model, chunk_tokens=chunk_tokens)
+        assert layers(forward) == [Chunked, Packed, Shared] and forward.chunk_tokens == chunk_tokens
+        assert forward.shares_prompts
+        assert layers(chosen(window, chunk_tokens=chunk_tokens)) == [Chunked, Shared]
+    forward = chosen(model, chunk_tokens=8)
+    unshared = forward.unshared()
+    assert layers(unshared) == [Chunked, Packed, pc.Forward] and not unshared.shares_prompts
+    assert unshared.chunk_tokens == 8 and (unshared.pad_token_id, unshared.temperature) == (PAD, 0.7)
+    assert layers(chosen(window, chunk_tokens=8).unshared()) == [Chunked, pc.Forward]
+    query_responses, Lq, _ = grouped_batch(6, [3, 3, 2])
+    mask = query_responses[:, Lq:] != PAD
+    with torch.no_grad():
+        expected = pc.Forward(PAD, 0.7).logprobs(model, query_responses, Lq)
+        for f in (forward, unshared):
+            assert f.chunked(model, mask.numel())  # 40 positions, chunks of 8
+            torch.testing.assert_close(f.logprobs(model, query_responses, Lq)[mask], expected[mask], atol=1e-5,
+                                       rtol=0)
+
+
+def test_forwards_choose_packed_scalar_forwards():
+    """forwards.Forwards(padding_free=True).scalar(model) for a reward or value model: packed, sharing prompts where
+    worth it; `.unshared()` keeps the packing."""
+    torch.manual_seed(2)
+    model = GPTNeoXForSequenceClassification(neox_config(num_labels=1))
+    forward = forwards.Forwards(PAD, padding_free=True, repeats=WORTH_SHARING).scalar(model)
+    assert layers(forward) == [packing.PackedScalarForward, ps.SharedPromptScalarForward] and forward.shares_prompts
+    assert layers(forward.unshared()) == [packing.PackedScalarForward, pc.ScalarForward]
+    assert layers(forwards.Forwards(PAD, repeats=WORTH_SHARING).scalar(model)) == [ps.SharedPromptScalarForward]
+    assert layers(forwards.Forwards(PAD, padding_free=True).scalar(model)) == [packing.PackedScalarForward,
+                                                                               pc.ScalarForward]
 
 
 # ------------------------------------------------------------------------------------------------------ scripts
@@ -339,31 +426,27 @@ SCRIPT_METRICS = {  # a step's numbers that the forwards feed
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", list(SCRIPT_METRICS))
-def test_every_script_gives_the_same_numbers_packed(script, tmp_path, toy):
-    """Two steps of each script on the toy, packed and padded: the same metrics and evaluation."""
-    rows = {}
-    for mode in ("padded", "packed"):
-        out = tmp_path / mode
-        flags = ["--padding_free"] if mode == "packed" else []
-        evaluation = ["--max_eval_pairs", "32"] if script == "reward.py" else ["--num_eval_prompts", "16"]
-        proc = run_script(script, "--max_steps", "2", "--eval_steps", "2", *evaluation, *flags,
-                          "--output_dir", str(out))
-        assert "run padded" not in proc.stdout  # packed indeed: no model fell back
-        rows[mode] = {r["step"]: r for r in read_metrics(str(out))}
+def test_every_script_gives_the_same_numbers_packed(script, tmp_path, toy, shared_run):
+    """The tiny run of each script on the toy (conftest.tiny_args: 2 steps), packed and padded (the padded one shared
+    with test_smoke.py): the same metrics and evaluation."""
+    padded_proc, padded = shared_run(script, *tiny_args(script))
+    packed = str(tmp_path / "packed")
+    proc = run_script(script, *tiny_args(script), "--padding_free", "--output_dir", packed)
+    for run in (padded_proc, proc):
+        assert "run padded" not in run.stdout  # packed indeed: no model fell back
+    rows = {mode: {r["step"]: r for r in read_metrics(out)} for mode, out in (("padded", padded), ("packed", packed))}
     assert rows["packed"].keys() == rows["padded"].keys()
     keys = SCRIPT_METRICS[script] + [k for k in rows["padded"][2] if k.startswith("eval/")]
     assert_same_numbers(rows["packed"], rows["padded"], (1, 2), keys, script)
 
 
 @pytest.mark.slow
-def test_two_processes_give_the_same_numbers_packed(tmp_path, toy):
+def test_two_processes_give_the_same_numbers_packed(tmp_path, toy, shared_run):
     """rloo on 2 processes (DDP over gloo; each process packs its own rows into its own bins, the output layer runs
-    outside the wrapped forward): packed = padded."""
-    rows = {}
-    for mode, flags in (("padded", []), ("packed", ["--padding_free"])):
-        out = tmp_path / mode
-        run_distributed("rloo.py", "--max_steps", "2", "--per_device_train_batch_size", "16", "--num_eval_prompts", "8",
-                        *flags, "--output_dir", str(out))
-        rows[mode] = {r["step"]: r for r in read_metrics(str(out))}
+    outside the wrapped forward): packed = padded (the padded run shared with test_accumulation.py)."""
+    _, padded = shared_run("rloo.py", *TWO_PROCESS_RLOO, processes=2)
+    packed = str(tmp_path / "packed")
+    run_distributed("rloo.py", *TWO_PROCESS_RLOO, "--padding_free", "--output_dir", packed)
+    rows = {mode: {r["step"]: r for r in read_metrics(out)} for mode, out in (("padded", padded), ("packed", packed))}
     for key in ("loss/policy", "objective/kl", "objective/entropy", "objective/scores"):
         assert rows["packed"][2][key] == pytest.approx(rows["padded"][2][key], rel=1e-4, abs=1e-5), key

@@ -1,4 +1,6 @@
-"""policy_common helpers against independent, obviously-correct computations on tiny models built here."""
+"""policy_common helpers against independent, obviously-correct computations on tiny models built here: the plain
+forward (policy_common.Forward, ScalarForward) and its prompt-sharing subclasses (prompt_sharing.SharedPromptForward,
+SharedPromptScalarForward), generation, the reference, loading."""
 
 import numpy as np
 import pytest
@@ -8,9 +10,8 @@ from hypothesis import strategies as st
 from transformers import GenerationConfig, GPTNeoXConfig, GPTNeoXForCausalLM, GPTNeoXForSequenceClassification
 
 import policy_common as pc
-from plumbing import models
+from plumbing import forwards, models
 from plumbing import prompt_sharing as ps
-from plumbing import reward_sources as rs
 from plumbing.errors import UserError
 
 PAD, EOS, VOCAB = 0, 1, 40
@@ -108,7 +109,7 @@ def test_forward_logits_padding_invariant(lm, shapes, temperature):
     q = pc.pad_sequences(queries, PAD, "left")
     r = pc.pad_sequences(responses, PAD, "right")
     with torch.no_grad():
-        batch = pc.response_logprobs(lm, torch.cat([q, r], 1), q.shape[1], PAD, temperature)
+        batch = pc.Forward(PAD, temperature).logprobs(lm, torch.cat([q, r], 1), q.shape[1])
         for i, (query, response) in enumerate(zip(queries, responses)):
             expected = unpadded_logprobs(lm, query, response, temperature)
             torch.testing.assert_close(batch[i, :len(response)], expected, atol=1e-5, rtol=0)
@@ -144,7 +145,7 @@ def test_shared_prompt_logprobs_equal_unpadded_rows(lm, group_sizes, temperature
     query_responses, lq, rows = grouped_batch(gen, group_sizes)
     calls = CountCalls(lm)
     with torch.no_grad():
-        batch = pc.response_logprobs(lm, query_responses, lq, PAD, temperature, share_prompts=True)
+        batch = ps.SharedPromptForward(PAD, temperature).logprobs(lm, query_responses, lq)
     assert calls.n == 2  # the distinct queries, then every row's response
     with torch.no_grad():
         for i, (query, response) in enumerate(rows):
@@ -158,9 +159,9 @@ def test_shared_prompt_gradients_equal_the_plain_forward():
     query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(4), [3, 1, 2])
     mask = query_responses[:, lq:] != PAD
     grads = []
-    for share in (False, True):
+    for forward in (pc.Forward(PAD, 0.8), ps.SharedPromptForward(PAD, 0.8)):
         model.zero_grad()
-        logprobs = pc.response_logprobs(model, query_responses, lq, PAD, 0.8, share_prompts=share)
+        logprobs = forward.logprobs(model, query_responses, lq)
         ((logprobs * mask).sum(1) * torch.arange(1.0, 7.0)).sum().backward()  # rows weighted differently
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in grads[0].items():
@@ -177,7 +178,7 @@ def test_shared_prompts_other_architecture_and_lora():
     for model in (llama, lora):
         calls = CountCalls(model)
         with torch.no_grad():
-            shared = pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True)
+            shared = ps.SharedPromptForward(PAD).logprobs(model, query_responses, lq)
         assert calls.n == 2, type(model).__name__
         with torch.no_grad():
             for i, (query, response) in enumerate(rows):
@@ -189,10 +190,10 @@ def test_shared_prompts_fall_back_under_activation_checkpointing():
     torch.manual_seed(7)
     model = GPTNeoXForCausalLM(tiny_config()).train()
     query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(8), [3, 2])
-    expected = pc.response_logprobs(model, query_responses, lq, PAD)
+    expected = pc.Forward(PAD).logprobs(model, query_responses, lq)
     models.enable_activation_checkpointing(model)
     calls = CountCalls(model)
-    torch.testing.assert_close(pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True), expected)
+    torch.testing.assert_close(ps.SharedPromptForward(PAD).logprobs(model, query_responses, lq), expected)
     assert calls.n == 1
 
 
@@ -210,7 +211,7 @@ def test_model_code_without_cache_or_logits_to_keep_arguments_runs_plain():
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(16), [2, 3])
     calls = CountCalls(model)
     with torch.no_grad():
-        logprobs = pc.response_logprobs(model, query_responses, lq, PAD, share_prompts=True)
+        logprobs = ps.SharedPromptForward(PAD).logprobs(model, query_responses, lq)
     assert calls.n == 1  # a property of the model code, the same on every process: one plain forward
     with torch.no_grad():
         for i, (query, response) in enumerate(rows):
@@ -239,7 +240,7 @@ def test_forward_logits_applies_temperature_once(lm):
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     with torch.no_grad():
         raw = lm(input_ids=ids).logits[:, 1:-1]
-        scaled = pc.forward_logits(lm, ids, 2, PAD, temperature=0.5)
+        scaled = pc.Forward(PAD, temperature=0.5).logits(lm, ids, 2)
     not_pad = torch.arange(VOCAB) != PAD
     torch.testing.assert_close(scaled[..., not_pad], raw[..., not_pad] / 0.5)
     assert (scaled[..., PAD] == scaled.amax(-1) - 1e4).all() and (scaled.softmax(-1)[..., PAD] == 0).all()
@@ -292,7 +293,8 @@ def test_batch_generation_shares_repeated_queries(lm):
     seen = []
     hook = lm.register_forward_hook(lambda m, a, kw, out: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
     try:
-        query_responses, _ = pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9, share_prompts=True)
+        query_responses, _ = pc.batch_generation(lm, q, PAD, EOS, config, chunk_size=9,
+                                                 forward=ps.SharedPromptForward(PAD))
     finally:
         hook.remove()
     assert seen[0] == (3, q.shape[1] - 1) and seen[1] == (9, 1)  # 3 distinct prefixes, then the last query token
@@ -330,20 +332,21 @@ def pad_free_row_logprobs(model, query, response, temperature):
 @pytest.mark.parametrize("share", [False, True])
 def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share, cache):
     """Rows ending at different lengths, left-padded queries, chunks: the sampling log-probs and entropies equal
-    (i) `response_logprobs` / `forward_logits` on the padded batch (pad masked: one distribution) and (ii) an
-    unpadded row-by-row forward with the pad token's mass removed; also when repeated queries are encoded once, and
-    on a static key/value cache. `response_logprobs_no_grad` (the no-grad, chunked scoring of given samples) equals
-    (ii) too, with or without entropy."""
+    (i) `Forward.logits` on the padded batch (pad masked: one distribution) and (ii) an unpadded row-by-row forward
+    with the pad token's mass removed; also when repeated queries are encoded once (a SharedPromptForward, in
+    generation's prefill and in the forward), and on a static key/value cache. `Forward.logprobs_no_grad` (the
+    no-grad, chunked scoring of given samples) equals (ii) too, with or without entropy."""
     model = eos_biased_model()
     gen = torch.Generator().manual_seed(5)
     queries = random_queries(gen, [3, 1, 4, 2] * 4)
     q = pc.pad_sequences(queries, PAD, "left")
     temperature = 0.8
+    forward = (ps.SharedPromptForward if share else pc.Forward)(PAD, temperature)
     config = GenerationConfig(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=8,
                               pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD], cache_implementation=cache)
     torch.manual_seed(6)
     query_responses, logprobs, entropy = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=5,
-                                                             share_prompts=share, return_entropy=True)
+                                                             forward=forward, return_entropy=True)
     responses = query_responses[:, q.shape[1]:]
     eos_at = pc.first_true_indices(responses == EOS)
     assert 0 < (eos_at < 8).sum() < 16, "want rows that end early and rows that do not"
@@ -351,14 +354,13 @@ def test_batch_generation_logprobs_and_entropy_equal_a_fresh_forward(share, cach
     assert (responses[~in_response] == PAD).all()
     assert (logprobs[~in_response] == pc.PADDING_LOGPROB).all() and (entropy[~in_response] == 0).all()
     with torch.no_grad():
-        logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature, share_prompts=share)
-        forward = pc.selective_logprobs(logits, responses)
-    torch.testing.assert_close(logprobs[in_response], forward[in_response], atol=1e-5, rtol=0)
+        logits = forward.logits(model, query_responses, q.shape[1])
+        fresh = pc.selective_logprobs(logits, responses)
+    torch.testing.assert_close(logprobs[in_response], fresh[in_response], atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[in_response], pc.entropy_from_logits(logits)[in_response], atol=1e-5, rtol=0)
-    rollout, rollout_entropy = pc.response_logprobs_no_grad(model, query_responses, q.shape[1], PAD, temperature,
-                                                            chunk_size=5, share_prompts=share, return_entropy=True)
-    assert torch.equal(pc.response_logprobs_no_grad(model, query_responses, q.shape[1], PAD, temperature, chunk_size=5,
-                                                    share_prompts=share), rollout)
+    rollout, rollout_entropy = forward.logprobs_no_grad(model, query_responses, q.shape[1], chunk_size=5,
+                                                        entropy=True)
+    assert torch.equal(forward.logprobs_no_grad(model, query_responses, q.shape[1], chunk_size=5), rollout)
     for i, query in enumerate(queries):
         n = int(in_response[i].sum())
         expected, expected_entropy = pad_free_row_logprobs(model, query, responses[i, :n].tolist(), temperature)
@@ -409,7 +411,7 @@ def test_static_cache_samples_the_dynamic_caches_tokens(name, share):
     q = q.repeat_interleave(3, 0)  # (12, 7): each query 3 times in a row
     seen = []
     hook = inner.register_forward_pre_hook(
-        lambda m, a, kw: seen.append(kw[ps.cache_argument(inner)]) if kw["input_ids"].shape[1] == 1 else None,
+        lambda m, a, kw: seen.append(kw[models.cache_argument(inner)]) if kw["input_ids"].shape[1] == 1 else None,
         with_kwargs=True)
     outputs = {}
     try:
@@ -417,7 +419,8 @@ def test_static_cache_samples_the_dynamic_caches_tokens(name, share):
             config = pc.make_generation_config(Tok, 8, temperature=0.9, cache_implementation=cache)
             seen.clear()
             torch.manual_seed(9)
-            outputs[cache] = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=6, share_prompts=share,
+            outputs[cache] = pc.batch_generation(model, q, PAD, EOS, config, chunk_size=6,
+                                                 forward=(ps.SharedPromptForward if share else pc.Forward)(PAD),
                                                  return_entropy=True)
             assert seen and all(type(c) is {"dynamic": DynamicCache, "static": StaticCache}[cache] for c in seen)
     finally:
@@ -445,7 +448,7 @@ def test_batch_generation_ignores_the_models_own_sampling_defaults(lora):
     torch.manual_seed(11)
     query_responses, logprobs = pc.batch_generation(model, q.repeat(4, 1), PAD, EOS, config, chunk_size=16)
     mask = query_responses[:, q.shape[1]:] != PAD
-    forward = pc.response_logprobs(model, query_responses, q.shape[1], PAD).detach()
+    forward = pc.Forward(PAD).logprobs(model, query_responses, q.shape[1]).detach()
     torch.testing.assert_close(logprobs[mask], forward[mask], atol=1e-5, rtol=0)
     inner = model.get_base_model() if lora else model
     assert inner.generation_config.repetition_penalty == 3.0 and inner.generation_config.top_k == 2
@@ -458,7 +461,7 @@ def test_forward_masks_pad_without_nan_gradients():
     model = eos_biased_model(seed=13)
     q = pc.pad_sequences([[5, 6, 7], [8]], PAD, "left")
     query_responses = torch.cat([q, torch.tensor([[9, EOS, PAD, PAD], [10, 11, 12, EOS]])], 1)
-    logits = pc.forward_logits(model, query_responses, q.shape[1], PAD, temperature=0.5)
+    logits = pc.Forward(PAD, temperature=0.5).logits(model, query_responses, q.shape[1])
     assert (logits.softmax(-1)[..., PAD] == 0).all()
     with torch.no_grad():  # row 2 unpadded, p(token) / (1 - p(pad)) by hand
         p = (model(input_ids=torch.tensor([[8, 10, 11, 12, EOS]])).logits[0, :-1] / 0.5).softmax(-1)
@@ -474,14 +477,15 @@ def test_forward_masks_pad_without_nan_gradients():
 
 @pytest.mark.parametrize("share", [False, True])
 def test_forward_grad_rows_keeps_no_gradient_of_the_other_rows(share):
-    """grad_rows=n: the same logits as one full forward (rows repeat queries, so that sharing applies); only rows
-    0..n-1 carry a gradient, equal to the full forward's; rows n.. carry none."""
+    """grad_rows=n: the same logits as one full forward (rows repeat queries, so that a SharedPromptForward shares
+    them); only rows 0..n-1 carry a gradient, equal to the full forward's; rows n.. carry none."""
     model = eos_biased_model(seed=5)
     q = pc.pad_sequences([[5, 6, 7], [8], [5, 6, 7], [8]], PAD, "left")
     query_responses = torch.cat([q, torch.tensor([[9, EOS, PAD], [10, 11, EOS], [12, EOS, PAD], [9, 9, 9]])], 1)
     ctx, params = q.shape[1], list(model.parameters())
-    full = pc.forward_logits(model, query_responses, ctx, PAD, share_prompts=share)
-    split = pc.forward_logits(model, query_responses, ctx, PAD, share_prompts=share, grad_rows=2)
+    forward = (ps.SharedPromptForward if share else pc.Forward)(PAD)
+    full = forward.logits(model, query_responses, ctx)
+    split = forward.logits(model, query_responses, ctx, grad_rows=2)
     torch.testing.assert_close(split, full, atol=1e-5, rtol=0)
     weights = torch.randn(full.shape)
     expected = torch.autograd.grad((full[:2] * weights[:2]).sum(), params)
@@ -510,28 +514,29 @@ def test_make_generation_config():
 
 
 # --------------------------------------------------------------------------------------------- scalar heads
-def test_get_reward_reads_last_real_token():
+def test_scalar_forward_rewards_read_the_last_real_token():
     torch.manual_seed(7)
     rm = GPTNeoXForSequenceClassification(tiny_config(num_labels=1)).eval()
     gen = torch.Generator().manual_seed(8)
     queries, responses = random_queries(gen, [2, 4, 3]), random_queries(gen, [3, 1, 2])
     q, r = pc.pad_sequences(queries, PAD, "left"), pc.pad_sequences(responses, PAD, "right")
     with torch.no_grad():
-        scores = rs.get_reward(rm, torch.cat([q, r], 1), PAD)
+        scores = pc.ScalarForward(PAD).rewards(rm, torch.cat([q, r], 1))
         for i in range(3):
             ids = torch.tensor([queries[i] + responses[i]])
             hidden = rm.gpt_neox(input_ids=ids).last_hidden_state
             assert scores[i].item() == pytest.approx(rm.score(hidden)[0, -1, 0].item(), abs=1e-5)
 
 
-def test_get_reward_with_shared_prompts_reads_the_same_scores():
+def test_shared_prompt_scalar_forward_reads_the_same_scores():
     torch.manual_seed(10)
     rm = GPTNeoXForSequenceClassification(tiny_config(num_labels=1)).eval()
     query_responses, lq, rows = grouped_batch(torch.Generator().manual_seed(11), [3, 2, 1])
+    forward = ps.SharedPromptScalarForward(PAD)
     with torch.no_grad():
         calls = CountCalls(rm.gpt_neox)
-        scores = rs.get_reward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
-        values = rs.scalar_forward(rm, query_responses, PAD, context_length=lq, share_prompts=True)
+        scores = forward.rewards(rm, query_responses, context_length=lq)
+        values = forward.values(rm, query_responses, context_length=lq)
         assert calls.n == 4  # two calls each: the distinct queries, then the responses
         for i, (query, response) in enumerate(rows):
             hidden = rm.gpt_neox(input_ids=torch.tensor([query + response])).last_hidden_state
@@ -549,20 +554,43 @@ def test_adapter_off_reference_is_the_base_model_before_and_after_training():
     base_copy = GPTNeoXForCausalLM(tiny_config()).eval()
     base_copy.load_state_dict(base.state_dict())
     policy = models.add_lora(base, r=4, alpha=8, dropout=0.0, target_modules=["query_key_value", "dense"])
-    reference = pc.Reference("adapter_off", policy=policy)
+    forward = pc.Forward(PAD)
+    reference = pc.Reference("adapter_off", forward, policy=policy)
     ids = torch.tensor([[PAD, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, PAD]])
     with torch.no_grad():
-        expected = pc.response_logprobs(base_copy, ids, 3, PAD)
-    torch.testing.assert_close(reference.logprobs(ids, 3, PAD), expected)
+        expected = forward.logprobs(base_copy, ids, 3)
+    torch.testing.assert_close(reference.logprobs(ids, 3), expected)
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
     for _ in range(3):  # LoRA B starts at zero; after steps the adapter changes the policy's output
-        loss = -pc.response_logprobs(policy, ids, 3, PAD).sum()
+        loss = -forward.logprobs(policy, ids, 3).sum()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     with torch.no_grad():
-        assert not torch.allclose(pc.response_logprobs(policy, ids, 3, PAD), expected, atol=1e-4)
-    torch.testing.assert_close(reference.logprobs(ids, 3, PAD), expected)
+        assert not torch.allclose(forward.logprobs(policy, ids, 3), expected, atol=1e-4)
+    torch.testing.assert_close(reference.logprobs(ids, 3), expected)
+
+
+def test_reference_logits_and_its_unshared_twin():
+    """Reference.logits is its forward's `logits` (temperature, pad masked) without gradient; `.unshared()` is the
+    same reference with prompt sharing off (the same numbers); a reference-free run has no distribution."""
+    torch.manual_seed(14)
+    model = GPTNeoXForCausalLM(tiny_config())
+    reference = pc.Reference("copy", ps.SharedPromptForward(PAD, 0.7), model=model)
+    query_responses, lq, _ = grouped_batch(torch.Generator().manual_seed(15), [3, 2])
+    logits = reference.logits(query_responses, lq)
+    assert not logits.requires_grad
+    with torch.no_grad():
+        expected = pc.Forward(PAD, 0.7).logits(model, query_responses, lq)
+    mask = query_responses[:, lq:] != PAD
+    torch.testing.assert_close(logits[mask], expected[mask], atol=1e-5, rtol=0)
+    unshared = reference.unshared()
+    assert type(unshared.forward) is pc.Forward and unshared.forward.temperature == 0.7
+    assert reference.forward.shares_prompts and unshared.model is model
+    torch.testing.assert_close(unshared.logprobs(query_responses, lq)[mask],
+                               reference.logprobs(query_responses, lq)[mask], atol=1e-5, rtol=0)
+    with pytest.raises(UserError, match="no reference distribution"):
+        pc.Reference("none").logits(query_responses, lq)
 
 
 def test_frozen_copy_unchanged_by_training(tmp_path):
@@ -571,21 +599,22 @@ def test_frozen_copy_unchanged_by_training(tmp_path):
     _save_tiny_tokenizer(tmp_path / "m", with_pad=True)
     tokenizer = models.load_tokenizer(str(tmp_path / "m"))
     policy = models.load_causal_lm(str(tmp_path / "m"), tokenizer)
-    reference = pc.create_reference(policy, tokenizer, policy_name=str(tmp_path / "m"))
+    forward_for = forwards.Forwards(tokenizer.pad_token_id).lm
+    reference = pc.create_reference(policy, tokenizer, forward_for, policy_name=str(tmp_path / "m"))
     assert reference.mode == "copy" and reference.model is not policy
     assert not any(p.requires_grad for p in reference.model.parameters())
     before = {k: v.clone() for k, v in reference.model.state_dict().items()}
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     ids = torch.tensor([[3, 4, 5, 6, 7]])
     for _ in range(3):
-        pc.response_logprobs(policy, ids, 2, PAD).sum().neg().backward()
+        pc.Forward(PAD).logprobs(policy, ids, 2).sum().neg().backward()
         optimizer.step()
         optimizer.zero_grad()
     for k, v in reference.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert not torch.equal(policy.state_dict()["lm_head.weight"], before["lm_head.weight"])
-    none = pc.create_reference(policy, tokenizer, policy_name=str(tmp_path / "m"), reference_free=True)
-    assert torch.equal(none.logprobs(ids, 2, PAD), torch.zeros(1, 3))
+    none = pc.create_reference(policy, tokenizer, forward_for, policy_name=str(tmp_path / "m"), reference_free=True)
+    assert torch.equal(none.logprobs(ids, 2), torch.zeros(1, 3))
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -672,7 +701,7 @@ def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
             for name, p in policy.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.1)
-        pc.response_logprobs(policy, ids, 4, tokenizer.pad_token_id).sum().backward()
+        pc.Forward(tokenizer.pad_token_id).logprobs(policy, ids, 4).sum().backward()
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.requires_grad})
     assert grads[0] and all(g.abs().sum() > 0 for g in grads[1].values())
     for name in grads[0]:
@@ -684,11 +713,13 @@ def test_load_policy_checkpointed_lora_trains_like_the_plain_one(toy):
 def test_create_reference_defaults_to_the_starting_policy_and_checks_vocab(toy, tmp_path):
     tokenizer = models.load_tokenizer(toy["policy"])
     policy = models.load_policy(toy["policy"], tokenizer, _shared_flags())
-    reference = pc.create_reference(policy, tokenizer, policy_name=toy["policy"])
+    forward_for = forwards.Forwards(tokenizer.pad_token_id).lm
+    reference = pc.create_reference(policy, tokenizer, forward_for, policy_name=toy["policy"])
     assert reference.mode == "copy" and reference.model is not policy
     for a, b in zip(reference.model.parameters(), policy.parameters()):
         assert torch.equal(a, b)
     GPTNeoXForCausalLM(tiny_config()).save_pretrained(tmp_path / "other")
     _save_tiny_tokenizer(tmp_path / "other", with_pad=True)
     with pytest.raises(UserError, match="reference model's tokenizer differs"):
-        pc.create_reference(policy, tokenizer, policy_name=toy["policy"], ref_model=str(tmp_path / "other"))
+        pc.create_reference(policy, tokenizer, forward_for, policy_name=toy["policy"],
+                            ref_model=str(tmp_path / "other"))

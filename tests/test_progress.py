@@ -37,8 +37,8 @@ def test_verbose_brings_the_library_output_back(toy, tmp_path):
     """ppo.py without a reward model starts its value model from the policy: transformers reports the new scalar
     head with a LOAD REPORT table, which the quiet default replaces by one line of ours."""
     args = ["--reward_funcs", "gold", "--max_steps", "1", "--num_eval_prompts", "4"]
-    quiet = run_script("ppo.py", *args, "--output_dir", str(tmp_path / "quiet"))
-    loud = run_script("ppo.py", *args, "--verbose", "--output_dir", str(tmp_path / "loud"))
+    quiet = run_script("ppo.py", *args, "--output_dir", str(tmp_path / "quiet"), fresh=True)  # all a user sees
+    loud = run_script("ppo.py", *args, "--verbose", "--output_dir", str(tmp_path / "loud"), fresh=True)
     quiet_text, loud_text = quiet.stdout + quiet.stderr, loud.stdout + loud.stderr
     assert "new score.weight initialised" in quiet_text and not [n for n in NOISE if n in quiet_text]
     assert "LOAD REPORT" in loud_text and "Loading weights" in loud_text

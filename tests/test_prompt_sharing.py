@@ -84,7 +84,7 @@ def test_a_fork_and_its_cache_change_independently():
     model = neox().eval()
     ids = torch.randint(2, VOCAB, (2, 6))
     with torch.no_grad():
-        name = ps.cache_argument(model)  # `cache` or `past_key_values`, by transformers release
+        name = models.cache_argument(model)  # `cache` or `past_key_values`, by transformers release
         cache = getattr(model(input_ids=ids, use_cache=True), name)
         keys = [layer.keys.clone() for layer in cache.layers]
         fork = ps.fork_cache(cache)
@@ -104,5 +104,5 @@ def test_the_pinned_transformers_models_take_a_cache():
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     for model in (neox(), neox().gpt_neox, llama):
-        assert ps.cache_argument(model) in ("cache", "past_key_values")
+        assert models.cache_argument(model) in ("cache", "past_key_values")
         assert ps.takes_cache(model.eval())

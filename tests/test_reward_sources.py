@@ -1,6 +1,7 @@
-"""reward_sources.py: the reward model read as tokens or as text, reward functions, weights, and their errors; checked
-against independent computations (the reward model's own transformers forward, hand-worked sums), then through
-rloo.py and ppo.py as a user runs them (one process and two)."""
+"""reward_sources.py: the reward model read as tokens or as text (with the forward chosen for it from the run's
+forwards.Forwards), reward functions, weights, and their errors; checked against independent computations (the reward
+model's own transformers forward, hand-worked sums), then through rloo.py and ppo.py as a user runs them (one process
+and two)."""
 
 import asyncio
 import json
@@ -10,12 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script, run_script_in_process
+from conftest import read_metrics, run_script, run_script_in_process, worker_accelerator
 from test_scale import run_distributed
 
 import policy_common as pc
 from plumbing import data_utils as du
-from plumbing import models
+from plumbing import forwards, models
+from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
 from plumbing.errors import UserError
@@ -33,6 +35,7 @@ def toy_batch(toy, completions):
 
 
 COMPLETIONS = [" b c f k", " c a b", " g h i j k l", " d e f f"]
+REPEATS = ps.Repeats(rows=64, rows_per_prompt=4, prompt_length=8, response_length=8)  # worth sharing prompts
 
 
 def permuted_reward_model(toy, path):
@@ -86,6 +89,11 @@ def test_tokens_without_eos_equal_text_and_text_equals_the_models_own_forward(to
     eos_texts = [t + " [EOS]" for t in texts]
     assert torch.allclose(as_tokens(query_responses, context_length, rows)[0],
                           hf_score(reward_model, tokenizer, eos_texts), atol=1e-5)
+    # the forward chosen for rows that repeat prompts, told they do (shared=True): the same scores
+    shared = rs.Rewards(tokenizer, reward_model, tokenizer, "tokens",
+                        forward=ps.SharedPromptScalarForward(tokenizer.pad_token_id))
+    assert torch.allclose(shared(query_responses, context_length, rows, shared=True)[0],
+                          hf_score(reward_model, tokenizer, eos_texts), atol=1e-5)
     assert not torch.allclose(text_scores, hf_score(reward_model, tokenizer, eos_texts), atol=1e-2)
 
 
@@ -95,11 +103,14 @@ def test_text_mode_with_another_tokenizer_scores_the_same_text(toy, other_vocab_
     args = SimpleNamespace(reward_funcs=None, reward_model=other_vocab_rm, reward_model_input=None,
                            reward_weights=None, trust_remote_code=False, bf16=False)
     vocabulary, pad = dict(tokenizer.get_vocab()), tokenizer.pad_token_id
-    sources = rs.load_rewards(args, tokenizer, "toy", "toy", [], SimpleNamespace(device="cpu", print=print,
-                                                                                 state=SimpleNamespace()))
+    sources = rs.load_rewards(args, tokenizer, forwards.Forwards(pad, repeats=REPEATS), "toy", "toy", [],
+                              SimpleNamespace(device="cpu", print=print, state=SimpleNamespace()))
     assert sources.mode == "text" and sources.names == ["reward_model"]
     assert tokenizer.get_vocab() == vocabulary and tokenizer.pad_token_id == pad  # the policy's tokenizer untouched
     assert sources.reward_tokenizer.pad_token_id is not None  # given one for scoring (it had none)
+    # re-tokenised text repeats no prompt and pads with the reward model's own pad token
+    assert type(sources.forward) is pc.ScalarForward
+    assert sources.forward.pad_token_id == sources.reward_tokenizer.pad_token_id
     toy_model = models.load_scalar_model(toy["reward"], tokenizer).eval()
     same_text = rs.Rewards(tokenizer, toy_model, tokenizer, "text")(query_responses, context_length, rows)[0]
     scores, per_source = sources(query_responses, context_length, rows)
@@ -171,10 +182,13 @@ def test_overlong_is_one_more_source_and_keeps_the_paired_reward_model(toy):
     args = SimpleNamespace(reward_funcs=None, reward_model=None, reward_model_input=None, reward_weights=[2.0],
                            trust_remote_code=False, bf16=False, response_length=8, overlong_buffer_length=3,
                            overlong_penalty_factor=1.0)
-    sources = rs.load_rewards(args, tokenizer, "toy", "toy", [], accelerator)
+    sources = rs.load_rewards(args, tokenizer, forwards.Forwards(tokenizer.pad_token_id, repeats=REPEATS), "toy",
+                              "toy", [], accelerator)
     assert sources.names == ["reward_model", "overlong"]  # shaping alone does not replace the reward model
+    assert type(sources.forward) is ps.SharedPromptScalarForward  # the toy reward model reads the policy's tokens
     query_responses, context_length, rows, _ = toy_batch(toy, COMPLETIONS)
     scores, per_source = sources(query_responses, context_length, rows)
+    torch.testing.assert_close(sources(query_responses, context_length, rows, shared=True)[1], per_source)
     lengths = (query_responses[:, context_length:] != tokenizer.pad_token_id).sum(1)
     penalty = torch.clamp((5 - lengths) / 3, -1.0, 0.0)  # start = 8 - 3
     torch.testing.assert_close(per_source[:, 1], penalty)
@@ -244,7 +258,8 @@ def test_trl_extra_arguments_are_not_mistaken_for_columns(tmp_path):
     path.write_text("def r(prompts, completions, trainer_state, log_extra, log_metric, completion_ids):\n"
                     "    return [0.0] * len(completions)\n")
     args = SimpleNamespace(reward_funcs=[f"{path}:r"], reward_model=None, reward_model_input=None, reward_weights=None)
-    sources = rs.load_rewards(args, None, "toy", "toy", [SimpleNamespace(column_names=["prompt"])], None)
+    datasets = [SimpleNamespace(column_names=["prompt"])]
+    sources = rs.load_rewards(args, None, forwards.Forwards(0), "toy", "toy", datasets, None)
     assert sources.names == ["r"]
 
 
@@ -478,14 +493,7 @@ def test_two_processes_score_their_own_rows_and_log_global_means(funcs, tmp_path
 
 
 def _disagreeing_worker(rank, port, results, toy):
-    import torch.distributed as dist
-    from accelerate import Accelerator
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
-    accelerator = Accelerator(cpu=True)
-    try:
+    with worker_accelerator(rank, port) as accelerator:
         query_responses, context_length, rows, tokenizer = toy_batch(toy, COMPLETIONS[rank * 2:rank * 2 + 2])
 
         def fails_on_rank_one(completions, **columns):
@@ -509,8 +517,6 @@ def _disagreeing_worker(rank, port, results, toy):
         sources = rs.Rewards(tokenizer, functions=[rs.RewardFunction("logs", logs)])
         _, per_source = sources(query_responses, context_length, rows, accelerator)
         results[rank] = (outcome, sources.metrics(per_source, accelerator))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_function_failing_on_one_process_stops_both(toy):

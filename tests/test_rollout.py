@@ -9,10 +9,12 @@ import torch
 
 import policy_common as pc
 from plumbing import models
+from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import rollout as ro
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError
+from plumbing.forwards import Forwards
 
 
 def letters_reward(prompts, completions, **columns):
@@ -33,13 +35,14 @@ def toy_sampler_parts(toy):
                 accelerator=Accelerator(cpu=True))
 
 
-def make_sampler(parts, k=4, reference=None, **flags):
+def make_sampler(parts, k=4, reference=None, forward=None, **flags):
+    """A Sampler built by hand, as the scripts build theirs; `forward`: the policy's (None: the plain one)."""
     args = SimpleNamespace(**{**vars(vg.VLLMFlags()), **dict(
         response_length=8, temperature=1.0, missing_eos_penalty=1.0, seed=5, local_rollout_forward_batch_size=16,
-        per_device_train_batch_size=8, share_prompts=True, num_samples_printed=0, logprob_chunk_tokens=None,
-        cache_implementation=None), **flags})
+        per_device_train_batch_size=8, num_samples_printed=0, cache_implementation=None), **flags})
     rewards = rs.Rewards(parts["tokenizer"], functions=[rs.RewardFunction("letters", letters_reward)])
-    return ro.Sampler(args, parts["accelerator"], parts["tokenizer"], parts["policy"], rewards, reference,
+    forward = forward or pc.Forward(parts["tokenizer"].pad_token_id, args.temperature)
+    return ro.Sampler(args, parts["accelerator"], parts["tokenizer"], parts["policy"], forward, rewards, reference,
                       prompts=parts["prompt_ids"], rows=parts["rows"], samples_per_prompt=k, prompts_per_process=2,
                       max_prompt_length=max(map(len, parts["prompt_ids"])))
 
@@ -50,7 +53,8 @@ def test_rollout_layout_scores_and_old_logprobs(toy_sampler_parts):
     reference's are the reference model's own."""
     parts = toy_sampler_parts
     tokenizer, policy = parts["tokenizer"], parts["policy"]
-    reference = pc.Reference("copy", models.load_causal_lm(parts["policy"].name_or_path, tokenizer))
+    plain = pc.Forward(tokenizer.pad_token_id)
+    reference = pc.Reference("copy", plain, model=models.load_causal_lm(parts["policy"].name_or_path, tokenizer))
     sampler = make_sampler(parts, reference=reference)
     torch.manual_seed(0)
     batch = sampler.rollout(prompts_seen=0, weights_version=0, entropy=True)
@@ -70,11 +74,11 @@ def test_rollout_layout_scores_and_old_logprobs(toy_sampler_parts):
     assert torch.equal(batch.source_scores[:, 0], expected + batch.truncated.float())
     # old log-probs: a forward's, to float rounding; PADDING_LOGPROB after EOS; the policy sampled them itself
     mask = batch.response_mask
-    forward = pc.response_logprobs(policy, batch.query_responses, ctx, pad, 1.0)
+    forward = plain.logprobs(policy, batch.query_responses, ctx)
     torch.testing.assert_close(batch.old_logprobs[mask], forward[mask], atol=1e-5, rtol=0)
     assert (batch.old_logprobs[~mask] == pc.PADDING_LOGPROB).all() and batch.behaviour_logprobs is None
     assert batch.metrics["time/generate_seconds"] > 0
-    ref = pc.response_logprobs(reference.model, batch.query_responses, ctx, pad, 1.0)
+    ref = plain.logprobs(reference.model, batch.query_responses, ctx)
     torch.testing.assert_close(batch.ref_logprobs[mask], ref[mask], atol=1e-5, rtol=0)
     assert batch.entropy.shape == mask.shape and (batch.entropy[mask] > 0).all()
     # the invariant's check ran (step 1) and found the sampled log-probs equal to a forward's
@@ -116,24 +120,32 @@ def test_a_changed_sampler_keeps_the_invariant_or_fails_loudly(toy_sampler_parts
 
 
 def test_training_forward_scores_as_the_rollout_did(toy_sampler_parts):
-    """Sampler.forward_logprobs on a micro-batch (Rollout.subset), prompt sharing on (forced: at toy sizes it does not
-    save enough to be chosen), gives the plain forward's log-probs and entropy for any rows."""
+    """The sampler's forward (`Sampler.forward`, what the scripts' training forward runs) on a micro-batch
+    (Rollout.subset), prompt sharing on (forced: at toy sizes it does not save enough to be chosen), gives the plain
+    forward's log-probs and entropy for any rows."""
     parts = toy_sampler_parts
-    sampler = make_sampler(parts)
-    assert not sampler.share  # 8 rows of <= 6 prompt tokens: sharing saves fewer than 128 positions
-    sampler.share = True
+    pad = parts["tokenizer"].pad_token_id
+    # what rollout_forwards would choose here: 8 rows of <= 6 prompt tokens, sharing saves fewer than 128 positions
+    repeats = ps.Repeats(8, 4, max(map(len, parts["prompt_ids"])), 8)
+    assert not ps.worth_sharing(*repeats)
+    assert type(Forwards(pad, 1.0, repeats=repeats).lm(parts["policy"])) is pc.Forward
+    sampler = make_sampler(parts, forward=ps.SharedPromptForward(pad, 1.0))
+    assert sampler.forward.shares_prompts
     torch.manual_seed(2)
     batch = sampler.rollout(prompts_seen=0, weights_version=3)
     rows = batch.shuffled_rows()[:4]
-    logprobs, entropy = sampler.forward_logprobs(parts["policy"], batch.subset(rows), entropy=True)
-    logits = pc.forward_logits(parts["policy"], batch.query_responses[rows], batch.context_length,
-                               parts["tokenizer"].pad_token_id)
+    micro_batch = batch.subset(rows)
+    logprobs, entropy = sampler.forward.logprobs(parts["policy"], micro_batch.query_responses,
+                                                 micro_batch.context_length, entropy=True)
+    logits = pc.Forward(pad).logits(parts["policy"], batch.query_responses[rows], batch.context_length)
     mask = batch.response_mask[rows]
     torch.testing.assert_close(logprobs[mask], pc.selective_logprobs(logits, batch.responses[rows])[mask],
                                atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy[mask], pc.entropy_from_logits(logits)[mask], atol=1e-5, rtol=0)
     assert logprobs.requires_grad and not entropy.requires_grad
-    assert sampler.forward_logprobs(parts["policy"], batch.subset(rows))[1] is None
+    alone = sampler.forward.logprobs(parts["policy"], micro_batch.query_responses, micro_batch.context_length)
+    assert isinstance(alone, torch.Tensor)  # without entropy: the log-probs alone
+    torch.testing.assert_close(alone[mask], logprobs[mask], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("k, rows", [(1, 6), (2, 8), (4, 12)])

@@ -3,27 +3,29 @@ importance weights pi_prox / pi_behav), its reduction to the plain loss when not
 the scripts as a user runs them: the versions that sampled each step, a resumed run equal to an uninterrupted one,
 learning, two processes. (vLLM's threaded sampler: tests/test_vllm.py.)"""
 
+import json
 import math
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script, run_script_in_process
+from conftest import ROOT, read_metrics, run_script, run_script_in_process, without_wall_clock
 from test_scale import run_distributed
 
 import grpo
-import policy_common as pc
 import rloo
+from plumbing import importance_sampling as isp
 from plumbing import run_ahead as ra
 from plumbing import vllm_generation as vg
 from plumbing.errors import UserError
+from plumbing.importance_sampling import ImportanceSampling
 
 
 def importance(old, behaviour, mask, sampling, sequence_loss=False):
-    """(weights, stats) of policy_common's importance-sampling functions, as the scripts use them."""
-    return (pc.importance_weights(old, behaviour, mask, sampling, sequence_loss=sequence_loss),
-            pc.importance_sampling_stats(old, behaviour, mask, sampling))
+    """(weights, stats) of importance_sampling.py's functions, as the scripts use them (through their Rollout)."""
+    return (isp.importance_weights(old, behaviour, mask, sampling, sequence_loss=sequence_loss),
+            isp.importance_sampling_stats(old, behaviour, mask, sampling))
 
 
 def test_decoupled_grpo_loss_hand_worked():
@@ -33,7 +35,7 @@ def test_decoupled_grpo_loss_hand_worked():
     prox = torch.tensor([[-0.5, -2.5]])
     new = torch.tensor([[-0.4, -2.5]], requires_grad=True)
     mask = torch.ones(1, 2, dtype=torch.bool)
-    sampling = pc.ImportanceSampling("token_truncate", clip_max=1.5, clip_min=None, sampler="async")
+    sampling = ImportanceSampling("token_truncate", clip_max=1.5, clip_min=None, sampler="async")
     weights, stats = importance(prox, behav, mask, sampling)
     # w_t = min(pi_prox / pi_behav, 1.5): e^0.5 = 1.6487 -> 1.5; e^-0.5 = 0.6065
     assert weights[0].tolist() == pytest.approx([1.5, math.exp(-0.5)], rel=1e-6)
@@ -57,7 +59,7 @@ def test_decoupled_rloo_loss_hand_worked():
     prox = torch.tensor([[-0.5, -2.0], [-1.5, -1.5]])  # summed log-ratio to behav: +0.5, -1.0
     new = torch.tensor([[-0.45, -2.0], [-1.5, -1.5]])
     mask = torch.tensor([[True, True], [True, False]])  # second completion: one token
-    sampling = pc.ImportanceSampling("sequence_truncate", clip_max=3.0, clip_min=None, sampler="async")
+    sampling = ImportanceSampling("sequence_truncate", clip_max=3.0, clip_min=None, sampler="async")
     weights, _ = importance(prox, behav, mask, sampling, sequence_loss=True)
     assert weights.tolist() == pytest.approx([math.exp(0.5), math.exp(-0.5)], rel=1e-6)  # 2nd: only its 1st token
     advantages = torch.tensor([2.0, -1.0])
@@ -75,7 +77,7 @@ def test_nothing_stale_is_the_plain_loss():
     mask = torch.rand(4, 5) > 0.2
     advantages = torch.randn(4)
     for mode in vg.IS_MODES:
-        weights, stats = importance(old, old.clone(), mask, pc.ImportanceSampling(mode, 2.0, 0.5))
+        weights, stats = importance(old, old.clone(), mask, ImportanceSampling(mode, 2.0, 0.5))
         assert torch.equal(weights, mask.float())
         plain, _ = grpo.per_token_loss(new, old, None, advantages, mask, importance_sampling_level="token",
                                        epsilon=0.2, epsilon_high=0.28, beta=0.0, is_weights=None)
@@ -87,10 +89,12 @@ def test_nothing_stale_is_the_plain_loss():
 def test_flag_checks():
     base = dict(max_staleness=1, tools=None, environment=None, dynamic_sampling=False)
     ra.AsyncFlags.check(SimpleNamespace(**base))
-    for bad, words in ((dict(max_staleness=-1), ">= 0"), (dict(tools=["toy_worlds.toy_tools:lookup"]), "--tools"),
-                       (dict(dynamic_sampling=True), "--dynamic_sampling")):
+    for bad, words in ((dict(max_staleness=-1), ">= 0"), (dict(tools=["toy_worlds.toy_tools:lookup"]), "--tools")):
         with pytest.raises(UserError, match=words):
             ra.AsyncFlags.check(SimpleNamespace(**{**base, **bad}))
+    # grpo.py's dynamic sampling rolls out in step (RunAhead.rollout_groups): its validate refuses a sampler ahead
+    proc = run_script_in_process("grpo.py", "--max_staleness", "1", "--dynamic_sampling")
+    assert proc.returncode == 2 and "--max_staleness with --dynamic_sampling is not supported" in proc.stderr
     # the importance-sampling flags are checked without vLLM too once samples can be stale
     args = vg.VLLMFlags(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_max=0.5)
     args.max_staleness = 1  # the AsyncFlags beside it in a script's Args
@@ -104,14 +108,19 @@ def test_flag_checks():
 
 
 def test_stale_samples_are_weighted_per_token_by_default():
-    """--vllm_importance_sampling_mode None: AReaL's token_mask for stale samples and a loss per token, TRL's
-    sequence_mask otherwise (vLLM's samples, rloo.py's sequence view); a mode given is kept."""
+    """--vllm_importance_sampling_mode None (kept None in the flags, resolved by the loss it weights:
+    ImportanceSampling.resolved): AReaL's token_mask for stale samples and a loss per token, TRL's sequence_mask
+    otherwise (vLLM's samples, rloo.py's sequence view); a mode given is kept."""
     import distill
     from plumbing import run_utils as ru
 
     def mode(script, *argv):
-        return ru.parse_args(script.Args, script.ALIAS_DEFAULTS, argv=list(argv)).vllm_importance_sampling_mode
+        args = ru.parse_args(script.Args, script.ALIAS_DEFAULTS, argv=list(argv))
+        sequence_loss = script is rloo and not args.token_level_kl  # rloo.py's sequence view: a term per completion
+        return ImportanceSampling.from_args(args, "async").resolved(sequence_loss=sequence_loss).mode
 
+    assert ru.parse_args(grpo.Args, grpo.ALIAS_DEFAULTS, argv=["--max_staleness", "1"]
+                         ).vllm_importance_sampling_mode is None  # left to the loss
     assert mode(grpo, "--max_staleness", "1") == "token_mask"
     assert mode(rloo, "--max_staleness", "1", "--token_level_kl") == "token_mask"
     assert mode(rloo, "--max_staleness", "1") == "sequence_mask"  # one term per completion
@@ -145,12 +154,11 @@ def assert_resumed_equals_uninterrupted(full: str, resumed: str, checkpoint_step
     final weights (also used by tests/test_vllm.py)."""
     import safetensors.torch
 
-    timing = ("time/", "perf/", "async/trainer_wait", "async/sampler_wait")
-    uninterrupted = {row["step"]: row for row in read_metrics(full)}
-    for row in read_metrics(resumed):
+    uninterrupted = {row["step"]: row for row in without_wall_clock(read_metrics(full))}
+    for row in without_wall_clock(read_metrics(resumed)):  # timing aside (async/*_wait_seconds too)
         if row["step"] > checkpoint_step:
             for key, value in row.items():
-                if not key.startswith(timing) and isinstance(value, float):
+                if isinstance(value, float):
                     assert value == pytest.approx(uninterrupted[row["step"]][key], rel=1e-5, abs=1e-6), \
                         (row["step"], key)
     a = safetensors.torch.load_file(os.path.join(full, "model", "model.safetensors"))
@@ -182,6 +190,14 @@ def test_each_step_trains_on_the_versions_that_sampled_it(rloo_stale_runs):
     assert all(row["async/is_weight_max"] > 1.0 > row["async/is_weight_min"] > 0.0 for row in rows[1:])
     checkpoint = os.path.join(full, "checkpoint-3")
     assert os.path.exists(os.path.join(checkpoint, "pending-0.safetensors"))  # batches 4 and 5, sampled ahead
+    # each with the log-probs of the weights that sampled it (HF generate's, not an engine's): versions 1 and 2
+    import safetensors.torch
+
+    with open(os.path.join(checkpoint, "pending-0.json")) as f:
+        batches = json.load(f)["batches"]
+    assert [(b["version"], b["by_engine"]) for b in batches] == [(1, False), (2, False)]
+    tensors = safetensors.torch.load_file(os.path.join(checkpoint, "pending-0.safetensors"))
+    assert {"0.behaviour_logprobs", "1.behaviour_logprobs", "0.query_responses", "1.query_responses"} <= set(tensors)
 
 
 @pytest.mark.slow

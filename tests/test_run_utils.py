@@ -1,13 +1,14 @@
 """run_utils: run plumbing (data, run folder, processes, logging, checkpoints) against hand-worked examples."""
 
 import json
+import math
 import os
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_two_processes
+from conftest import run_two_processes, worker_accelerator
 from test_policy_common import _save_tiny_tokenizer, lm, tiny_config  # noqa: F401  (the `lm` fixture)
 from transformers import AutoModelForCausalLM, GPTNeoXForCausalLM
 
@@ -150,7 +151,6 @@ def scripts_completion_ids(tokenizer, prompt, completion):
 
     import distill
     import dpo
-    import kto
     import reward
     import sft
 
@@ -160,7 +160,7 @@ def scripts_completion_ids(tokenizer, prompt, completion):
     unpaired = Dataset.from_list([{"prompt": prompt, "completion": completion, "label": True}])
     (reward_row,), _ = reward.tokenize_pairs(tokenizer, pairs, 16, 32, "tokens", "hand")
     (dpo_row,), _ = dpo.tokenize_preferences(tokenizer, pairs, 16, 32, "hand")
-    (kto_row,), _ = kto.tokenize_unpaired(unpaired, tokenizer, 16, 32, "hand")
+    (kto_row,), _ = du.tokenize_unpaired(unpaired, tokenizer, 16, 32, "hand")
     return dict(sft=row["completion"], reward_tokens=reward_row["chosen"],
                 reward_text=reward.reward_input_ids(tokenizer, prompt, completion, 16, 32, "text")[1],
                 dpo=dpo_row["rejected"], kto=kto_row["completion_ids"],
@@ -352,15 +352,14 @@ def test_even_share_gives_every_process_the_same_number_of_items():
     assert ru.even_share(items, _Processes()) == (items, 5)
 
 
-def _processes_worker(rank, port, results):
-    import torch.distributed as dist
-    from accelerate import Accelerator
+def mean_std_values(rank=None):
+    """Each process's values for ru.global_mean_std, NaN where none (rank None: both processes' together)."""
+    values = [torch.tensor([1.0, float("nan"), 4.0, 2.5]), torch.tensor([float("nan"), 10.0, -3.0, float("nan")])]
+    return torch.cat(values) if rank is None else values[rank]
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                      LOCAL_RANK=str(rank), ACCELERATE_USE_CPU="1")
-    accelerator = Accelerator(cpu=True)
-    try:
+
+def _processes_worker(rank, port, results):
+    with worker_accelerator(rank, port) as accelerator:
         # uneven items: 3 on process 0, 1 on process 1; the same calls on both
         sums, count = ({"x": 1.0 + 2.0 + 3.0}, 3) if rank == 0 else ({"x": 10.0}, 1)
         stop = tl.StopSignal()
@@ -371,15 +370,20 @@ def _processes_worker(rank, port, results):
         results[rank] = (ru.global_means(accelerator, sums, count),
                          ru.all_finite(accelerator, 1.0, torch.tensor([2.0])),
                          ru.all_finite(accelerator, float("nan") if rank == 0 else 1.0, None),
-                         stop.agreed(accelerator), ru.output_dir(args, "toy", accelerator))
-    finally:
-        dist.destroy_process_group()
+                         stop.agreed(accelerator), ru.output_dir(args, "toy", accelerator),
+                         [x.item() for x in ru.global_mean_std(mean_std_values(rank), accelerator)])
 
 
 def test_global_means_and_agreement_over_two_processes():
     results = run_two_processes(_processes_worker)
     assert results[0] == results[1]  # the same folder name on both, from the main process's clock
     assert results[0][:4] == ({"x": 4.0}, True, False, True) and results[0][4].startswith("runs/toy__rloo__1__")
+    # the mean and unbiased std of both processes' values, NaNs left out: those of all 5 values in one process
+    scored = [1.0, 4.0, 2.5, 10.0, -3.0]
+    mean = sum(scored) / 5
+    std = math.sqrt(sum((x - mean) ** 2 for x in scored) / 4)
+    assert results[0][5] == pytest.approx([mean, std], rel=1e-6)
+    assert [x.item() for x in ru.global_mean_std(mean_std_values())] == pytest.approx([mean, std], rel=1e-6)
     one = _Processes()
     assert ru.global_means(one, {"x": 6.0}, 3) == {"x": 2.0}
     assert ru.all_finite(one, 1.0, None) and not ru.all_finite(one, torch.tensor([1.0, float("inf")]))

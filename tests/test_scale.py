@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, read_metrics, run_script, script_env
+from conftest import ROOT, read_metrics, run_distributed, run_script, script_env
 
 SHORT = {  # a few steps of each script on the toy task, small enough for two processes on two cores, with 3
     # held-out prompts (2 on one process, 1 on the other) evaluated one at a time: an uneven evaluation split must
@@ -35,18 +35,6 @@ SHORT = {  # a few steps of each script on the toy task, small enough for two pr
     "kto.py": ["--max_steps", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
                "--num_eval_prompts", "3", "--num_eval_examples", "10", "--per_device_eval_batch_size", "2"],
 }
-
-
-def run_distributed(script, *args, nproc=2, timeout=600):
-    env = script_env(threads=1)
-    env["ACCELERATE_USE_CPU"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(ROOT, script), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
-    return proc
 
 
 EXIT_SCRIPT = """

@@ -1,6 +1,7 @@
 """sft.py: the loss against slow per-token sums (prompt tokens and padding carry none), its normalisation over
 accumulated micro-batches, the data rules, and short real runs on the toy task (learning, resume, bad input)."""
 
+import argparse
 import json
 import math
 import os
@@ -9,9 +10,11 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import read_metrics, run_script, run_script_in_process
+from conftest import read_metrics, run_script, run_script_in_process, without_wall_clock
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+import policy_common as pc
+from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import models
 from plumbing import run_utils as ru
@@ -28,6 +31,7 @@ from sft import (
 )
 
 PAD, EOS, VOCAB = 0, 1, 24
+FORWARD = pc.Forward(PAD)  # the plain forward (no --padding_free, --logprob_chunk_tokens 0)
 REQUIRED = ["loss", "token_accuracy", "num_tokens", "grad_norm", "lr", "epoch"]
 
 
@@ -78,7 +82,7 @@ def test_loss_is_over_completion_tokens_only_and_padding_changes_nothing():
     model = tiny_model().eval()
     rows = hand_rows([(3, 4), (5, 1), (1, 6), (4, 3)])
     with torch.no_grad():
-        token_nll, correct, mask = completion_token_stats(model, rows, PAD, "cpu")
+        token_nll, correct, mask = completion_token_stats(model, FORWARD, rows, PAD, "cpu")
         slow = [slow_token_nll(model, row) for row in rows]
     assert mask.sum(1).tolist() == [4, 1, 6, 3]  # the completion tokens (EOS included), nothing of the prompt
     for i, expected in enumerate(slow):
@@ -97,13 +101,14 @@ def test_loss_is_over_completion_tokens_only_and_padding_changes_nothing():
     # whatever the model predicts at the prompt positions, the loss is the same
     context_length = max(len(r["prompt"]) for r in rows)
     with torch.no_grad():
-        noisy_nll, _, _ = completion_token_stats(PromptPositionNoise(model, context_length), rows, PAD, "cpu")
+        noisy_nll, _, _ = completion_token_stats(PromptPositionNoise(model, context_length), FORWARD, rows, PAD,
+                                                    "cpu")
     assert sft_loss(noisy_nll, mask, float(n)).item() == pytest.approx(loss.item(), abs=1e-5)
 
     # padding: the same rows beside a row with a longer prompt and completion (more padding on both sides)
     with torch.no_grad():
-        padded_nll, padded_correct, padded_mask = completion_token_stats(model, rows + hand_rows([(9, 8)], 1), PAD,
-                                                                         "cpu")
+        padded_nll, padded_correct, padded_mask = completion_token_stats(model, FORWARD, rows + hand_rows([(9, 8)], 1),
+                                                                         PAD, "cpu")
     for i, expected in enumerate(slow):
         assert padded_nll[i, :len(expected)].tolist() == pytest.approx(expected, abs=1e-4)
         assert padded_mask[i].sum().item() == len(expected)
@@ -115,7 +120,7 @@ def test_token_accuracy_counts_argmax_hits_on_completion_tokens():
     model = tiny_model().eval()
     rows = hand_rows([(2, 3), (4, 5)])
     with torch.no_grad():
-        _, correct, mask = completion_token_stats(model, rows, PAD, "cpu")
+        _, correct, mask = completion_token_stats(model, FORWARD, rows, PAD, "cpu")
         for i, row in enumerate(rows):
             ids = torch.tensor([row["prompt"] + row["completion"]])
             predicted = model(ids).logits[0, len(row["prompt"]) - 1:-1].argmax(-1)
@@ -133,7 +138,9 @@ def step_gradients(rows, accumulation_steps, micro_batch_size):
     model = tiny_model(1).train()
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation_steps)
     assert len(rows) == accumulation_steps * micro_batch_size  # one process: micro-batches of the step's rows
-    sums, num_tokens = accumulate_gradients(model, accelerator, rows, list(range(len(rows))), PAD)
+    micro_batches = acc.micro_batches(argparse.Namespace(token_budget=None), accelerator, model)
+    sums, num_tokens = accumulate_gradients(model, FORWARD, accelerator, micro_batches, rows, list(range(len(rows))),
+                                            PAD)
     Accelerator(cpu=True)  # accelerate's gradient state is shared by the process: leave it as found
     return {n: p.grad.clone() for n, p in model.named_parameters()}, sums, num_tokens
 
@@ -323,11 +330,8 @@ def test_first_logged_loss_is_the_token_mean_of_the_first_batch(short_run, toy, 
 def test_resume_equals_the_uninterrupted_run(short_run, tmp_path):
     resumed = str(tmp_path / "resumed")
     run_sft("--output_dir", resumed, *SHORT, "--resume_from", os.path.join(short_run, "checkpoint-4"))
-
-    def strip(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
-
-    got, later = strip(read_metrics(resumed)), [r for r in strip(read_metrics(short_run)) if r["step"] > 4]
+    got = without_wall_clock(read_metrics(resumed))
+    later = [r for r in without_wall_clock(read_metrics(short_run)) if r["step"] > 4]
     assert [r["step"] for r in got] == [5, 6, 7, 8]
     for a, b in zip(got, later):
         assert a.keys() == b.keys()
@@ -388,8 +392,7 @@ def test_two_processes_with_accumulation_match_one_process(short_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     one, two = read_metrics(short_run), read_metrics(out)
     assert [r["step"] for r in one] == [r["step"] for r in two]
-    for a, b in zip(one, two):
-        assert a.keys() == b.keys()
+    assert [r.keys() for r in one] == [r.keys() for r in two]
+    for a, b in zip(without_wall_clock(one), without_wall_clock(two)):
         for k in a:
-            if not k.startswith(("time/", "perf/")):
-                assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)
+            assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5), (a["step"], k)

@@ -12,6 +12,7 @@ from conftest import QWEN_TEMPLATE
 from test_episodes import CALL, PROMPT, lookup, play, toolset_of
 from torch import nn
 
+import policy_common as pc
 from plumbing import data_utils as du
 from plumbing.errors import UserError
 from sft import completion_token_stats, prompt_completion_pairs, sft_loss, tokenize_demonstrations
@@ -102,7 +103,7 @@ def test_loss_is_on_assistant_tokens_only_and_equals_independent_cross_entropy(t
     pad = tokenizer.pad_token_id
     model = AutoModelForCausalLM.from_pretrained(toy_tools_world["policy"]).float().eval()
     wrapped = KeepLogits(model)
-    token_nll, _, mask = completion_token_stats(wrapped, rows, pad, "cpu")
+    token_nll, _, mask = completion_token_stats(wrapped, pc.Forward(pad), rows, pad, "cpu")
     num_tokens = sum(sum(r["completion_mask"]) for r in rows)
     loss = sft_loss(token_nll, mask, num_tokens)
     loss.backward()

@@ -1,30 +1,21 @@
-"""One tiny end-to-end run of every script on the toy task (2 steps, a few held-out items): the fast tier's check
-that each script still starts, trains, evaluates, logs and saves. The full suite runs each much further."""
+"""One tiny end-to-end run of every script on the toy task (2 steps, a few held-out items: conftest.tiny_args): the
+fast tier's check that each script still starts, trains, evaluates, logs and saves. The full suite runs each much
+further; it shares these runs (conftest's shared_run) with the tests that compare a flag's run with the plain one
+(--cache_implementation static here, --padding_free, --logprob_chunk_tokens, --token_budget)."""
 
 import math
 import os
 
 import pytest
-from conftest import read_metrics, run_script
+from conftest import TINY, read_metrics, run_script, tiny_args, without_wall_clock
 
-TINY = {  # script -> flags keeping the held-out evaluation to a few items
-    "sft.py": ["--num_eval_prompts", "8", "--max_eval_examples", "16"],
-    "reward.py": ["--max_eval_pairs", "16"],
-    "dpo.py": ["--num_eval_prompts", "8", "--max_eval_pairs", "16"],
-    "kto.py": ["--num_eval_prompts", "8", "--num_eval_examples", "64"],
-    "rloo.py": ["--num_eval_prompts", "8"],
-    "grpo.py": ["--num_eval_prompts", "8"],
-    "ppo.py": ["--num_eval_prompts", "8"],
-    "distill.py": ["--num_eval_prompts", "8"],
-}
 EVAL_KEY = {"reward.py": "eval/accuracy"}  # the others: the gold score of greedy completions
 
 
 @pytest.mark.fast
 @pytest.mark.parametrize("script", sorted(TINY))
-def test_tiny_run(script, toy, tmp_path):
-    out = str(tmp_path / "run")
-    proc = run_script(script, "--max_steps", "2", "--eval_steps", "0", *TINY[script], "--output_dir", out)
+def test_tiny_run(script, toy, shared_run):
+    proc, out = shared_run(script, *tiny_args(script))
     rows = read_metrics(out)
     assert sorted({r["step"] for r in rows}) == [0, 1, 2]
     evals = [r for r in rows if EVAL_KEY.get(script, "eval/gold_score") in r]
@@ -46,19 +37,16 @@ def test_tiny_run(script, toy, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["rloo.py", "sft.py"])
-def test_static_cache_gives_the_same_run(script, toy, tmp_path):
+def test_static_cache_gives_the_same_run(script, toy, tmp_path, shared_run):
     """--cache_implementation static (HF generate writes a preallocated key/value cache): the run of the default
-    cache to float rounding, through rloo's sampling (prompts shared over its k samples) and evaluation, and sft's
-    greedy evaluation. Wall-clock and memory metrics aside."""
-    runs = {}
-    for cache in ("dynamic", "static"):
-        out = str(tmp_path / cache)
-        run_script(script, "--max_steps", "2", "--eval_steps", "0", *TINY[script], "--cache_implementation", cache,
-                   "--output_dir", out)
-        runs[cache] = read_metrics(out)
+    (dynamic) cache, the tiny run test_tiny_run checks, to float rounding, through rloo's sampling (prompts shared over
+    its k samples) and evaluation, and sft's greedy evaluation. Wall-clock and memory metrics aside."""
+    out = str(tmp_path / "static")
+    run_script(script, *tiny_args(script), "--cache_implementation", "static", "--output_dir", out)
+    runs = {"dynamic": read_metrics(shared_run(script, *tiny_args(script))[1]), "static": read_metrics(out)}
     assert len(runs["static"]) == len(runs["dynamic"])
-    for dynamic, static in zip(runs["dynamic"], runs["static"]):
-        numbers = {k for k, v in dynamic.items() if isinstance(v, float) and not k.startswith(("time/", "perf/"))}
+    for dynamic, static in zip(without_wall_clock(runs["dynamic"]), runs["static"]):
+        numbers = {k for k, v in dynamic.items() if isinstance(v, float)}
         assert numbers and numbers <= set(static), sorted(numbers - set(static))
         for key in numbers:
             assert static[key] == pytest.approx(dynamic[key], rel=1e-4, abs=1e-4), key

