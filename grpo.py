@@ -48,8 +48,7 @@ class EntropyFlags:
     """with --use_adaptive_entropy: the mean token entropy (nats) at or below which the bonus applies"""
 
     def check(self) -> None:
-        if self.use_adaptive_entropy and not (self.entropy_coef_min <= self.entropy_coef_max and
-                                              self.entropy_coef_delta >= 0):
+        if self.use_adaptive_entropy and (self.entropy_coef_min > self.entropy_coef_max or self.entropy_coef_delta < 0):
             raise UserError("--use_adaptive_entropy needs --entropy_coef_min <= _max and --entropy_coef_delta >= 0")
 
     def step_entropy_coef(self, state: dict) -> Optional[float]:
@@ -135,8 +134,8 @@ ALIAS_DEFAULTS["toy_tools"] = dict(ALIAS_DEFAULTS["toy"], total_episodes=12288, 
 def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str, accelerator=None):
     """(P * G,) rewards (NaN: not scored), prompt by prompt (rows [i*G, (i+1)*G) share prompt i) -> (advantages,
     zero_std (bool: the group is flat)), (P * G,) each. advantage = reward - its group's mean, divided by (std + 1e-4)
-    of its group or of every process's rewards, by the group's mean (maxrl: MaxRL, Tajwar et al. 2026; 0 for a mean <=
-    0) or not; exactly 0 for a NaN row or a flat group (max == min: a float32 mean of equal values can be off them)."""
+    of its group or of every process's rewards, by the group's mean (maxrl: MaxRL, Tajwar et al. 2026: rewards >= 0, 0
+    for a mean of 0) or not; exactly 0 for a NaN row or a flat group (max == min: a float32 mean can be off them)."""
     grouped = rewards.view(-1, num_generations)  # (P, G)
     mean, count = grouped.nanmean(1, keepdim=True), (~grouped.isnan()).sum(1, keepdim=True)
     std = (((grouped - mean) ** 2).nansum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (P, 1)
@@ -148,6 +147,8 @@ def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards:
     elif scale_rewards == "batch":
         advantages = advantages / (ru.global_mean_std(rewards, accelerator)[1] + 1e-4)
     elif scale_rewards == "maxrl":
+        if (negative := rewards[rewards < 0]).numel():  # a success rate: a signed group's mean near 0 blows A up
+            raise UserError(f"--scale_rewards maxrl: a reward {negative.min():.3g} < 0 (--missing_eos_penalty 0?)")
         mean = mean.expand_as(grouped).reshape(-1)
         advantages = torch.where(mean > 0, advantages / mean.clamp(min=torch.finfo(mean.dtype).tiny), 0.0)
     elif scale_rewards != "none":
@@ -244,11 +245,10 @@ def high_entropy_mask(entropy, mask, quantile: float, accelerator=None) -> torch
     """(b, R) token entropies and loss mask -> (b, R): 1 on the loss tokens whose entropy is at least the (1 - quantile)
     quantile of every process's (Wang et al. 2025, "Beyond the 80/20 rule"; TRL's top_entropy_quantile), else 0."""
     mask = mask.bool()
-    values = entropy.detach()[mask]
-    values = values if values.dtype in (torch.float32, torch.float64) else values.float()  # quantile's dtypes
-    if accelerator is not None and accelerator.num_processes > 1:  # entropies are >= 0: -1 marks the padding
-        values = accelerator.gather(accelerator.pad_across_processes(values, dim=0, pad_index=-1.0))
-        values = values[values >= 0]
+    values = entropy.detach()[mask].to(torch.promote_types(entropy.dtype, torch.float32))  # quantile's dtypes
+    if accelerator is not None and accelerator.num_processes > 1:  # NaN marks the padding (float32 entropies < 0 too)
+        values = accelerator.gather(accelerator.pad_across_processes(values, dim=0, pad_index=math.nan))
+        values = values[~values.isnan()]
     if values.numel() == 0:
         return torch.zeros_like(entropy)
     return ((entropy.detach() >= torch.quantile(values, 1 - quantile)) & mask).to(entropy.dtype)
@@ -440,7 +440,7 @@ def main():
             entropy_coef, with_entropy = args.step_entropy_coef(state), iteration == 0 or bonus or high_entropy
             for mb in micro_batches.split(batch.shuffled_rows(), batch.token_counts, group_size=args.num_generations,
                                           mean_over=grpo_loss.mean_over(loss_mask)):
-                micro = batch.subset(mb)
+                micro, coef = batch.subset(mb), micro_batches.mean_term(entropy_coef)  # coef: a micro-batch mean's
                 with micro_batches.accumulate():
                     out = sampler.forward.logprobs(policy, micro.query_responses, micro.context_length,
                                                    entropy=with_entropy, entropy_grad=bonus)
@@ -449,7 +449,7 @@ def main():
                     old = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs
                     loss, mb_stats, mb_window = grpo_loss(
                         new_logprobs, token_entropy, old, micro.behaviour_logprobs, micro.ref_logprobs, advantages[mb],
-                        loss_mask[mb], micro.importance_weights(old), beta=beta, entropy_coef=entropy_coef,
+                        loss_mask[mb], micro.importance_weights(old), beta=beta, entropy_coef=coef,
                         tokens_per_micro_batch=tokens_per_micro_batch, accelerator=accelerator)
                     losses.append(micro_batches.backward(loss))
                 window += mb_window

@@ -101,6 +101,11 @@ class MicroBatches:
         step's."""
         return value.detach()
 
+    def mean_term(self, coef: Optional[float]) -> Optional[float]:
+        """The coefficient of a loss term that is the current micro-batch's own mean (grpo.py's entropy bonus) beside a
+        loss `split` was told is normalised otherwise: as given here, where every micro-batch weighs the same."""
+        return coef
+
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """accelerator.backward of the current micro-batch's `loss` (divided by gradient_accumulation_steps inside);
         returns logged(loss)."""
@@ -162,6 +167,14 @@ class TokenBudget(MicroBatches):
 
     def logged(self, value: torch.Tensor) -> torch.Tensor:
         return value.detach() * (self.weight() * len(self.batches))
+
+    def mean_term(self, coef: Optional[float]) -> Optional[float]:
+        """Beside a loss normalised by the step's totals (every micro-batch weighted 1 / gradient_accumulation_steps,
+        however many there are), a mean term is rescaled to enter the step as its mean over the micro-batches, as with
+        accelerate's equal ones (issue 63: it was multiplied by micro-batches / gradient_accumulation_steps)."""
+        if coef is None or self.shares[self.current] is not None:
+            return coef
+        return coef * self.accelerator.gradient_accumulation_steps / len(self.batches)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """accelerate divides by gradient_accumulation_steps: the product is weight()."""

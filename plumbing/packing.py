@@ -67,9 +67,12 @@ def flash_attention(model: torch.nn.Module) -> bool:
 
 
 def sliding_window(model: torch.nn.Module) -> bool:
-    """Does some layer attend within a sliding window (Mistral, Gemma 2/3, Qwen2 with use_sliding_window)?"""
+    """Does some layer attend within a sliding window (Mistral, Gemma 2/3, Qwen2 with use_sliding_window, GPT-Neo's
+    local layers)? Read from the config: a window wider than the support check's tiny batch hides from that check."""
     config = _text_config(model)
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    if "local" in (getattr(config, "attention_layers", None) or ()):  # GPT-Neo: window_size
         return True
     return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
 

@@ -79,20 +79,40 @@ def _json_prefix(text: str):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The formats: (text without special tokens, text with them) -> (raw calls or error calls, content)
+# The formats: (text without special tokens, text with them, parameter_types) -> (raw calls or error calls, content)
 # ---------------------------------------------------------------------------------------------------------
-def _hermes(text: str, raw_text: str) -> Tuple[list, str]:
+def parameter_types(schemas: Optional[List[dict]]) -> Dict[str, Dict[str, set]]:
+    """Tool schemas (transformers' get_json_schema) -> {tool name: {parameter: the JSON types it declares}}."""
+    types = {}
+    for schema in schemas or []:
+        function = schema.get("function", schema)
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        declared = {key: prop.get("type") for key, prop in properties.items() if isinstance(prop, dict)}
+        types[function.get("name")] = {key: set(t) if isinstance(t, list) else {t} for key, t in declared.items()}
+    return types
+
+
+def _xml_value(value: str, declared: Optional[set]):
+    """A Qwen 3.5 <parameter> value (text) -> the tool's declared type: text for a string (as TRL's parser and vLLM's
+    qwen3_coder one: "75001" stays a string for a `zip: str`), else JSON where it parses, else the text."""
+    if declared and "string" in declared:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _hermes(text: str, raw_text: str, types: Optional[dict] = None) -> Tuple[list, str]:
     calls = []
     for block in TOOL_CALL_BLOCK.findall(text):
         function = XML_FUNCTION.search(block)
-        if function is not None:  # Qwen 3.5's XML: values are JSON where they parse, else text
-            arguments = {}
-            for key, value in XML_PARAMETER.findall(function.group(2)):
-                try:
-                    arguments[key.strip()] = json.loads(value)
-                except ValueError:
-                    arguments[key.strip()] = value
-            calls.append({"name": function.group(1).strip(), "arguments": arguments})
+        if function is not None:  # Qwen 3.5's XML: each value read as its parameter's declared type
+            name = function.group(1).strip()
+            declared = (types or {}).get(name, {})
+            arguments = {key.strip(): _xml_value(value, declared.get(key.strip()))
+                         for key, value in XML_PARAMETER.findall(function.group(2))}
+            calls.append({"name": name, "arguments": arguments})
             continue
         try:
             calls.append(json.loads(block.strip()))
@@ -104,17 +124,21 @@ def _hermes(text: str, raw_text: str) -> Tuple[list, str]:
     return calls, content.strip()
 
 
-def _llama3(text: str, raw_text: str) -> Tuple[list, str]:
+def _llama3(text: str, raw_text: str, types: Optional[dict] = None) -> Tuple[list, str]:
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not re.match(r'^\{\s*"name"\s*:', body):
         return [], text.strip()
     try:
-        return [_json_prefix(body)], ""
+        call, end = json.JSONDecoder().raw_decode(body)
     except ValueError as e:
         return [{"error": f"could not parse the tool call {body[:80]!r}: {e}"}], ""
+    rest = body[end:].strip().lstrip(";").strip()
+    if rest.startswith("{"):  # Llama 3's format holds one call a turn: a second is an error the model reads
+        return [call, {"error": f"the Llama 3 tool format takes one call per turn, a second came: {rest[:80]!r}"}], ""
+    return [call], ""
 
 
-def _mistral(text: str, raw_text: str) -> Tuple[list, str]:
+def _mistral(text: str, raw_text: str, types: Optional[dict] = None) -> Tuple[list, str]:
     if "[TOOL_CALLS]" not in raw_text:
         return [], text.strip()
     head, *parts = raw_text.split("[TOOL_CALLS]")
@@ -135,7 +159,7 @@ def _mistral(text: str, raw_text: str) -> Tuple[list, str]:
     return calls, head
 
 
-def _gpt_oss(text: str, raw_text: str) -> Tuple[list, str]:
+def _gpt_oss(text: str, raw_text: str, types: Optional[dict] = None) -> Tuple[list, str]:
     calls = []
     for name, _, arguments in HARMONY_CALL.findall(raw_text):
         try:
@@ -161,7 +185,8 @@ def parse_turn(tokenizer, turn_ids: List[int], prefix_ids: List[int], schemas: L
     normalised (`normalise_call`): {"type": "function", "function": {"name", "arguments"}} or {"error": why}."""
     text = tokenizer.decode(turn_ids, skip_special_tokens=True)
     if call_format != "response_template":
-        return read_turn(tokenizer, text, tokenizer.decode(turn_ids, skip_special_tokens=False), call_format)
+        return read_turn(tokenizer, text, tokenizer.decode(turn_ids, skip_special_tokens=False), call_format,
+                         parameter_types(schemas))
     try:
         parsed = tokenizer.parse_response(turn_ids, prefix=prefix_ids, tools=schemas)
     except Exception as e:  # noqa: BLE001 - the tokenizer's parser failing on a malformed turn is data
@@ -175,9 +200,10 @@ def parse_turn(tokenizer, turn_ids: List[int], prefix_ids: List[int], schemas: L
     return _with_calls(message, calls if isinstance(calls, list) or calls is None else [calls])
 
 
-def read_turn(tokenizer, text: str, raw_text: str, call_format: str) -> dict:
-    """A turn's text (special tokens skipped; `raw_text`: kept) -> an assistant message, read in `call_format`."""
-    calls, content = FORMATS[call_format](text, raw_text)
+def read_turn(tokenizer, text: str, raw_text: str, call_format: str, types: Optional[dict] = None) -> dict:
+    """A turn's text (special tokens skipped; `raw_text`: kept) -> an assistant message, read in `call_format` (types:
+    `parameter_types` of the tools, for formats whose values are text)."""
+    calls, content = FORMATS[call_format](text, raw_text, types)
     return _with_calls({"role": "assistant", "content": content if call_format == "hermes" else
                         _strip_special(tokenizer, content)}, calls)
 

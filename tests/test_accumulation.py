@@ -179,6 +179,52 @@ def test_grpo_loss_types_give_the_step_gradient_under_a_budget(loss_type):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo"])
+def test_grpo_entropy_bonus_under_a_budget_is_the_micro_batches_mean(loss_type):
+    """Issue 63: grpo.py's entropy bonus (entropy_coef x a micro-batch's token mean) beside dapo's loss, normalised by
+    the step's totals, entered the step times (micro-batches / gradient_accumulation_steps): x4 at GA 1 with 4
+    micro-batches. With MicroBatches.mean_term it is the mean of the micro-batches' token means, as accelerate's equal
+    micro-batches give it; beside bnpo (token shares) the step's token mean. Advantages of 0: the bonus alone."""
+    from accelerate import Accelerator
+
+    from grpo import GRPOLoss
+
+    rows = rows_of([12, 3, 9, 4, 15, 2, 6, 5], seed=5)
+    grpo_loss = GRPOLoss(loss_type=loss_type, importance_sampling_level="token", epsilon=0.2, epsilon_high=0.2,
+                         use_bias_correction_kl=False, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
+                         response_length=16)
+    lengths = torch.tensor([len(r) - 1 for r in rows])
+    loss_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    model, coef = tiny_model(6).train(), 0.1
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
+    try:
+        micro_batches = acc.micro_batches(argparse.Namespace(token_budget=20), accelerator, model)
+        logged = []
+        for mb in micro_batches.split(torch.arange(len(rows)), [len(r) for r in rows],
+                                      mean_over=grpo_loss.mean_over(loss_mask)):
+            with micro_batches.accumulate():
+                nll, mask = padded_nll(model, [rows[i] for i in mb.tolist()])  # the "entropy": any per-token term
+                loss = grpo_loss(-nll.detach(), nll, -nll.detach(), None, None, torch.zeros(len(mb)), mask, None,
+                                 beta=0.0, entropy_coef=micro_batches.mean_term(coef),
+                                 tokens_per_micro_batch=float(lengths.sum()))[0]
+                logged.append(micro_batches.backward(loss))
+    finally:
+        Accelerator(cpu=True)
+    batches = [mb.tolist() for mb in micro_batches.batches]
+    assert len(batches) > 1  # != gradient_accumulation_steps (1): the case that was off
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    means = [torch.cat([row_nll(model, rows[i]) for i in mb]).mean() for mb in batches]  # each alone, unpadded
+    if loss_type == "dapo":
+        expected = -coef * torch.stack(means).mean()
+    else:
+        expected = -coef * torch.cat([row_nll(model, r) for r in rows]).mean()
+    expected.backward()
+    assert torch.stack(logged).mean().item() == pytest.approx(expected.item(), rel=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_without_a_budget_the_slices_are_accelerates():
     from accelerate import Accelerator
 

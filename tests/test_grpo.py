@@ -25,7 +25,7 @@ from conftest import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo import aggregate_loss, group_advantages, per_token_loss
+from grpo import aggregate_loss, group_advantages, high_entropy_mask, per_token_loss
 
 NAN = math.nan
 LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo"]
@@ -184,6 +184,34 @@ def test_batch_scaling_over_two_processes_equals_one_process():
     # scaling each half by its own std (a process-local "batch") differs clearly
     halves = torch.cat([group_advantages(rewards[:12], 4, "batch")[0], group_advantages(rewards[12:], 4, "batch")[0]])
     assert (halves - group_advantages(rewards, 4, "batch")[0]).abs().max() > 0.1
+
+
+def peaked_entropies():
+    """(2 processes x 2 rows, 4) token entropies of peaked rows: float32 entropies a hair below 0 (as a forward gives
+    them near certainty) among positive ones; the last token of each process's second row is padding."""
+    entropy = torch.tensor([[-5e-6, -3e-6, -1e-6, 0.5], [-2e-6, -4e-6, 0.7, 0.9],
+                            [-6e-6, -7e-6, -8e-6, 0.2], [0.1, -1e-6, 0.3, 0.4]])
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[[1, 3], 3] = False
+    return entropy, mask
+
+
+def _entropy_quantile_worker(rank, port, results):
+    with worker_accelerator(rank, port) as accelerator:
+        entropy, mask = (t[2 * rank:2 * rank + 2] for t in peaked_entropies())
+        results[rank] = high_entropy_mask(entropy, mask, 0.5, accelerator)
+
+
+def test_top_entropy_quantile_over_two_processes_keeps_negative_entropies():
+    """Issue 63: over several processes the quantile's padding was marked -1 and every value below 0 dropped, so
+    float32 entropies a hair below 0 left the quantile as if padding (15 of 200 masks differed from TRL's). Now NaN
+    marks the padding: two processes give the one-process mask of the whole batch (TRL's, tests/test_grpo_knobs.py)."""
+    entropy, mask = peaked_entropies()
+    per_process = run_two_processes(_entropy_quantile_worker)
+    one_process = high_entropy_mask(entropy, mask, 0.5)
+    torch.testing.assert_close(torch.cat(per_process), one_process)
+    positives = entropy[mask & (entropy >= 0)]  # what dropping them would keep: far fewer tokens
+    assert one_process.sum() > (mask & (entropy >= torch.quantile(positives, 0.5))).sum()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from grpo import (
     per_token_loss,
     reward_variance_groups,
 )
+from plumbing.errors import UserError
 
 NAN = math.nan
 E, E_HIGH = 0.2, 0.28
@@ -375,10 +376,10 @@ def test_decoupled_advantages_give_each_source_its_say():
 
 
 def test_maxrl_advantages_hand_worked_and_unbiased_for_log_pass_rate():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,  0.0, 0.0, 0.0, 0.0,  1.0, 1.0, 0.0, 1.0,  -1.0, 1.0, -1.0, -1.0])
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0,  0.0, 0.0, 0.0, 0.0,  1.0, 1.0, 0.0, 1.0,  0.0, 0.5, 1.0, 0.5])
     advantages, zero_std = group_advantages(rewards, 4, "maxrl")
-    # (r - mean) / mean: 1 success in 4 -> 3, -1; none -> 0; 3 in 4 -> 1/3, -1; a group of mean <= 0 -> 0
-    expected = [3.0, -1.0, -1.0, -1.0, 0, 0, 0, 0, 1 / 3, 1 / 3, -1.0, 1 / 3, 0, 0, 0, 0]
+    # (r - mean) / mean: 1 success in 4 -> 3, -1; none (mean 0) -> 0; 3 in 4 -> 1/3, -1; partial credit, mean 0.5
+    expected = [3.0, -1.0, -1.0, -1.0, 0, 0, 0, 0, 1 / 3, 1 / 3, -1.0, 1 / 3, -1.0, 0, 1.0, 0]
     torch.testing.assert_close(advantages, torch.tensor(expected))
     assert zero_std[4:8].all() and not zero_std[:4].any()
     # MaxRL's estimator of grad log p: the mean score of the successes minus the mean score of all samples (a
@@ -389,6 +390,16 @@ def test_maxrl_advantages_hand_worked_and_unbiased_for_log_pass_rate():
         success = rewards[group] == 1
         estimator = g[group][success].mean(0) - g[group].mean(0)
         torch.testing.assert_close((advantages[group].double()[:, None] * g[group]).mean(0), estimator)
+
+
+def test_maxrl_refuses_negative_rewards_naming_the_flag():
+    """Issue 63: MaxRL divides by a group's mean success rate; a negative reward (the toy aliases' default
+    --missing_eos_penalty 1, a signed reward model) made a mean near 0: rewards [1, 0, 0, -0.99] gave advantages
+    [399, -1, -1, -397]. Now one line naming the problem and the flag."""
+    with pytest.raises(UserError, match=r"--scale_rewards maxrl: a reward -0.99 < 0 \(--missing_eos_penalty 0\?\)"):
+        group_advantages(torch.tensor([1.0, 0.0, 0.0, -0.99]), 4, "maxrl")
+    for scale in ("group", "batch", "none"):  # the others take signed rewards
+        assert group_advantages(torch.tensor([1.0, 0.0, 0.0, -0.99]), 4, scale)[0].abs().max() < 5
 
 
 def slow_variance_filter(rewards, G, strategy, top_p, top_k):

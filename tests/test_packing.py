@@ -349,6 +349,42 @@ def test_sliding_window_attention_runs_padded(capsys):
         torch.testing.assert_close(got, pc.Forward(PAD).logprobs(model, query_responses, Lq))
 
 
+def test_each_model_is_checked_by_its_own_config(capsys):
+    """Issue 63: the packing check is made per model (its config), not remembered per class: a Qwen2 without a sliding
+    window runs packed, a Qwen2 with window 3 after it runs padded (before, it reused the first's answer and ran
+    packed, nats off). GPT-Neo's local layers are a sliding window the tiny check batch can miss (the audit's window 8
+    is longer than its rows): read from the config, they run padded too."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    def qwen2(window):
+        torch.manual_seed(0)
+        return Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=PAD, eos_token_id=1, bos_token_id=1, use_sliding_window=window > 0,
+            sliding_window=window or None, max_window_layers=0))
+
+    torch.manual_seed(0)
+    neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                                         attention_types=[[["global", "local"], 1]], window_size=2,
+                                         max_position_embeddings=64, pad_token_id=PAD, eos_token_id=1))
+    query_responses, Lq, _ = grouped_batch(7, [3, 2], max_query=8, max_response=8)
+    chosen = {name: forwards.Forwards(PAD, padding_free=True).lm(model)
+              for name, model in (("plain", qwen2(0)), ("window", qwen2(3)), ("neo", neo))}
+    assert type(chosen["plain"]) is packing.PackedForward
+    assert type(chosen["window"]) is pc.Forward and type(chosen["neo"]) is pc.Forward
+    assert capsys.readouterr().out.count("sliding window") == 2
+    for name, model in (("window", qwen2(3)), ("neo", neo)):
+        with torch.no_grad():
+            torch.testing.assert_close(chosen[name].logprobs(model, query_responses, Lq),
+                                       pc.Forward(PAD).logprobs(model, query_responses, Lq))
+    # what the packed forward (prompts shared) would have given GPT-Neo: far off, why it runs padded
+    with torch.no_grad():
+        packed = packing.PackedForward(padded_forward(True)).logprobs(neo, query_responses, Lq)
+        padded = pc.Forward(PAD).logprobs(neo, query_responses, Lq)
+    mask = query_responses[:, Lq:] != PAD
+    assert (packed - padded)[mask].abs().max() > 1e-3
+
+
 def layers(forward) -> list:
     """A chosen forward as the classes it is built from, outermost first: [ChunkedHead, PackedForward, Forward]."""
     return [type(forward)] + (layers(forward.inner) if hasattr(forward, "inner") else [])

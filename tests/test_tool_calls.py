@@ -37,6 +37,17 @@ def ping() -> str:
     return "pong"
 
 
+def postcode(zip: str, count: int, exact: bool = False) -> str:
+    """Describe a postcode (a string of digits, as a tool declares it).
+
+    Args:
+        zip: the postcode, digits kept as written
+        count: how many to describe
+        exact: match the postcode exactly
+    """
+    return json.dumps({"zip": zip, "count": count, "exact": exact})
+
+
 async def slow_lookup(box: str) -> dict:
     """Look up the letters kept in a box, asynchronously.
 
@@ -342,3 +353,38 @@ def test_generation_stops_at_every_turn_end():
     call, eos = tokenizer.convert_tokens_to_ids("<|call|>"), tokenizer.eos_token_id
     assert vg.stop_token_ids(GenerationConfig(eos_token_id=[eos, call]), tokenizer) == [eos, call]
     assert vg.stop_token_ids(GenerationConfig(eos_token_id=eos), tokenizer) == [eos]
+
+
+def test_qwen35_xml_values_take_the_tools_declared_types():
+    """Issue 63: Qwen 3.5's <parameter> values are text; each is read as its parameter's declared type (TRL's parser
+    and vLLM's qwen3_coder parser keep a `zip: str` of digits a string; before, every value was JSON-decoded and the
+    tool got the int 75001). Undeclared parameters stay JSON where they parse."""
+    tokenizer, _ = tokenizers()["qwen3.5"]
+    toolset = ep.load_toolset(types.SimpleNamespace(tools=[f"{__file__}:postcode"], environment=None), tokenizer)
+    assert toolset.call_format == "hermes"
+    call = ("<tool_call>\n<function=postcode>\n<parameter=zip>\n75001\n</parameter>\n<parameter=count>\n3\n"
+            "</parameter>\n<parameter=exact>\ntrue\n</parameter>\n<parameter=extra>\n[1, 2]\n</parameter>\n"
+            "</function>\n</tool_call>")
+    calls, _ = tc._hermes(call, call, tc.parameter_types(toolset.schemas))
+    assert calls == [{"name": "postcode", "arguments": {"zip": "75001", "count": 3, "exact": True, "extra": [1, 2]}}]
+    assert tc._hermes(call, call)[0][0]["arguments"]["zip"] == 75001  # without the schemas: JSON where it parses
+    episode = play(tokenizer, toolset, [call.replace("<parameter=extra>\n[1, 2]\n</parameter>\n", "") + "<|im_end|>",
+                                        "done<|im_end|>"], [{"role": "user", "content": "describe 75001"}])
+    assert episode.tool_failures == 0
+    assert json.loads(episode.messages[1]["content"]) == {"zip": "75001", "count": 3, "exact": True}
+
+
+def test_llama3_second_call_in_one_turn_is_an_error_turn():
+    """Issue 63: Llama 3's format holds one call a turn; a second one (as `; ` or a new line after the first) ran the
+    first and dropped the second silently. Now the first runs and the second is an error the model reads next turn."""
+    tokenizer, _ = tokenizers()["llama3.1"]
+    toolset = ep.load_toolset(types.SimpleNamespace(tools=[f"{__file__}:lookup"], environment=None), tokenizer)
+    first = '{"name": "lookup", "parameters": {"box": "4 8 2"}}'
+    for separator in ("; ", "\n"):
+        turn = first + separator + '{"name": "lookup", "parameters": {"box": "1"}}<|eot_id|>'
+        episode = play(tokenizer, toolset, [turn, "c f k<|eot_id|>"], [{"role": "user", "content": "sort box 4 8 2"}])
+        results = [m["content"] for m in episode.messages if m["role"] == "tool"]
+        assert (episode.tool_calls, episode.tool_failures) == (2, 1)
+        assert results[0] == "k c f" and "one call per turn" in json.loads(results[1])["error"]
+    calls, _ = tc._llama3(first, first + "<|eot_id|>")  # one call: as before
+    assert calls == [json.loads(first)]
