@@ -65,7 +65,8 @@ VARIANTS.update({
     "grpo-gdpo": ("grpo", ["--reward_model", "{setting}", "--reward_funcs", "gold",
                            "--multi_objective_aggregation", "normalize_then_sum"]),
     "grpo-top_entropy": ("grpo", ["--top_entropy_quantile", "0.2"]),
-    "grpo-maxrl": ("grpo", ["--reward_funcs", "gold", "--scale_rewards", "maxrl"])})
+    # MaxRL takes rewards >= 0: no missing-EOS penalty (the toy aliases' default 1 is a negative reward)
+    "grpo-maxrl": ("grpo", ["--reward_funcs", "gold", "--scale_rewards", "maxrl", "--missing_eos_penalty", "0"])})
 SETTINGS = ("toy", "toy_hard", "toy_tools")
 # toy_tools (toy_tools.py, multi-turn episodes with a lookup tool): the scripts with a tool-world default, scored by
 # their own held-out evaluation (greedy episodes in which the policy calls the tool), not by uniform_eval.py
