@@ -111,21 +111,15 @@ def reached(script: str, flags=REACHED_FLAGS, step: int = STEP) -> dict:
     """Run `<script>.py`'s main() in this process with `flags` (plus a temporary --output_dir) and record the shared
     definitions called during training step `step` (between that call of StepMeter.start and the next). Returns
     {"definitions": {"module.qualname": lines}, "lines": their sum, "modules": sorted module names}. The random
-    generators, the SIGTERM / SIGINT handlers and sys.argv are restored after, as tests/conftest.py's
-    run_script_in_process does."""
+    generators, the SIGTERM / SIGINT handlers and sys.argv are restored after (run_utils.main_in_this_process)."""
     import contextlib
     import importlib
     import io
-    import random
-    import signal
     import tempfile
     import threading
 
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    import numpy as np
-    import torch
-
     from plumbing import run_utils, throughput
 
     module = importlib.import_module(script.removesuffix(".py"))
@@ -146,12 +140,9 @@ def reached(script: str, flags=REACHED_FLAGS, step: int = STEP) -> dict:
         if name is not None and code.co_name != "<module>":  # a module first imported now: no definition
             found.setdefault(f"{name}.{outer_qualname(code.co_qualname)}", code)
 
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    argv, out = sys.argv, io.StringIO()
-    with tempfile.TemporaryDirectory() as tmp:
-        sys.argv = [os.path.join(ROOT, f"{script}.py"), *flags, "--output_dir", os.path.join(tmp, "run")]
-        code = 0
+    out, code = io.StringIO(), 0
+    with tempfile.TemporaryDirectory() as tmp, run_utils.main_in_this_process(
+            [os.path.join(ROOT, f"{script}.py"), *flags, "--output_dir", os.path.join(tmp, "run")]):
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
                 threading.setprofile(profile)
@@ -163,13 +154,6 @@ def reached(script: str, flags=REACHED_FLAGS, step: int = STEP) -> dict:
                     threading.setprofile(None)
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else 1
-        finally:
-            sys.argv = argv
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-            torch.set_rng_state(states[2])
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
     if code:
         raise RuntimeError(f"{script}.py {' '.join(flags)} exited {code}:\n{out.getvalue()[-4000:]}")
     if starts[0] <= step:

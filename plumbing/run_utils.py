@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -233,6 +234,28 @@ def quiet_libraries(verbose: bool) -> None:
     finally:
         logging.disable(logging.NOTSET)
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def main_in_this_process(argv: List[str]):
+    """For a script's main() run inside another program (the tests' usage-error runs, benchmark/script_shape.py):
+    within the block sys.argv is `argv`, as `python <script> <args>` sets it; after it, sys.argv, the random
+    generators (Python's, numpy's, torch's) and the SIGTERM / SIGINT handlers (a run installs its own) are as
+    before."""
+    import signal
+
+    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    saved, sys.argv = sys.argv, list(argv)
+    try:
+        yield
+    finally:
+        sys.argv = saved
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def main_guard(main: Callable[[], None]) -> None:

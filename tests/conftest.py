@@ -302,34 +302,19 @@ def run_script_in_process(script: str, *args: str) -> subprocess.CompletedProces
     usage error (exit 2): a fresh process spends ~6 s importing torch and transformers, this process once. An
     unexpected exception propagates (the test fails with its traceback). The random generators and the SIGTERM /
     SIGINT handlers (a run installs its own) are restored after."""
-    import contextlib
     import importlib
     import io
-    import random
-    import signal
-
-    import numpy as np
-    import torch
 
     from plumbing import run_utils
 
     module = importlib.import_module(script.removesuffix(".py"))
-    states = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    argv, sys.argv = sys.argv, [os.path.join(ROOT, script), *args]
     out, err, code = io.StringIO(), io.StringIO(), 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            run_utils.main_guard(module.main)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    finally:
-        sys.argv = argv
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    with run_utils.main_in_this_process([os.path.join(ROOT, script), *args]):
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                run_utils.main_guard(module.main)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
     return subprocess.CompletedProcess([script, *args], code, out.getvalue(), err.getvalue())
 
 
@@ -344,6 +329,39 @@ def without_wall_clock(rows: list) -> list:
     from plumbing import metrics_log
 
     return [{k: v for k, v in row.items() if not metrics_log.is_wall_clock(k)} for row in rows]
+
+
+def greedy_both(generator, model, tokenizer, queries, version):
+    """Greedy completions of `queries` (8 new tokens) by a vLLM generator (engine or server) at weights `version`, and
+    by HF generate on `model` in this process: (served, trainer)."""
+    import policy_common as pc
+
+    config = pc.make_generation_config(tokenizer, 8, greedy=True)
+    served, _ = generator.generate(model, version, queries, config)
+    trainer, _ = pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
+                                     len(queries))
+    return served, trainer
+
+
+def perturbed_lora(base):
+    """A LoRA of rank 4 around a copy of `base`, its adapter drawn at random (a trained-looking adapter: B is zero at
+    initialisation), and a function that draws new adapter weights: (policy, perturb_adapter)."""
+    import copy
+
+    import torch
+
+    from plumbing import models
+
+    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
+
+    def perturb_adapter():
+        with torch.no_grad():
+            for name, p in policy.named_parameters():
+                if "lora_" in name:
+                    p.normal_(0, 0.3)
+
+    perturb_adapter()
+    return policy, perturb_adapter
 
 
 def assert_same_numbers(got: dict, expected: dict, steps, keys, label: str = "") -> None:

@@ -134,20 +134,44 @@ def test_unequal_micro_batches_give_the_step_gradient(kind):
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def grpo_loss_of(loss_type: str):
+    """grpo.py's loss (GRPOLoss) of `loss_type`, on-policy settings (no clipping at a ratio of 1, no KL, no masks)."""
+    from grpo import GRPOLoss
+
+    return GRPOLoss(loss_type=loss_type, importance_sampling_level="token", epsilon=0.2, epsilon_high=0.2,
+                    use_bias_correction_kl=False, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
+                    response_length=16)
+
+
+def grpo_step_under_a_budget(model, rows, grpo_loss, gradient_accumulation_steps, loss_of):
+    """One step of `grpo_loss` over `rows` in micro-batches of at most 20 tokens, each weighted by what the loss means
+    over (GRPOLoss.mean_over the step's loss mask, as sample_batch's); loss_of(micro_batches, index) -> the loss of the
+    micro-batch of rows `index`. Returns (the micro-batches, as lists of rows; the step's loss as logged)."""
+    from accelerate import Accelerator
+
+    lengths = torch.tensor([len(r) - 1 for r in rows])
+    loss_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]  # (rows, T - 1)
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=gradient_accumulation_steps)
+    try:
+        micro_batches = acc.micro_batches(argparse.Namespace(token_budget=20), accelerator, model)
+        logged = []
+        for mb in micro_batches.split(torch.arange(len(rows)), [len(r) for r in rows],
+                                      mean_over=grpo_loss.mean_over(loss_mask)):
+            with micro_batches.accumulate():
+                logged.append(micro_batches.backward(loss_of(micro_batches, mb)))
+    finally:
+        Accelerator(cpu=True)
+    return [mb.tolist() for mb in micro_batches.batches], torch.stack(logged).mean()
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_grpo_loss_types_give_the_step_gradient_under_a_budget(loss_type):
     """grpo.py's loss (GRPOLoss, on-policy: REINFORCE) over unequal micro-batches, each weighted by what the loss type
     means over (GRPOLoss.mean_over: rows, loss tokens, or nothing for dapo's step-normalised sum): the gradient and
     logged loss of the whole batch in one micro-batch."""
-    from accelerate import Accelerator
-
-    from grpo import GRPOLoss
-
     rows = rows_of([12, 3, 9, 4, 15, 2, 6, 5], seed=3)
     advantages = torch.tensor([1.5, -0.5, 0.8, -1.2, 0.3, 2.0, -0.7, 0.1])
-    grpo_loss = GRPOLoss(loss_type=loss_type, importance_sampling_level="token", epsilon=0.2, epsilon_high=0.2,
-                         use_bias_correction_kl=False, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
-                         response_length=16)
+    grpo_loss = grpo_loss_of(loss_type)
 
     def loss_of(model, index, tokens_per_micro_batch):  # the micro-batch of rows `index`
         nll, mask = padded_nll(model, [rows[i] for i in index.tolist()])
@@ -161,20 +185,10 @@ def test_grpo_loss_types_give_the_step_gradient_under_a_budget(loss_type):
     expected.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    lengths = torch.tensor([len(r) - 1 for r in rows])  # the step's loss mask (rows, T - 1), as sample_batch's
-    loss_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
-    try:
-        micro_batches = acc.micro_batches(argparse.Namespace(token_budget=20), accelerator, model)
-        logged = []
-        for mb in micro_batches.split(torch.arange(len(rows)), [len(r) for r in rows],
-                                      mean_over=grpo_loss.mean_over(loss_mask)):
-            with micro_batches.accumulate():
-                logged.append(micro_batches.backward(loss_of(model, mb, total_tokens / 4)))
-    finally:
-        Accelerator(cpu=True)
-    assert len(set(map(len, micro_batches.batches))) > 1 and len(micro_batches) != 4
-    assert torch.stack(logged).mean().item() == pytest.approx(expected.item(), rel=1e-5)
+    batches, logged = grpo_step_under_a_budget(model, rows, grpo_loss, 4,
+                                               lambda _, mb: loss_of(model, mb, total_tokens / 4))
+    assert len(set(map(len, batches))) > 1 and len(batches) != 4
+    assert logged.item() == pytest.approx(expected.item(), rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
@@ -185,32 +199,17 @@ def test_grpo_entropy_bonus_under_a_budget_is_the_micro_batches_mean(loss_type):
     the step's totals, entered the step times (micro-batches / gradient_accumulation_steps): x4 at GA 1 with 4
     micro-batches. With MicroBatches.mean_term it is the mean of the micro-batches' token means, as accelerate's equal
     micro-batches give it; beside bnpo (token shares) the step's token mean. Advantages of 0: the bonus alone."""
-    from accelerate import Accelerator
-
-    from grpo import GRPOLoss
-
     rows = rows_of([12, 3, 9, 4, 15, 2, 6, 5], seed=5)
-    grpo_loss = GRPOLoss(loss_type=loss_type, importance_sampling_level="token", epsilon=0.2, epsilon_high=0.2,
-                         use_bias_correction_kl=False, off_policy_mask_threshold=None, top_entropy_quantile=1.0,
-                         response_length=16)
-    lengths = torch.tensor([len(r) - 1 for r in rows])
-    loss_mask = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
-    model, coef = tiny_model(6).train(), 0.1
-    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=1)
-    try:
-        micro_batches = acc.micro_batches(argparse.Namespace(token_budget=20), accelerator, model)
-        logged = []
-        for mb in micro_batches.split(torch.arange(len(rows)), [len(r) for r in rows],
-                                      mean_over=grpo_loss.mean_over(loss_mask)):
-            with micro_batches.accumulate():
-                nll, mask = padded_nll(model, [rows[i] for i in mb.tolist()])  # the "entropy": any per-token term
-                loss = grpo_loss(-nll.detach(), nll, -nll.detach(), None, None, torch.zeros(len(mb)), mask, None,
-                                 beta=0.0, entropy_coef=micro_batches.mean_term(coef),
-                                 tokens_per_micro_batch=float(lengths.sum()))[0]
-                logged.append(micro_batches.backward(loss))
-    finally:
-        Accelerator(cpu=True)
-    batches = [mb.tolist() for mb in micro_batches.batches]
+    grpo_loss, coef = grpo_loss_of(loss_type), 0.1
+    total_tokens = float(sum(len(r) - 1 for r in rows))  # per micro-batch at gradient_accumulation_steps 1
+    model = tiny_model(6).train()
+
+    def loss_of(micro_batches, index):
+        nll, mask = padded_nll(model, [rows[i] for i in index.tolist()])  # the "entropy": any per-token term
+        return grpo_loss(-nll.detach(), nll, -nll.detach(), None, None, torch.zeros(len(index)), mask, None,
+                         beta=0.0, entropy_coef=micro_batches.mean_term(coef), tokens_per_micro_batch=total_tokens)[0]
+
+    batches, logged = grpo_step_under_a_budget(model, rows, grpo_loss, 1, loss_of)
     assert len(batches) > 1  # != gradient_accumulation_steps (1): the case that was off
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
@@ -220,7 +219,7 @@ def test_grpo_entropy_bonus_under_a_budget_is_the_micro_batches_mean(loss_type):
     else:
         expected = -coef * torch.cat([row_nll(model, r) for r in rows]).mean()
     expected.backward()
-    assert torch.stack(logged).mean().item() == pytest.approx(expected.item(), rel=1e-5)
+    assert logged.item() == pytest.approx(expected.item(), rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
 

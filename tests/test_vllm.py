@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import greedy_both, perturbed_lora, read_metrics, run_script
 
 import policy_common as pc
 from plumbing import data_utils as du
@@ -359,14 +359,6 @@ def test_engine_does_not_inherit_the_trainers_thread_counts(engine):
             "OMP_NUM_THREADS"), env.get("MKL_NUM_THREADS"))
 
 
-def greedy_both(generator, policy, tokenizer, queries, version):
-    config = pc.make_generation_config(tokenizer, 8, greedy=True)
-    vllm_out, _ = generator.generate(policy, version, queries, config)
-    hf_out, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
-                                    len(queries))
-    return vllm_out, hf_out
-
-
 def test_greedy_completions_equal_batch_generation(engine):
     generator, policy, tokenizer, queries = engine
     vllm_out, hf_out = greedy_both(generator, policy, tokenizer, queries, generator.weights_version)
@@ -433,15 +425,7 @@ def test_lora_adapter_sync_ships_the_adapter_only(toy):
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
     base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id,
                                       pc.make_generation_config(tokenizer, 8, greedy=True), len(queries))[0]
-    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
-
-    def perturb_adapter():
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0, 0.3)
-
-    perturb_adapter()
+    policy, perturb_adapter = perturbed_lora(base)
     merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
     generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
                                  rows_per_call=4 * len(queries), seed=0, lora_sync="adapter")

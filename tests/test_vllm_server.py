@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import read_metrics, run_script, run_script_in_process
+from conftest import greedy_both, perturbed_lora, read_metrics, run_script, run_script_in_process
 
 import policy_common as pc
 from plumbing import data_utils as du
@@ -91,15 +91,7 @@ def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
     generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=server[0], timeout=60,
                                     max_model_len=queries.shape[1] + 8)
     assert generator.transfer == "folder"
-
-    def greedy_both(model, version):
-        config = pc.make_generation_config(tokenizer, 8, greedy=True)
-        served, _ = generator.generate(model, version, queries, config)
-        trainer, _ = pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config,
-                                         len(queries))
-        return served, trainer
-
-    served, trainer = greedy_both(policy, 0)
+    served, trainer = greedy_both(generator, policy, tokenizer, queries, 0)
     assert torch.equal(served, trainer)
     # sampled: layout, seeds per row (a prompt's k rows differ), the server's log-probs are the trainer's
     config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
@@ -119,26 +111,11 @@ def test_greedy_and_log_probs_equal_the_trainer_after_each_sync(toy, server):
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    stale, fresh = greedy_both(trained, 0)
+    stale, fresh = greedy_both(generator, trained, tokenizer, queries, 0)
     assert not torch.equal(stale, fresh)
-    synced, fresh = greedy_both(trained, 1)
+    synced, fresh = greedy_both(generator, trained, tokenizer, queries, 1)
     assert torch.equal(synced, fresh) and generator.last_sync_seconds > 0
     generator.close()
-
-
-def perturbed_lora(base):
-    """A LoRA of rank 4 around a copy of `base`, and a function that draws new adapter weights (a trained-looking
-    adapter: B is zero at initialisation)."""
-    policy = models.add_lora(copy.deepcopy(base), r=4, alpha=8, dropout=0.0)
-
-    def perturb_adapter():
-        with torch.no_grad():
-            for name, p in policy.named_parameters():
-                if "lora_" in name:
-                    p.normal_(0, 0.3)
-
-    perturb_adapter()
-    return policy, perturb_adapter
 
 
 def test_a_lora_over_a_server_without_lora_syncs_the_merged_weights(toy, server):
@@ -153,16 +130,13 @@ def test_a_lora_over_a_server_without_lora_syncs_the_merged_weights(toy, server)
     base = models.load_causal_lm(toy["policy"], tokenizer)
     prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:32])
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
-    greedy = pc.make_generation_config(tokenizer, 8, greedy=True)
     policy, _ = perturbed_lora(base)
     merged_bytes = sum(v.numel() * v.element_size() for v in vg.merged_state_dict(policy).values())
     generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=server[0], timeout=60,
                                     max_model_len=queries.shape[1] + 8, lora_sync="adapter")
     try:
         assert generator.lora_rank is None and generator.model == generator.served
-        synced, _ = generator.generate(policy, 0, queries, greedy)
-        fresh, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
-                                       len(queries))
+        synced, fresh = greedy_both(generator, policy, tokenizer, queries, 0)
         assert torch.equal(synced, fresh) and generator.last_sync_bytes >= merged_bytes
         print(f"server sync: merged {generator.last_sync_bytes} bytes in {generator.last_sync_seconds:.4f} s")
     finally:
@@ -235,23 +209,16 @@ def test_grpo_tool_episodes_and_lora_adapter_sync_over_the_server(toy_tools_worl
     prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(world["prompt_dataset"], "test")["prompt"][:32],
                                   tools=toy_tools.tool_schemas())
     queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left")
-    greedy = pc.make_generation_config(tokenizer, 8, greedy=True)
-    base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
-                                      len(queries))[0]
+    base_greedy = pc.batch_generation(base, queries, tokenizer.pad_token_id, tokenizer.eos_token_id,
+                                      pc.make_generation_config(tokenizer, 8, greedy=True), len(queries))[0]
     policy, perturb_adapter = perturbed_lora(base)
-
-    def greedy_both(generator, version):
-        served, _ = generator.generate(policy, version, queries, greedy)
-        trainer, _ = pc.batch_generation(policy, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
-                                         len(queries))
-        return served, trainer
 
     url, proc, log = serve(world["policy"], 128, tmp_path, lora_rank=8)
     try:
         generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=url, timeout=60,
                                         max_model_len=queries.shape[1] + 8, lora_sync="adapter")
         assert generator.lora_rank == 8 and generator.model != generator.served
-        served, trainer = greedy_both(generator, 0)
+        served, trainer = greedy_both(generator, policy, tokenizer, queries, 0)
         assert torch.equal(served, trainer) and not torch.equal(served, base_greedy)
         config = pc.make_generation_config(tokenizer, 8, temperature=0.7)
         query_responses, behaviour_logprobs = generator.generate(policy, 0, queries.repeat_interleave(4, 0), config)
@@ -260,10 +227,10 @@ def test_grpo_tool_episodes_and_lora_adapter_sync_over_the_server(toy_tools_worl
                                                                                     queries.shape[1])
         assert (trainer_logprobs - behaviour_logprobs)[mask].abs().max() < 1e-3
         perturb_adapter()
-        stale, fresh = greedy_both(generator, 0)  # the same version: the old adapter
+        stale, fresh = greedy_both(generator, policy, tokenizer, queries, 0)  # the same version: the old adapter
         assert not torch.equal(stale, fresh)
         for version in (1, 2, 3):  # older adapters unloaded as new ones come, the previous one kept
-            synced, fresh = greedy_both(generator, version)
+            synced, fresh = greedy_both(generator, policy, tokenizer, queries, version)
             assert torch.equal(synced, fresh)
             perturb_adapter()
         assert len(generator.adapters) == 2
