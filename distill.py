@@ -179,7 +179,8 @@ def load_teacher(args, tokenizer, positions_needed: int, accelerator):
     if positions is not None and positions < positions_needed:
         raise UserError(f"the teacher {name!r} has {positions} positions, fewer than a prompt + completion of "
                         f"{positions_needed} tokens (--max_prompt_length + --response_length): lower them")
-    teacher = models.load_causal_lm(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    teacher = models.load_causal_lm(path, tokenizer, models.Precision.from_args(args),
+                                    trust_remote_code=args.trust_remote_code)
     return models.prepare_frozen(teacher, accelerator), name
 
 
@@ -213,7 +214,7 @@ def main():
     # 1. arguments: validate and derive every batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size = validate(args)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     ru.seed_everything(args.seed, accelerator.process_index)
@@ -322,7 +323,7 @@ def main():
         })
         if on_policy:
             metrics.update(batch.metrics)
-        metrics.update({"lr": optimizer_step.lr, **meter.batch_metrics(
+        metrics.update({**optimizer_step.metrics(), **meter.batch_metrics(
             query_responses, pad, batch.metrics if on_policy else None, episode=state["episode"])})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step))

@@ -382,7 +382,7 @@ def main():
     # 1. arguments: validate and derive every batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size, local_prompts = validate(args)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     ru.seed_everything(args.seed, accelerator.process_index)
@@ -477,7 +477,7 @@ def main():
             metrics["objective/beta"] = beta
             state["kl_coef"] = tl.adaptive_kl_coef(beta, metrics["objective/kl"], batch_size, args.kl_target,
                                                    args.kl_horizon)
-        metrics.update({"lr": optimizer_step.lr, **meter.batch_metrics(batch.query_responses, tokenizer.pad_token_id,
+        metrics.update({**optimizer_step.metrics(), **meter.batch_metrics(batch.query_responses, tokenizer.pad_token_id,
                                                                        batch.metrics, episode=state["episode"])})
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:
             metrics.update(ev.evaluate_policy(sampler, data.held_out, logger, step,

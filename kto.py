@@ -285,7 +285,7 @@ def main():
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     validate(args)
     dataset_name, policy_path = args.dataset or ru.default_dataset(args.model), ru.resolve_model(args.model)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     world = accelerator.num_processes
     groups_per_step = world * args.gradient_accumulation_steps  # micro-batches per optimizer step, all processes
     batch_size = args.per_device_train_batch_size * groups_per_step  # examples per optimizer step

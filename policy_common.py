@@ -243,7 +243,7 @@ class Reference:
 
 def create_reference(policy: nn.Module, tokenizer, forward_for: Callable[[nn.Module], Forward], *, policy_name: str,
                      ref_model: Optional[str] = None, use_peft: bool = False, reference_free: bool = False,
-                     accelerator=None, bf16: bool = False, trust_remote_code: bool = False) -> Reference:
+                     accelerator=None, precision=models.FP32, trust_remote_code: bool = False) -> Reference:
     """Build the Reference for a run from `--ref_model`: `reference_free` -> none; `ref_model=None` means "the
     starting policy": with `use_peft` its adapter-off base (no copy), otherwise a frozen copy of `policy_name`
     (the model the policy was loaded from). A given `ref_model` must share the policy's vocabulary. A frozen
@@ -258,7 +258,7 @@ def create_reference(policy: nn.Module, tokenizer, forward_for: Callable[[nn.Mod
     else:
         models.check_same_vocab(tokenizer, models.load_tokenizer(ref_model, trust_remote_code=trust_remote_code),
                                 "reference model")
-    model = models.load_causal_lm(ref_model, tokenizer, bf16=bf16, trust_remote_code=trust_remote_code)
+    model = models.load_causal_lm(ref_model, tokenizer, precision, trust_remote_code=trust_remote_code)
     model.eval().requires_grad_(False)
     if accelerator is not None:
         model = models.prepare_frozen(model, accelerator)
@@ -403,7 +403,7 @@ def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:
 
 
 def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:
-    """(B, R, V) logits, (B, R) tokens -> (B, R) log softmax(logits)[token]. Rows are processed in chunks of at
+    """(..., V) logits, (...) tokens -> (...) log softmax(logits)[token]. Rows are processed in chunks of at
     most `chunk_bytes` of float32 log-softmax work (32 MiB by default), so a full-batch (B, R, V) log-softmax is
     never materialised at real vocabulary sizes, while small batches go in one vectorised call."""
     rows = max(1, chunk_bytes // (4 * logits[0].numel()))
@@ -412,8 +412,8 @@ def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: 
         logsumexp = torch.cat([torch.logsumexp(logits[i:i + rows], dim=-1) for i in range(0, len(logits), rows)])
         return token_logits - logsumexp
     # low precision: logsumexp in bf16 is inaccurate, so compute the log-softmax in float32
-    return torch.cat([torch.gather(logits[i:i + rows].float().log_softmax(-1), -1, tokens[i:i + rows, :, None])[..., 0]
-                      for i in range(0, len(logits), rows)])
+    return torch.cat([torch.gather(logits[i:i + rows].float().log_softmax(-1), -1, tokens[i:i + rows, ..., None])
+                      [..., 0] for i in range(0, len(logits), rows)])
 
 
 def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:

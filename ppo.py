@@ -171,7 +171,7 @@ def load_value_model(args, tokenizer, reward_sources, policy_path: str):
                                 "value model")
     else:  # a value model reads the policy's token ids: the reward model's weights only if it does too
         value_path = reward_sources.path if reward_sources.mode == "tokens" and reward_sources.path else policy_path
-    value_model = models.load_scalar_model(value_path, tokenizer, bf16=args.bf16,
+    value_model = models.load_scalar_model(value_path, tokenizer, models.Precision.from_args(args),
                                            trust_remote_code=args.trust_remote_code)
     if args.gradient_checkpointing:
         models.enable_activation_checkpointing(value_model)
@@ -208,7 +208,7 @@ class PolicyAndValue(nn.Module):
 def main():
     # 1. arguments, batch sizes, accelerator, seeding
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     local_batch_size, batch_size, num_total_batches, num_optimizer_steps = validate(args, accelerator.num_processes)
     ru.seed_everything(args.seed, accelerator.process_index)
 
@@ -312,7 +312,7 @@ def main():
                 "val/mean": masked_mean(values, response_mask), "val/var": masked_var(values, response_mask),
                 **batch.length_metrics(), "adv/mean": masked_mean(raw_advantages, response_mask),
                 "adv/std": masked_var(raw_advantages, response_mask).sqrt(),
-                "returns/mean": masked_mean(returns, response_mask), "lr": optimizer_step.lr,
+                "returns/mean": masked_mean(returns, response_mask), **optimizer_step.metrics(),
                 "nonfinite/skipped": state["nonfinite_skipped"], **batch.importance_sampling_stats(batch.old_logprobs),
             })
             metrics.update({**batch.metrics, **reward_sources.metrics(batch.source_scores, accelerator)})

@@ -146,7 +146,8 @@ def load_reward_model(path: str, tokenizer, args):
     (the checkpoint is not a sequence classifier) initialised by init_score_head; then activation checkpointing
     and a LoRA adapter (task SEQ_CLS: PEFT also trains and saves the `score` head, modules_to_save) as flagged."""
     architectures = getattr(ru.model_config(path, args.trust_remote_code), "architectures", None) or []
-    model = models.load_scalar_model(path, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code)
+    model = models.load_scalar_model(path, tokenizer, models.Precision.from_args(args),
+                                     trust_remote_code=args.trust_remote_code)
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         init_score_head(model.score)
     if args.gradient_checkpointing:
@@ -213,7 +214,7 @@ def main() -> None:
     args.reward_model_input = args.reward_model_input or "tokens"  # recorded in args.json and the saved config
     args.dataset = args.dataset or ru.default_dataset(args.model)
     model_path = ru.resolve_model(args.model)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 

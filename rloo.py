@@ -191,7 +191,7 @@ def main():
     # 1. arguments: validate and derive every batch size once
     args = ru.parse_args(Args, ALIAS_DEFAULTS)
     local_batch_size, local_prompts = validate(args)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     batch_size = local_batch_size * accelerator.num_processes
     num_total_batches = min(math.ceil(args.total_episodes / batch_size), args.max_steps or math.inf)
     num_optimizer_steps = num_total_batches * args.num_ppo_epochs * args.num_mini_batches
@@ -287,7 +287,7 @@ def main():
         metrics["objective/kl_coef"] = kl_coef
         state["kl_coef"] = tl.adaptive_kl_coef(kl_coef, metrics["objective/kl"], batch_size, args.kl_target,
                                                args.kl_horizon)
-        metrics.update({"lr": optimizer_step.lr, "episode": state["episode"],
+        metrics.update({**optimizer_step.metrics(), "episode": state["episode"],
                         "time/episodes_per_second": (state["episode"] - start_episode) / (time.time() - start_time)})
         metrics.update(meter.batch_metrics(batch.query_responses, tokenizer.pad_token_id, batch.metrics))
         if (args.eval_steps and step % args.eval_steps == 0) or step == num_total_batches:

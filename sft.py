@@ -249,7 +249,7 @@ def main() -> None:
     validate(args)
     args.dataset = args.dataset or ru.default_dataset(args.model)
     policy_path = ru.resolve_model(args.model)
-    accelerator = ru.make_accelerator(args.gradient_accumulation_steps)
+    accelerator = ru.make_accelerator(args)
     batch_size = args.per_device_train_batch_size * accelerator.num_processes * args.gradient_accumulation_steps
     ru.seed_everything(args.seed, accelerator.process_index)
 

@@ -1,9 +1,14 @@
 """The scripts' CUDA paths on one GPU, in a few minutes: every script for a few steps on the toy world in bfloat16
 (and rloo.py in float32), plus the variants whose code differs on a device: a sampler running ahead (importance
 weights of stale samples), the chunked output layer with reused batches, multi-turn tool episodes, a LoRA reference,
-precomputed reference log-probs. Each run is a child process, one at a time; the table says whether it finished, on
-which device, whether every logged number is finite, and the held-out metric from step 0 to the last step. CI has no
-GPU: this is run by hand on a machine that has one (benchmark/README.md).
+precomputed reference log-probs, fp16 with loss scaling and the float32 output layer (precision.py). Each run is a
+child process, one at a time; the table says whether it finished, on which device, whether every logged number is
+finite, and the held-out metric from step 0 to the last step. CI has no GPU: this is run by hand on a machine that
+has one (benchmark/README.md). It runs on a CPU too (bfloat16 natively where the CPU has AVX512-BF16, float16
+emulated), which checks the code paths but not the GPU's kernels.
+
+The sampler-trainer mismatch on a GPU: `python benchmark/precision_mismatch.py --out DIR` there (vLLM's GPU build
+installed) gives the table of benchmark/results/precision_mismatch.md for that GPU.
 
     python benchmark/gpu_smoke.py --out /tmp/gpu_smoke        # writes /tmp/gpu_smoke/gpu_smoke.md
 """
@@ -29,6 +34,11 @@ RUNS = {  # name -> (script, flags)
     "grpo_tools_bf16": ("grpo.py", ["--bf16", "--model", "toy_tools"]),
     "rloo_peft_bf16": ("rloo.py", ["--bf16", "--use_peft", "--lora_r", "4"]),
     "dpo_precomputed_bf16": ("dpo.py", ["--bf16", "--precompute_ref_logprobs"]),
+    # precision.py: fp16 with loss scaling (ppo: a trained value model too), the float32 output layer on the paths
+    # that apply it apart from the model (chunked, packed)
+    **{f"{script}_fp16": (f"{script}.py", ["--fp16"]) for script in ("rloo", "ppo", "dpo")},
+    "grpo_fp16_fp32head_chunked": ("grpo.py", ["--fp16", "--cast_lm_head_to_fp32", "--logprob_chunk_tokens", "4"]),
+    "rloo_bf16_fp32head_packed": ("rloo.py", ["--bf16", "--cast_lm_head_to_fp32", "--padding_free"]),
 }
 
 
@@ -64,7 +74,9 @@ def main() -> None:
             continue
         folder = os.path.join(args.out, name)
         start = time.time()
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *SHORT, *flags, "--output_dir", folder],
+        short = [{"--num_eval_prompts": "--max_eval_pairs"}.get(f, f) for f in SHORT] if script == "reward.py" \
+            else SHORT  # reward.py evaluates on held-out pairs
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *short, *flags, "--output_dir", folder],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         with open(folder + ".log", "w") as f:
             f.write(proc.stdout + proc.stderr)

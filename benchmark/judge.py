@@ -106,7 +106,7 @@ def generate(args, examples: list) -> list:
 
     name = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(name)
-    model = models.load_causal_lm(name, tokenizer, bf16=args.bf16).eval()
+    model = models.load_causal_lm(name, tokenizer, models.Precision("bfloat16" if args.bf16 else "float32")).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     config = pc.make_generation_config(tokenizer, args.response_length, greedy=True)
@@ -177,7 +177,7 @@ def reward_model_report(args, examples: list) -> dict:
         raise SystemExit("no judge and no --reward_model: nothing to evaluate with")
     path = ru.resolve_reward_model(name)
     tokenizer = models.load_tokenizer(path)
-    model = models.load_scalar_model(path, tokenizer, bf16=args.bf16).eval()
+    model = models.load_scalar_model(path, tokenizer, models.Precision("bfloat16" if args.bf16 else "float32")).eval()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model.to(device)
     forward = pc.ScalarForward(tokenizer.pad_token_id)

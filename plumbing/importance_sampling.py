@@ -91,18 +91,23 @@ def importance_weights(old_logprobs: torch.Tensor, behaviour_logprobs: Optional[
 def importance_sampling_stats(old_logprobs: torch.Tensor, behaviour_logprobs: Optional[torch.Tensor],
                               response_mask: torch.Tensor, sampling: ImportanceSampling,
                               sequence_loss: bool = False) -> dict:
-    """A step's importance-sampling metrics under `sampling.sampler`'s name (vllm/, or async/ for HF samples of earlier
-    weights): logprob_diff (mean |log pi_old - log pi_behaviour| per token), is_weight_mean|min|max (of r, before
-    truncation or masking, over the actions: tokens, or completions for sequence_*) and the fraction of actions outside
-    the bounds, is_truncated_frac (*_truncate) or is_masked_frac (*_mask); {} when behaviour_logprobs is None.
-    `sequence_loss`: as in `importance_weights` (it resolves a mode left to the loss)."""
+    """A step's importance-sampling metrics under `sampling.sampler`'s name (vllm/, async/ for HF samples of earlier
+    weights, hf/ for rollout.py's checks of HF samples of the current weights). The sampler-trainer mismatch:
+    logprob_diff (mean |log pi_old - log pi_behaviour| per token) and kl (the mean per token of k3 = r - 1 - log r, an
+    unbiased estimate of KL(pi_behaviour || pi_old) from the behaviour's samples; Schulman 2020). The weights:
+    is_weight_mean|min|max (of r, before truncation or masking, over the actions: tokens, or completions for
+    sequence_*) and the fraction of actions outside the bounds, is_truncated_frac (*_truncate) or is_masked_frac
+    (*_mask). {} when behaviour_logprobs is None. `sequence_loss`: as in `importance_weights` (it resolves a mode left
+    to the loss)."""
     if behaviour_logprobs is None:
         return {}
     sampling = sampling.resolved(sequence_loss)
     ratio = importance_ratios(old_logprobs, behaviour_logprobs, response_mask, sampling.per_sequence)
     actions = response_mask.bool().any(1, keepdim=True) if sampling.per_sequence else response_mask.bool()
-    name, log_ratio = sampling.sampler, (old_logprobs - behaviour_logprobs).detach()
-    return {f"{name}/logprob_diff": pc.masked_mean(log_ratio.abs(), response_mask.bool()),
+    name, tokens = sampling.sampler, response_mask.bool()
+    log_ratio = (old_logprobs - behaviour_logprobs).detach().masked_fill(~tokens, 0.0)  # padding's: no overflow in k3
+    return {f"{name}/logprob_diff": pc.masked_mean(log_ratio.abs(), tokens),
+            f"{name}/kl": pc.masked_mean(torch.expm1(log_ratio) - log_ratio, tokens),
             f"{name}/is_weight_mean": ratio[actions].mean(), f"{name}/is_weight_min": ratio[actions].min(),
             f"{name}/is_weight_max": ratio[actions].max(),
             f"{name}/is_truncated_frac" if sampling.mode.endswith("_truncate") else f"{name}/is_masked_frac":

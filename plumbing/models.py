@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from plumbing.errors import UserError
+from plumbing.precision import AUTOCAST_DTYPE, DTYPES, FP32, Precision, require_plain_head
 
 
 @dataclass
@@ -40,7 +41,9 @@ class ModelFlags:
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory"""
     bf16: bool = False
-    """bfloat16 weights (GPU only)"""
+    """bfloat16 weights and arithmetic (a GPU, or a CPU with native bfloat16; precision.py)"""
+    fp16: bool = False
+    """float16 arithmetic on float32 weights, the loss scaled (a GPU; precision.py); a vLLM engine in float16 too"""
     trust_remote_code: bool = False
     """allow models with custom code from the hub"""
     padding_free: bool = False
@@ -54,6 +57,9 @@ class PolicyFlags(ModelFlags):
     log-probs."""
     load_in_4bit: bool = False
     """load the policy in 4 bits (QLoRA; needs --use_peft, a GPU and bitsandbytes)"""
+    cast_lm_head_to_fp32: bool = False
+    """the output layer of the policy, the reference and a teacher in float32 (logits and log-probs in float32 under
+    --bf16 / --fp16; HF generation samples from them too; a vLLM engine keeps its own dtype)"""
     logprob_chunk_tokens: Optional[int] = None
     """log-probs from the output layer run on this many response tokens at a time, so that no rows x tokens x
     vocabulary logits are kept at long completions (the same numbers to float rounding); None = as many as make 256
@@ -141,28 +147,22 @@ def disable_dropout(model: nn.Module) -> None:
             setattr(config, name, 0.0)
 
 
-def model_dtype(bf16: bool) -> torch.dtype:
-    """float32 on CPU; bfloat16 only when asked for and a GPU is present."""
-    if bf16 and not torch.cuda.is_available():
-        raise UserError("--bf16 needs a GPU; on a CPU the scripts run in float32")
-    return torch.bfloat16 if bf16 else torch.float32
-
-
-def load_causal_lm(name: str, tokenizer, bf16: bool = False, trust_remote_code: bool = False,
+def load_causal_lm(name: str, tokenizer, precision: Precision = FP32, trust_remote_code: bool = False,
                    load_in_4bit: bool = False):
-    """AutoModelForCausalLM for `name`, dropout off, embeddings resized to the tokenizer, pad id set."""
+    """AutoModelForCausalLM for `name` in `precision` (precision.py), dropout off, embeddings resized to the tokenizer,
+    pad id set."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = dict(dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
+    kwargs = dict(dtype=precision.weights_dtype, trust_remote_code=trust_remote_code)
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                           bnb_4bit_compute_dtype=model_dtype(bf16))
+                                                           bnb_4bit_compute_dtype=DTYPES[precision.dtype])
     model = from_pretrained(AutoModelForCausalLM, name, **kwargs)
     _fit_to_tokenizer(model, tokenizer)
     disable_dropout(model)
-    return model
+    return precision.apply(model)
 
 
 def enable_activation_checkpointing(model) -> None:
@@ -173,33 +173,36 @@ def enable_activation_checkpointing(model) -> None:
 
 
 def load_policy(name: str, tokenizer, args):
-    """The trainable policy `name`, set up by the shared flags of every script (`args.bf16`, `trust_remote_code`,
+    """The trainable policy `name`, set up by the shared flags of every script (--bf16 / --fp16 /
+    --cast_lm_head_to_fp32: precision.py, `trust_remote_code`,
     `load_in_4bit`, `gradient_checkpointing`, `use_peft`, `lora_*`): loaded, optionally activation-checkpointed,
     optionally wrapped with a fresh LoRA adapter. 4-bit weights without `--use_peft` are a UserError (nothing
     would train)."""
     if args.load_in_4bit and not args.use_peft:
         raise UserError("--load_in_4bit needs --use_peft (4-bit weights cannot be trained directly)")
-    policy = load_causal_lm(name, tokenizer, bf16=args.bf16, trust_remote_code=args.trust_remote_code,
+    policy = load_causal_lm(name, tokenizer, Precision.from_args(args), trust_remote_code=args.trust_remote_code,
                             load_in_4bit=args.load_in_4bit)
     if args.gradient_checkpointing:
         enable_activation_checkpointing(policy)
     if args.use_peft:
         policy = add_lora(policy, args.lora_r, args.lora_alpha, args.lora_dropout, args.lora_target_modules)
+        if args.cast_lm_head_to_fp32:
+            require_plain_head(output_layer(policy), type(causal_lm(policy)).__name__)
     return policy
 
 
-def load_scalar_model(name: str, tokenizer, bf16: bool = False, trust_remote_code: bool = False):
-    """AutoModelForSequenceClassification with one output (a reward or value model), dropout off."""
+def load_scalar_model(name: str, tokenizer, precision: Precision = FP32, trust_remote_code: bool = False):
+    """AutoModelForSequenceClassification with one output (a reward or value model) in `precision`, dropout off."""
     from transformers import AutoModelForSequenceClassification
 
     model, info = from_pretrained(AutoModelForSequenceClassification, name, num_labels=1, output_loading_info=True,
-                                   dtype=model_dtype(bf16), trust_remote_code=trust_remote_code)
+                                   dtype=precision.weights_dtype, trust_remote_code=trust_remote_code)
     if info["missing_keys"]:  # e.g. a value model started from a causal LM: its scalar head is new (expected)
         print(f"note: {name}: new {', '.join(sorted(info['missing_keys']))} initialised (not in the checkpoint)",
               flush=True)
     _fit_to_tokenizer(model, tokenizer)
     disable_dropout(model)
-    return model
+    return precision.apply(model, causal_lm=False)
 
 
 def _fit_to_tokenizer(model, tokenizer) -> None:
@@ -310,6 +313,12 @@ def cache_argument(model: nn.Module) -> Optional[str]:
     >= 5.20) or `past_key_values` (earlier releases, and vLLM's 5.19 pin); None when it takes none."""
     parameters = forward_parameters(model)
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model's products run in (precision.py): the autocast dtype its forward runs under (--fp16), else
+    its weights'."""
+    return getattr(causal_lm(model).forward, AUTOCAST_DTYPE, next(model.parameters()).dtype)
 
 
 def keep_last(model: nn.Module, n: int) -> dict:

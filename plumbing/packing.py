@@ -77,6 +77,16 @@ def sliding_window(model: torch.nn.Module) -> bool:
     return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
 
 
+def length_limit(model: torch.nn.Module) -> Optional[int]:
+    """The longest packed sequence `model` takes: its max_position_embeddings where it keeps a table of max positions x
+    max positions (GPT-Neo's causal-mask buffer, which a longer sequence overruns); None where nothing is sized by them
+    (rotary or learned position embeddings see each row's positions, which restart within a packed sequence)."""
+    limit = getattr(_text_config(model), "max_position_embeddings", None)
+    if limit and any(b.dim() >= 2 and tuple(b.shape[-2:]) == (limit, limit) for b in model.buffers()):
+        return limit
+    return None
+
+
 def first_fit_decreasing(lengths: list, capacity: int) -> list:
     """Segment lengths -> a bin index per segment: longest first, each into the first bin with room (bins of at
     most `capacity`, which must be >= every length)."""
@@ -90,16 +100,17 @@ def first_fit_decreasing(lengths: list, capacity: int) -> list:
     return bins
 
 
-def bins(lengths: list, width: Optional[int] = None) -> tuple:
+def bins(lengths: list, width: Optional[int] = None, limit: Optional[int] = None) -> tuple:
     """Segment lengths -> (capacity, bin of each segment): first-fit decreasing at the capacity whose packed batch
     costs least, P bins x C positions x (1 + C / (6 x width)): a position's projections and MLP cost about 24 x
     width^2 FLOPs, its attention over C keys (dense with a mask) about 4 x width x C. Capacities from the longest
-    segment up to 4x it are tried; `width` None: the longest segment's."""
+    segment up to 4x it are tried, none above `limit` (the model's, `length_limit`) but the longest segment; `width`
+    None: the longest segment's."""
     longest, total = max(1, max(lengths)), max(1, sum(lengths))
     if width is None:
         return longest, first_fit_decreasing(lengths, longest)
     best = None
-    for capacity in sorted({min(total, longest + (longest * k) // 4) for k in range(13)}):
+    for capacity in sorted({max(longest, min(total, longest + (longest * k) // 4, limit or total)) for k in range(13)}):
         assigned = first_fit_decreasing(lengths, capacity)
         cost = (max(assigned) + 1) * capacity * (1 + capacity / (6 * width))
         if best is None or cost < best[0]:
@@ -108,14 +119,16 @@ def bins(lengths: list, width: Optional[int] = None) -> tuple:
 
 
 def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0, share: bool = False,
-           one_sequence: bool = False, dtype: torch.dtype = torch.float32, width: Optional[int] = None) -> Layout:
+           one_sequence: bool = False, dtype: torch.dtype = torch.float32, width: Optional[int] = None,
+           limit: Optional[int] = None) -> Layout:
     """Pack (B, T) rows: a query in the first `context_length` columns, a response after them, any padding around
     (policy_common's layout, or context_length 0 for whole rows). Each row's real tokens keep their order and are
     counted as padding_inputs counts them. Identical rows are packed once (they get the same numbers, as in a padded
     batch). `share`: rows whose query columns are identical make one tree segment (their query once). `one_sequence`:
     every segment in one packed sequence and no mask (flash attention); `share` is then ignored. `dtype`: the
     mask's (the model's). `width`: the model's hidden size, which sets how long the packed sequences are (`bins`);
-    None: as long as the longest segment."""
+    None: as long as the longest segment. `limit`: the longest sequence the model takes (`length_limit`): no packed
+    sequence is longer, and a shared query's rows are split into several segments where one would be."""
     B, T = query_responses.shape
     ids = query_responses.cpu()
     real = ids != pad_token_id
@@ -130,7 +143,13 @@ def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int
     if share and not one_sequence and context_length > 0:
         _, query_of = torch.unique(ids[:, :context_length], dim=0, return_inverse=True)
         for r in unique_rows:
-            groups.setdefault(int(query_of[r]), []).append(r)
+            group = groups.setdefault(int(query_of[r]), [[]])
+            rows = group[-1]
+            used = len(query_cols[r]) + sum(len(response_cols[x]) for x in rows) + len(response_cols[r])
+            if rows and limit is not None and used > limit:  # this row in a segment of its own, its query again
+                group.append([])
+            group[-1].append(r)
+        groups = {(q, i): rows for q, group in groups.items() for i, rows in enumerate(group)}
     else:
         groups = {r: [r] for r in unique_rows}
     segments = list(groups.values())  # rows of each segment, in row order
@@ -138,7 +157,7 @@ def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int
     if one_sequence:
         capacity, bin_of = max(1, sum(lengths)), [0] * len(segments)
     else:
-        capacity, bin_of = bins(lengths, width)
+        capacity, bin_of = bins(lengths, width, limit)
     P = max(bin_of) + 1
 
     packed_ids = torch.zeros(P, capacity, dtype=torch.long)  # id 0 at padding (a pad id may have no embedding)
@@ -185,10 +204,11 @@ def layout(query_responses: torch.Tensor, pad_token_id: int, context_length: int
 
 def model_layout(model: torch.nn.Module, query_responses: torch.Tensor, pad_token_id: int, context_length: int = 0,
                  share: bool = False) -> Layout:
-    """`layout` as `model` takes it: one sequence under flash attention, else binned for its hidden width, the mask in
-    its dtype."""
+    """`layout` as `model` takes it: one sequence under flash attention, else binned for its hidden width and length
+    limit, the mask in its dtype."""
     return layout(query_responses, pad_token_id, context_length, share=share, one_sequence=flash_attention(model),
-                  dtype=_dtype(model), width=getattr(_text_config(model), "hidden_size", None))
+                  dtype=_dtype(model), width=getattr(_text_config(model), "hidden_size", None),
+                  limit=length_limit(model))
 
 
 def _dtype(model: torch.nn.Module) -> torch.dtype:
@@ -225,7 +245,7 @@ def supported(model: torch.nn.Module, run: Callable, kind: str, pad_token_id: in
         where = packed.index >= 0
         expected = padded_out[where].float()
         got = packed_out.reshape(-1, packed_out.shape[-1])[packed.index[where]].float()
-        tolerance = 1e-4 if _dtype(model) == torch.float32 else 3e-2
+        tolerance = 1e-4 if models.compute_dtype(model) == torch.float32 else 3e-2
         difference = (expected - got).abs().max().item()
         ok = difference <= tolerance * max(1.0, expected.abs().max().item())
     except Exception as e:  # a forward that refuses the packed inputs

@@ -463,8 +463,8 @@ def load_rewards(args, tokenizer, forwards: Forwards, model_alias: str, dataset:
     conversational = bool(datasets) and du.is_conversational(datasets[0][0]["prompt"])
     if mode == "text" and conversational and reward_tokenizer.chat_template is None:
         raise UserError(f"conversational data read as text needs a chat template; reward model {path!r} has none")
-    model = models.load_scalar_model(path, tokenizer if mode == "tokens" else reward_tokenizer, bf16=args.bf16,
-                                 trust_remote_code=args.trust_remote_code)
+    model = models.load_scalar_model(path, tokenizer if mode == "tokens" else reward_tokenizer,
+                                     models.Precision.from_args(args), trust_remote_code=args.trust_remote_code)
     why = ("--reward_model_input" if args.reward_model_input else "its config's record" if recorded
            else "same vocabulary as the policy" if same_vocabulary else "another vocabulary")
     accelerator.print(f"reward model {path} reads {mode} ({why})")

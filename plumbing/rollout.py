@@ -22,7 +22,8 @@ ignored: `batch_generation`), and every forward scores that same distribution (l
 `Forward.logits`, `mask_pad_`). A top-p, a top-k, a repetition penalty or a logits processor added to generation
 would break it without an error, so it is measured: at the first rollout and every LOGPROB_CHECK_EVERY-th (by step,
 so a resumed run checks the same steps), the first LOGPROB_CHECK_ROWS rows are scored again by a forward, and the
-largest |sampled - recomputed| over their tokens, on all processes, is logged as `rollout/logprob_check`. Above the
+largest |sampled - recomputed| over their tokens, on all processes, is logged as `rollout/logprob_check`, with the
+sampler-trainer mismatch on those rows as `hf/*` (importance_sampling_stats, precision.py). Above the
 tolerance (float32: 1e-3 on any token; bf16/fp16, whose kernels round differently in generation and in a forward:
 0.05 on average over the tokens) the run stops with a RolloutError, its finished steps checkpointed. With vLLM (other
 kernels, a KV cache, bf16) or earlier weights the old log-probs come from a trainer forward, and
@@ -46,6 +47,7 @@ from plumbing import data_utils as du
 from plumbing import environments as envs
 from plumbing import episodes as ep
 from plumbing import greedy_eval as ge
+from plumbing import models
 from plumbing import prompt_sharing as ps
 from plumbing import reward_sources as rs
 from plumbing import run_utils as ru
@@ -175,7 +177,7 @@ class Rollout:
     # (B, R) pi_behaviour: the log-probs of the policy that sampled (a vLLM engine, or earlier weights with
     # --max_staleness), whose samples the loss reweights (`importance_weights`); None: pi_old sampled them itself
     behaviour_logprobs: Optional[torch.Tensor]
-    metrics: dict  # rollout/logprob_check (at the steps checked), time/weight_sync_seconds (vLLM)
+    metrics: dict  # rollout/logprob_check and hf/* (at the steps checked), time/weight_sync_seconds (vLLM)
     pad_token_id: int
     eos_token_id: int
     action_mask: Optional[torch.Tensor] = None  # (B, R) multi-turn: True on sampled tokens, False on tool results
@@ -325,8 +327,8 @@ class Sampler:
         if action_mask is not None:
             response_mask &= action_mask
         if not by_engine and weights_version % LOGPROB_CHECK_EVERY == 0:
-            metrics["rollout/logprob_check"] = self.check_logprobs(query_responses, context_length, behaviour_logprobs,
-                                                                   response_mask, weights_version + 1)
+            metrics.update(self.check_logprobs(query_responses, context_length, behaviour_logprobs, response_mask,
+                                               weights_version + 1))
         metrics.update({"time/weight_sync_seconds": self.vllm.last_sync_seconds} if by_engine else {})
         if hf:
             self.policy.train(training)
@@ -426,10 +428,12 @@ class Sampler:
                                max_tool_result_tokens=self.args.max_tool_result_tokens, accelerator=self.accelerator)
 
     def check_logprobs(self, query_responses: torch.Tensor, context_length: int, sampled_logprobs: torch.Tensor,
-                       response_mask: torch.Tensor, step: int) -> float:
+                       response_mask: torch.Tensor, step: int) -> dict:
         """The old-log-probs invariant (module docstring): the first LOGPROB_CHECK_ROWS rows scored again by a
-        forward; returns the largest |sampled - recomputed| over their tokens on all processes (one all-reduce);
-        raises RolloutError on every process when it is above the tolerance."""
+        forward; returns rollout/logprob_check, the largest |sampled - recomputed| over their tokens on all processes
+        (one all-reduce), and the sampler-trainer mismatch on those rows as hf/* (importance_sampling_stats: what
+        importance weights would do, were they applied); raises RolloutError on every process when it is above the
+        tolerance."""
         rows = query_responses[:LOGPROB_CHECK_ROWS]
         recomputed = self.forward.logprobs_no_grad(self.policy, rows, context_length)
         mask = response_mask[:LOGPROB_CHECK_ROWS]  # the sampled tokens
@@ -438,7 +442,7 @@ class Sampler:
         if self.accelerator.num_processes > 1:
             stats = self.accelerator.reduce(stats, reduction="max")
         largest, mean = stats.tolist()
-        low_precision = next(self.policy.parameters()).dtype in (torch.bfloat16, torch.float16)
+        low_precision = models.compute_dtype(self.policy) != torch.float32
         if not math.isfinite(largest) or (mean > LOGPROB_CHECK_MEAN_LOW_PRECISION if low_precision
                                           else largest > LOGPROB_CHECK_MAX):
             raise RolloutError(
@@ -446,7 +450,8 @@ class Sampler:
                 f"{largest:.3g}, mean {mean:.3g} per token): generation no longer samples the distribution every "
                 "forward scores (a top-p, top-k, repetition penalty or logits processor in the generation config?); "
                 "the losses would use wrong old log-probs (rollout.py's docstring)")
-        return largest
+        return {"rollout/logprob_check": largest, **importance_sampling_stats(
+            recomputed, sampled_logprobs[:LOGPROB_CHECK_ROWS], mask, ImportanceSampling.from_args(self.args, "hf"))}
 
     def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config):
         """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq), or with

@@ -54,10 +54,12 @@ def resolve_model(name: str) -> str:
 def reference_from_flags(args, policy, tokenizer, policy_path: str, accelerator, forwards,
                          reference_free: bool = False) -> pc.Reference:
     """`policy_common.create_reference` from a script's flags: --ref_model (an alias resolved as --model's),
-    --use_peft, --bf16, --trust_remote_code; the reference's forward chosen from the run's `forwards` (forwards.py)."""
+    --use_peft, --bf16 / --fp16 / --cast_lm_head_to_fp32, --trust_remote_code; the reference's forward chosen from
+    the run's `forwards` (forwards.py)."""
     return pc.create_reference(policy, tokenizer, forwards.lm, policy_name=policy_path, use_peft=args.use_peft,
                                ref_model=resolve_model(args.ref_model) if args.ref_model else None,
-                               reference_free=reference_free, accelerator=accelerator, bf16=args.bf16,
+                               reference_free=reference_free, accelerator=accelerator,
+                               precision=models.Precision.from_args(args),
                                trust_remote_code=args.trust_remote_code)
 
 
@@ -314,14 +316,22 @@ def model_positions(name: str, trust_remote_code: bool = False) -> Optional[int]
 # ---------------------------------------------------------------------------------------------------------
 # Runs: seeding, run folder, metrics, saving, checkpoints
 # ---------------------------------------------------------------------------------------------------------
-def make_accelerator(gradient_accumulation_steps: int, **kwargs):
-    """The run's Accelerator. On a machine without a GPU, a multi-process launch (torchrun or accelerate launch)
-    runs real ranks over gloo; a DeepSpeed launch keeps its engine (ZeRO code paths run on a CPU too)."""
+def make_accelerator(args):
+    """The run's Accelerator, accumulating --gradient_accumulation_steps micro-batches. On a machine without a GPU, a
+    multi-process launch (torchrun or accelerate launch) runs real ranks over gloo; a DeepSpeed launch keeps its engine
+    (ZeRO code paths run on a CPU too). Under --fp16 it carries the loss scaler (precision.py), which its backward,
+    optimizer step and checkpoints then use."""
     from accelerate import Accelerator
 
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
-    accelerator = Accelerator(gradient_accumulation_steps=gradient_accumulation_steps,
-                              cpu=not torch.cuda.is_available() and not use_deepspeed, **kwargs)
+    precision = models.Precision.from_args(args)
+    if use_deepspeed and precision.dtype == "float16":
+        raise UserError("--fp16 under DeepSpeed: its engine scales the loss itself; use --bf16")
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              cpu=not torch.cuda.is_available() and not use_deepspeed)
+    accelerator.scaler = precision.loss_scaler(accelerator.device)
+    if precision.emulated():
+        accelerator.print(precision.emulated())
     accelerator.print(f"[accelerate] {accelerator.distributed_type.value}, {accelerator.num_processes} process(es), "
                       f"device {accelerator.device}")
     return accelerator

@@ -288,20 +288,35 @@ class OptimizerStep:
     the step named. The LR schedule moves one step either way: its unit is the optimizer step in every script (as
     TRL's), so the learning rate depends only on the optimizer steps taken, however a batch is split into epochs,
     mini-batches and micro-batches. Then the gradients are zeroed. `lr` is the rate the last step used, `skipped`
-    the steps skipped so far (a resumed run starts from its checkpoint's count)."""
+    the steps skipped so far (a resumed run starts from its checkpoint's count). Under --fp16 the gradients are
+    unscaled before the clip, and a step whose gradients overflowed at the current loss scale (a finite loss) is the
+    scaler's to skip (it halves the scale), counted in `overflows`, not an error."""
 
     def __init__(self, accelerator, model, optimizer, scheduler, args, output_dir: str, skipped: int = 0):
         self.accelerator, self.model, self.optimizer, self.scheduler = accelerator, model, optimizer, scheduler
         self.max_grad_norm, self.skip_nonfinite, self.output_dir = args.max_grad_norm, args.skip_nonfinite, output_dir
         self.skipped, self.lr = skipped, scheduler.get_last_lr()[0]
+        self.scaler, self.overflows = accelerator.scaler, 0
+
+    def metrics(self) -> dict:
+        """lr (the rate the last step used); under --fp16 fp16/loss_scale and fp16/overflow_skipped (steps whose
+        gradients overflowed at the scale then, so far in this process's run)."""
+        if self.scaler is None:
+            return {"lr": self.lr}
+        return {"lr": self.lr, "fp16/loss_scale": self.scaler.get_scale(), "fp16/overflow_skipped": self.overflows}
 
     def __call__(self, loss, state: dict, step: int):
         """`loss`: this process's loss (a number or tensor, e.g. the accumulated micro-batches' stacked); `state`: the
         run's state before this step (what checkpoint-nonfinite holds); `step`: the step's number, for the message.
         Every process calls this together. Returns the gradient norm (None under DeepSpeed, which clips itself)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer.optimizer)
         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if ru.all_finite(self.accelerator, loss, grad_norm):
             self.optimizer.step()
+        elif self.scaler is not None and ru.all_finite(self.accelerator, loss):
+            self.optimizer.step()  # the scaler finds the overflow, skips the update and halves the scale
+            self.overflows += 1
         elif self.skip_nonfinite:
             self.skipped += 1
         else:
@@ -454,8 +469,8 @@ class EpochLoop:
     def metrics(self, step: int, optimizer_step: OptimizerStep) -> dict:
         """What every step logs besides the algorithm's own: lr, epoch (passes so far, fractional), nonfinite/skipped,
         and time/elapsed and time/<unit>_per_second since the loop started (per_step_time: time/step_seconds and
-        time/<unit>_per_second of this step)."""
-        metrics = {"lr": optimizer_step.lr, "epoch": step / self.steps_per_epoch,
+        time/<unit>_per_second of this step); under --fp16 the loss scale (OptimizerStep.metrics)."""
+        metrics = {**optimizer_step.metrics(), "epoch": step / self.steps_per_epoch,
                    "nonfinite/skipped": optimizer_step.skipped}
         if self.per_step_time:
             seconds = time.time() - self.step_start

@@ -38,6 +38,7 @@ import tyro
 import policy_common as pc
 from plumbing import models
 from plumbing.errors import UserError
+from plumbing.precision import FP32, Precision
 
 PAD_LOGIT_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
 
@@ -233,13 +234,15 @@ class VLLMGenerator:
     device the engine may take (weights + KV cache), `tensor_parallel_size` shards it over that many devices (one
     training process only), and `sleep_mode` frees its memory between generations (weights and KV cache).
     weights_version: the caller's count of optimizer steps behind the weights it starts from (see `generate`).
-    lora_sync: "adapter": a LoRA policy's engine serves the base weights and takes the adapter only at each sync
-    (`self.lora_rank` set; else, or where vLLM cannot serve the adapter, "merged": every weight)."""
+    precision: the engine's dtype (float32, or bfloat16 / float16 under --bf16 / --fp16) and, with
+    --cast_lm_head_to_fp32, its output layer in float32. lora_sync: "adapter": a LoRA policy's engine serves the base
+    weights and takes the adapter only at each sync (`self.lora_rank` set; else, or where vLLM cannot serve the
+    adapter, "merged": every weight)."""
 
     def __init__(self, policy: nn.Module, tokenizer, accelerator, *, max_model_len: int, rows_per_call: int,
-                 seed: int, bf16: bool = False, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
-                 sleep_mode: bool = False, verbose: bool = False, weights_version: int = 0,
-                 lora_sync: str = "merged"):
+                 seed: int, precision: Precision = FP32, gpu_memory_utilization: float = 0.3,
+                 tensor_parallel_size: int = 1, sleep_mode: bool = False, verbose: bool = False,
+                 weights_version: int = 0, lora_sync: str = "merged"):
         on_gpu = accelerator.device.type == "cuda"
         if tensor_parallel_size > 1 and accelerator.num_processes > 1:
             raise UserError("--vllm_tensor_parallel_size > 1 shards one engine over several GPUs: launch one "
@@ -264,7 +267,6 @@ class VLLMGenerator:
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
         config = models.unwrap(policy).config  # no gather needed for it
-        dtype = "bfloat16" if bf16 else "float32"
         threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
         saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES", *threads)}
         if not on_gpu:  # vLLM's CPU backend binds its worker to cores it picks and sizes its threads to them; a
@@ -274,22 +276,25 @@ class VLLMGenerator:
                 os.environ.pop(key, None)
         if not on_gpu and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:  # room for one call's rows at full length
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(_kv_cache_gib(config, rows_per_call * max_model_len,
-                                                                     2 if bf16 else 4))
+                                                                     precision.bytes_per_value()))
         if on_gpu and tensor_parallel_size == 1:  # the engine's child process sees this process's GPU only
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             index = accelerator.device.index or 0
             os.environ["CUDA_VISIBLE_DEVICES"] = visible.split(",")[index] if visible else str(index)
         lora = dict(enable_lora=True, max_lora_rank=self.lora_rank, max_loras=1) if self.lora_rank else {}
+        # --cast_lm_head_to_fp32 on both sides: vLLM's output layer in float32 too (its head_dtype; a float32 head in
+        # the trainer alone leaves the engine's logits rounded to bf16 and makes the mismatch larger, not smaller)
+        head = dict(hf_overrides={"head_dtype": "float32"}) if precision.lm_head_fp32 else {}
         try:
             self.llm = vllm.LLM(
-                model=self.folder, tokenizer=self.folder, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                model=self.folder, tokenizer=self.folder, dtype=precision.dtype, seed=seed, max_model_len=max_model_len,
                 gpu_memory_utilization=gpu_memory_utilization, tensor_parallel_size=tensor_parallel_size,
                 distributed_executor_backend="uni" if tensor_parallel_size == 1 else "mp",  # uni: no worker process
                 enable_sleep_mode=sleep_mode, enable_prefix_caching=True,  # RLOO/GRPO rows repeat their prompt
                 enforce_eager=not on_gpu,  # on a CPU compiling costs more start-up time than it saves
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)
                 generation_config="vllm",  # ignore the model's own sampling defaults, as batch_generation does
-                disable_log_stats=True, **lora)
+                disable_log_stats=True, **lora, **head)
         finally:
             for key, value in saved_env.items():
                 if value is None:
@@ -475,7 +480,8 @@ def from_args(args, policy: nn.Module, tokenizer, accelerator, *, max_model_len:
     if not args.use_vllm:
         return None
     return VLLMGenerator(policy, tokenizer, accelerator, max_model_len=max_model_len, rows_per_call=rows_per_call,
-                         seed=args.seed + accelerator.process_index, bf16=args.bf16,
+                         seed=args.seed + accelerator.process_index,
+                         precision=models.Precision.from_args(args),
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                          tensor_parallel_size=args.vllm_tensor_parallel_size, sleep_mode=args.vllm_sleep_mode,
                          verbose=args.verbose, weights_version=weights_version, lora_sync=args.vllm_lora_sync)

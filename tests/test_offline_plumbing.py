@@ -202,7 +202,7 @@ def test_epoch_loop_schedule_metrics_and_evaluations():
     assert [s for s in range(1, 13) if loop.evaluate_now(s)] == [4, 8, 12]
     assert [s for s in range(1, 13) if tl.EpochLoop(epoch_flags(eval_steps=0), 23, 4, "pairs").evaluate_now(s)] == [12]
 
-    optimizer_step = SimpleNamespace(lr=0.25, skipped=1)
+    optimizer_step = SimpleNamespace(lr=0.25, skipped=1, metrics=lambda: {"lr": 0.25})  # OptimizerStep's float32 view
     steps = loop.steps(2)
     step = next(steps)
     metrics = loop.metrics(step, optimizer_step)

@@ -385,6 +385,36 @@ def test_each_model_is_checked_by_its_own_config(capsys):
     assert (packed - padded)[mask].abs().max() > 1e-3
 
 
+def test_packed_sequences_stay_within_a_models_position_table():
+    """Issue 63: GPT-Neo keeps a max positions x max positions causal-mask table, which a longer packed sequence
+    overran (a RuntimeError at a packed length above max_position_embeddings). Its packed sequences now stay within
+    16 positions (bins), a shared query's 8 rows that would make a tree of 26 tokens are split into segments that fit
+    (layout), and the packed log-probs equal the padded ones; a rotary model (no such table) has no limit."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+
+    assert packing.bins([15, 3, 3, 3, 3], width=10**6) == (27, [0, 0, 0, 0, 0])  # one sequence: no tail padding
+    assert packing.bins([15, 3, 3, 3, 3], width=10**6, limit=16) == (15, [0, 1, 1, 1, 1])
+    torch.manual_seed(0)
+    neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=VOCAB, hidden_size=256, num_layers=2, num_heads=4,
+                                         attention_types=[[["global"], 2]], max_position_embeddings=16,
+                                         pad_token_id=PAD, eos_token_id=1, bos_token_id=1,
+                                         attn_implementation="eager")).eval()
+    assert packing.length_limit(neo) == 16 and packing.length_limit(neox()) is None
+    gen = torch.Generator().manual_seed(0)
+    spread = torch.randint(2, VOCAB, (15, 15), generator=gen)
+    spread[1:, :12] = PAD  # one row of 15 tokens, fourteen of 3: binned at a width of 256, more than 16 per sequence
+    shared = torch.randint(2, VOCAB, (8, 10), generator=gen)
+    shared[:, :6] = shared[0, :6]
+    shared[:, :2] = PAD  # one query of 4 tokens, 8 responses of 4: 36 tokens as one tree
+    for query_responses, Lq, share in ((spread, 13, False), (shared, 6, True)):
+        packed = packing.model_layout(neo, query_responses, PAD, Lq, share=share)
+        assert packed.input_ids.shape[1] <= 16
+        forward = packing.PackedForward(padded_forward(share))
+        with torch.no_grad():
+            torch.testing.assert_close(forward.logprobs(neo, query_responses, Lq),
+                                       pc.Forward(PAD).logprobs(neo, query_responses, Lq))
+
+
 def layers(forward) -> list:
     """A chosen forward as the classes it is built from, outermost first: [ChunkedHead, PackedForward, Forward]."""
     return [type(forward)] + (layers(forward.inner) if hasattr(forward, "inner") else [])

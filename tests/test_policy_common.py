@@ -682,8 +682,9 @@ def test_check_same_vocab(tmp_path):
 def _shared_flags(**overrides):
     from types import SimpleNamespace
 
-    flags = dict(bf16=False, trust_remote_code=False, load_in_4bit=False, gradient_checkpointing=False,
-                 use_peft=False, lora_r=4, lora_alpha=8, lora_dropout=0.0, lora_target_modules=None)
+    flags = dict(bf16=False, fp16=False, cast_lm_head_to_fp32=False, trust_remote_code=False, load_in_4bit=False,
+                 gradient_checkpointing=False, use_peft=False, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                 lora_target_modules=None)
     return SimpleNamespace(**{**flags, **overrides})
 
 

@@ -101,7 +101,7 @@ def test_tokens_without_eos_equal_text_and_text_equals_the_models_own_forward(to
 def test_text_mode_with_another_tokenizer_scores_the_same_text(toy, other_vocab_rm):
     query_responses, context_length, rows, tokenizer = toy_batch(toy, COMPLETIONS)
     args = SimpleNamespace(reward_funcs=None, reward_model=other_vocab_rm, reward_model_input=None,
-                           reward_weights=None, trust_remote_code=False, bf16=False)
+                           reward_weights=None, trust_remote_code=False, bf16=False, fp16=False)
     vocabulary, pad = dict(tokenizer.get_vocab()), tokenizer.pad_token_id
     sources = rs.load_rewards(args, tokenizer, forwards.Forwards(pad, repeats=REPEATS), "toy", "toy", [],
                               SimpleNamespace(device="cpu", print=print, state=SimpleNamespace()))
@@ -180,7 +180,7 @@ def test_overlong_is_one_more_source_and_keeps_the_paired_reward_model(toy):
     tokenizer = models.load_tokenizer(toy["policy"])
     accelerator = SimpleNamespace(device="cpu", print=lambda *a: None, state=SimpleNamespace())
     args = SimpleNamespace(reward_funcs=None, reward_model=None, reward_model_input=None, reward_weights=[2.0],
-                           trust_remote_code=False, bf16=False, response_length=8, overlong_buffer_length=3,
+                           trust_remote_code=False, bf16=False, fp16=False, response_length=8, overlong_buffer_length=3,
                            overlong_penalty_factor=1.0)
     sources = rs.load_rewards(args, tokenizer, forwards.Forwards(tokenizer.pad_token_id, repeats=REPEATS), "toy",
                               "toy", [], accelerator)

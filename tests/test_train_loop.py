@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from plumbing import run_utils as ru
 from plumbing import train_loop as tl
 from plumbing.errors import UserError
 
@@ -36,24 +37,28 @@ def test_adaptive_kl_coef_compounds(current):
 # ---------------------------------------------------------------------------------------------------------
 # The optimizer step
 # ---------------------------------------------------------------------------------------------------------
-def setup(tmp_path, skip_nonfinite=False, steps=4, max_grad_norm=0.5):
-    from accelerate import Accelerator
-
+def setup(tmp_path, skip_nonfinite=False, steps=4, max_grad_norm=0.5, fp16=False):
+    """A small model, AdamW, a linear schedule and the run's accelerator (ru.make_accelerator: with --fp16 it carries
+    the loss scaler)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: max(0.0, 1.0 - s / steps))
-    accelerator = Accelerator(cpu=True)
+    accelerator = ru.make_accelerator(SimpleNamespace(bf16=False, fp16=fp16, gradient_accumulation_steps=1))
     model, optimizer = accelerator.prepare(model, optimizer)
     args = SimpleNamespace(max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite, save_steps=0)
     step = tl.OptimizerStep(accelerator, model, optimizer, scheduler, args, str(tmp_path))
     return model, optimizer, scheduler, accelerator, step
 
 
-def test_optimizer_step_equals_the_obvious_loop(tmp_path):
+@pytest.mark.parametrize("fp16", [False, True])
+def test_optimizer_step_equals_the_obvious_loop(tmp_path, fp16):
     """Clip to max_grad_norm, AdamW step, schedule one step per optimizer step, gradients zeroed; `lr` is the rate
-    each step used (1, 3/4, 1/2, 1/4 of 0.1 on a 4-step linear schedule)."""
-    model, optimizer, scheduler, accelerator, optimizer_step = setup(tmp_path)
+    each step used (1, 3/4, 1/2, 1/4 of 0.1 on a 4-step linear schedule). With --fp16's loss scaler the backward
+    multiplies the loss by 2^16 and the step unscales before the clip: the same grad norms and weights (a power of
+    two scales exactly)."""
+    model, optimizer, scheduler, accelerator, optimizer_step = setup(tmp_path, fp16=fp16)
+    assert (accelerator.scaler is not None) == fp16
     reference = torch.nn.Linear(3, 2)
     reference.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
@@ -87,6 +92,24 @@ def test_nonfinite_step_is_skipped_and_counted(tmp_path):
     assert optimizer_step.skipped == 1 and scheduler.last_epoch == 1  # the schedule moves on a skipped step too
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_fp16_overflow_is_the_scalers_to_skip(tmp_path):
+    """--fp16: gradients that overflow at the loss scale (a finite loss) skip the update and halve the scale, without
+    the non-finite stop (no --skip_nonfinite); they are counted in fp16/overflow_skipped; the next step updates."""
+    model, optimizer, scheduler, accelerator, optimizer_step = setup(tmp_path, fp16=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.ones(2, 3)).sum() * 1e36  # finite; its gradients x 2^16 overflow float32
+    accelerator.backward(loss)
+    optimizer_step(loss.detach(), dict(step=0, nonfinite_skipped=0), 1)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert optimizer_step.metrics() == {"lr": 0.1, "fp16/loss_scale": 2.0 ** 15, "fp16/overflow_skipped": 1}
+    assert optimizer_step.skipped == 0 and scheduler.last_epoch == 1
+    loss = model(torch.ones(2, 3)).sum()
+    accelerator.backward(loss)
+    optimizer_step(loss.detach(), dict(step=1, nonfinite_skipped=0), 2)
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert optimizer_step.overflows == 1 and accelerator.scaler.get_scale() == 2.0 ** 15
 
 
 def test_nonfinite_step_stops_with_the_state_before_it(tmp_path):

@@ -70,7 +70,12 @@ def test_importance_weights_hand_worked(mode, clip_max, clip_min, expected, frac
     assert not weights.requires_grad
     assert stats["vllm/logprob_diff"].item() == pytest.approx((0.5 + 1.0 + 0.0 + 0.1) / 4, abs=1e-6)
     name = "vllm/is_truncated_frac" if mode.endswith("truncate") else "vllm/is_masked_frac"
-    assert set(stats) == {"vllm/logprob_diff", "vllm/is_weight_mean", "vllm/is_weight_min", "vllm/is_weight_max", name}
+    assert set(stats) == {"vllm/logprob_diff", "vllm/kl", "vllm/is_weight_mean", "vllm/is_weight_min",
+                          "vllm/is_weight_max", name}
+    # the mismatch's KL(behaviour || trainer) per token, k3 = e^x - 1 - x of each token log-ratio x, padding never
+    # counted (the second row's -2.9 would add e^-2.9 - 1 + 2.9 = 1.955)
+    k3 = [math.expm1(x) - x for x in (0.5, -1.0, 0.0, 0.1)]
+    assert stats["vllm/kl"].item() == pytest.approx(sum(k3) / 4, abs=1e-6)
     assert stats[name].item() == pytest.approx(frac)
     # the ratio before truncation or masking, over the actions: 4 tokens, or 2 completions
     ratios = [math.exp(0.5), math.exp(-1.0), 1.0, math.exp(0.1)] if mode.startswith("token") else \
@@ -383,6 +388,47 @@ def test_sampled_layout_and_log_probs_match_the_trainer(engine):
     # the same fp32 distribution (temperature 0.7, pad masked) from two implementations
     assert (trainer_logprobs - behaviour_logprobs)[mask].abs().max() < 1e-3
     assert len({tuple(r.tolist()) for r in responses}) > len(queries)  # sampled, not greedy
+
+
+def test_engine_in_bfloat16_with_a_float32_head(toy):
+    """--bf16 --cast_lm_head_to_fp32: the engine runs in bfloat16 with its output layer in float32 (vLLM's head_dtype),
+    as the trainer's, and the two agree to bfloat16 rounding (benchmark/results/precision_mismatch.md: mean 2e-3 per
+    token at this shape, 3e-3 with the trainer's head alone in float32)."""
+    from accelerate import Accelerator
+
+    from plumbing.forwards import Forwards
+    from plumbing.precision import Precision
+
+    precision = Precision("bfloat16", lm_head_fp32=True)
+    tokenizer = models.load_tokenizer(toy["policy"])
+    policy = models.load_causal_lm(toy["policy"], tokenizer, precision).eval()
+    prompts = du.tokenize_prompts(tokenizer, du.load_prompt_dataset(toy["prompt_dataset"], "test")["prompt"][:16])
+    queries = pc.pad_sequences(prompts, tokenizer.pad_token_id, "left").repeat_interleave(4, 0)
+    generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
+                                 rows_per_call=len(queries), seed=0, precision=precision)
+    try:
+        config = generator.llm.llm_engine.model_config
+        assert config.dtype == torch.bfloat16 and config.head_dtype == torch.float32
+        query_responses, behaviour = generator.generate(policy, 0, queries, pc.make_generation_config(tokenizer, 8))
+    finally:
+        generator.close()
+    mask = query_responses[:, queries.shape[1]:] != tokenizer.pad_token_id
+    trainer = Forwards(tokenizer.pad_token_id).lm(policy).logprobs_no_grad(policy, query_responses, queries.shape[1])
+    difference = (trainer - behaviour)[mask].abs()
+    assert 0 < difference.mean() < 0.02 and difference.max() < 0.5
+
+
+def test_rloo_fp16_with_vllm(toy, tmp_path):
+    """rloo.py --use_vllm --fp16: the engine in float16, the trainer under autocast with its loss scaled; the mismatch
+    metrics logged every step and small (float16 rounding: 4e-4 per token at this shape in the benchmark)."""
+    out = str(tmp_path / "fp16")
+    run_script("rloo.py", "--use_vllm", "--fp16", "--max_steps", "2", "--eval_steps", "0", "--num_eval_prompts", "8",
+               "--output_dir", out)
+    rows = read_metrics(out)
+    for row in rows[1:]:
+        assert 0 < row["vllm/logprob_diff"] < 0.01 and 0 <= row["vllm/kl"] < 1e-3
+        assert row["fp16/loss_scale"] >= 2.0 ** 14 and row["vllm/is_masked_frac"] == 0
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
 
 
 def test_sync_moves_the_trained_weights_into_the_engine(engine):
