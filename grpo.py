@@ -5,6 +5,7 @@ beta x k3 KL to the reference). Flags: TRL 1.16's GRPOConfig with its 2026 setti
 
     python grpo.py                                  # the toy task on a CPU, about a minute
     python grpo.py --model toy_tools                # the toy tool world: multi-turn episodes with a lookup tool
+    python grpo.py --model toy_vision               # the toy vision world: a tiny LLaVA answers about pictures
     accelerate launch grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --dataset <prompts> --reward_funcs file.py:fn
 """
 import math
@@ -123,11 +124,13 @@ ALIAS_DEFAULTS = {"toy": dict(total_episodes=8192, learning_rate=1e-4, per_devic
                               gradient_accumulation_steps=1, num_generations=4, beta=0.2, response_length=8,
                               max_prompt_length=8, eval_steps=16, num_eval_prompts=256, missing_eos_penalty=1.0,
                               local_rollout_forward_batch_size=256)}
-# toy_hard: room for its longer prompts and answers; toy_tools: the gold reward, the lookup tool, two tool rounds
+# toy_hard: room for longer prompts; toy_tools: the gold reward, the lookup tool, 2 tool rounds; toy_vision: images
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, response_length=10)
 ALIAS_DEFAULTS["toy_tools"] = dict(ALIAS_DEFAULTS["toy"], total_episodes=12288, learning_rate=3e-4, beta=0.0,
                                    response_length=24, max_prompt_length=16, reward_funcs=["gold"],
                                    tools=["toy_worlds.toy_tools:lookup"], max_tool_calling_iterations=2)
+ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=None, response_length=3,
+                                    reward_funcs=["gold"])
 
 
 # ALGO LOGIC: the GRPO pieces, pure functions of tensors (tests/test_grpo*.py), composed in sample_batch and GRPOLoss
@@ -268,10 +271,8 @@ def per_token_loss(new_logprobs, old_logprobs, ref_logprobs, advantages, mask, *
     ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
     loss = -torch.min(ratio * advantages[:, None], clipped * advantages[:, None])  # (b, R) or (b, 1)
-    if keep is not None:
-        loss = loss * keep
-    if is_weights is not None:
-        loss = loss * is_weights  # (b, R)
+    loss = loss if keep is None else loss * keep
+    loss = loss if is_weights is None else loss * is_weights  # (b, R)
     if beta != 0.0:
         kl = torch.exp(ref_logprobs - new_logprobs) - (ref_logprobs - new_logprobs) - 1  # k3, >= 0
         loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
@@ -328,8 +329,7 @@ class GRPOLoss:
     def __call__(self, new_logprobs, token_entropy, old_logprobs, behaviour_logprobs, ref_logprobs, advantages,
                  loss_mask, is_weights, *, beta: float, entropy_coef: Optional[float], tokens_per_micro_batch: float,
                  accelerator=None):
-        """(b, R) tensors, (b,) advantages; entropy_coef None: no bonus -> (loss, stats, (2,) the trained tokens'
-        entropy sum and count)."""
+        """(b, R) tensors, (b,) advantages; entropy_coef None: no bonus -> (loss, stats, (2,) entropy sum and count)."""
         keep, trained, stats = None, loss_mask, {}
         if self.off_policy_mask_threshold is not None:
             behaviour = old_logprobs if behaviour_logprobs is None else behaviour_logprobs  # None: pi_old sampled
@@ -391,7 +391,7 @@ def main():
     policy_path = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     toolset = ep.load_toolset(args, tokenizer)  # None: single-turn completions
-    data = ro.load_prompt_data(args, tokenizer, policy_path, toolset)
+    data = ro.load_prompt_data(args, tokenizer, policy_path, toolset, images=True)
     output_dir = ru.output_dir(args, data.name, accelerator)
 
     # 3. models: policy (+LoRA) and optimizer, prepared; reference (beta > 0), rewards; each one's forward (forwards.py)
@@ -413,7 +413,7 @@ def main():
     grpo_loss, micro_batches = GRPOLoss.from_args(args), acc.micro_batches(args, accelerator, policy)  # --token_budget
     sampler = ro.Sampler(args, accelerator, tokenizer, policy, forwards.lm(policy), reward_sources, reference,
                          prompts=data.train_prompts, rows=data.train, samples_per_prompt=args.num_generations,
-                         prompts_per_process=local_prompts, max_prompt_length=args.max_prompt_length,
+                         prompts_per_process=local_prompts, vision=data.vision,
                          weights_version=state["step"], toolset=toolset, context_limit=data.context_limit)
     rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)  # --max_staleness N: sampled N steps ahead
     stop = tl.StopSignal()
@@ -443,7 +443,7 @@ def main():
                 micro, coef = batch.subset(mb), micro_batches.mean_term(entropy_coef)  # coef: a micro-batch mean's
                 with micro_batches.accumulate():
                     out = sampler.forward.logprobs(policy, micro.query_responses, micro.context_length,
-                                                   entropy=with_entropy, entropy_grad=bonus)
+                                                   entropy=with_entropy, entropy_grad=bonus, images=micro.images)
                     new_logprobs, token_entropy = out if with_entropy else (out, None)  # (b, R) each
                     # pi_old: the rollout's, or at one iteration this forward's own, detached (a ratio of 1, as TRL)
                     old = new_logprobs.detach() if micro.old_logprobs is None else micro.old_logprobs

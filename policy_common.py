@@ -1,7 +1,6 @@
 """The model helpers every algorithm script uses: the forward that scores rows of [query | response] (log-probs, the
-whole next-token distribution, per-token results of it), the reference model, generation, and small tensor
-utilities. Nothing algorithm-specific, and nothing about runs (arguments, data, logging, checkpoints). Loading models
-by name: plumbing/models.py.
+whole next-token distribution, per-token results of it), the reference model, generation, small tensor utilities.
+Nothing algorithm-specific, nothing about runs. Loading models by name: plumbing/models.py.
 
 The forwards here are the plain ones: each row whole, padding included, the output layer over every response position
 at once. plumbing/forwards.py chooses, once per model at setup, the forward a run uses, maybe a faster one with the
@@ -12,10 +11,8 @@ Conventions used throughout (shapes in docstrings use these names):
   B  batch size            Lq  query (prompt) length, LEFT-padded with pad_token_id
   R  response length       T = Lq + R, a `query_response` row is [left pads | query | response | right pads]
   V  vocabulary size       H  hidden size
-The pad token is always distinct from EOS, so `ids != pad_token_id` is the attention mask. A response keeps
-its first EOS and everything after it is pad. Model names here are hub ids or local folders: aliases such as
-`toy` are resolved by run_utils.resolve_model before they get here.
-"""
+The pad token is always distinct from EOS, so `ids != pad_token_id` is the attention mask. A response keeps its first
+EOS and everything after it is pad. Model names are hub ids or local folders (aliases: run_utils.resolve_model)."""
 
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from plumbing import models
+from plumbing import models, vision
 from plumbing.errors import UserError
 
 PADDING_LOGPROB = 0.0  # log-prob written at response positions after EOS (always masked out downstream)
@@ -37,16 +34,15 @@ PADDING_LOGPROB = 0.0  # log-prob written at response positions after EOS (alway
 # ---- The forward of a causal LM over [query | response] rows
 class Forward:
     """How a causal LM scores rows of [left-padded query | response]: its output at the positions that predict the
-    response tokens (`outputs`), the logits / temperature there with the pad token masked, the distribution sampling
-    draws from (`logits`), per-token results of them (`map_logits`), the response tokens' log-probs (`logprobs`).
-    Temperature is applied here and only here. This is the plain forward; plumbing/forwards.py builds, once per model,
-    the forward a run uses. A forward is built for one model (and its wrappers: DDP, an adapter switched off), which
-    every call is given."""
+    response tokens (`outputs`), the logits / temperature there with the pad token (and `masked_token_ids`: a VLM's
+    image tokens) masked, the distribution sampling draws from (`logits`), per-token results of them (`map_logits`),
+    the response tokens' log-probs (`logprobs`). Temperature is applied here and only here. This is the plain forward;
+    plumbing/forwards.py builds, once per model, the forward a run uses, for one model (and its wrappers)."""
 
     shares_prompts = False  # rows that repeat a query encode it once (prompt_sharing.py, packing.py)
 
-    def __init__(self, pad_token_id: int, temperature: float = 1.0):
-        self.pad_token_id, self.temperature = pad_token_id, temperature
+    def __init__(self, pad_token_id: int, temperature: float = 1.0, masked_token_ids: tuple = ()):
+        self.pad_token_id, self.temperature, self.masked_token_ids = pad_token_id, temperature, masked_token_ids
 
     def unshared(self) -> "Forward":
         """This forward for rows that repeat no prompt (evaluation's held-out prompts): prompt sharing off."""
@@ -57,22 +53,23 @@ class Forward:
         return False
 
     def outputs(self, model: nn.Module, query_responses: torch.Tensor, context_length: int,
-                grad_rows: Optional[int] = None, hidden: bool = False) -> torch.Tensor:
+                grad_rows: Optional[int] = None, hidden: bool = False, images=None) -> torch.Tensor:
         """(B, T) ids -> (B, R, X) the model's output at the positions that predict the response tokens
         query_responses[:, context_length:]: X = V logits (the output layer on those positions only), or with `hidden`
         H last hidden states. `grad_rows=n` (0 < n < B): only rows 0..n-1 get a gradient, nothing of the others is kept
-        for the backward. Here one forward over full rows (positions count real tokens only: `padding_inputs`), or
-        with `grad_rows` rows 0..n-1 in one and the others in a second, no-grad one."""
+        for the backward. `images`: the rows' image inputs (vision.py) or None. Here one forward over full rows
+        (positions count real tokens only: `padding_inputs`), or with `grad_rows` two, the second without gradient."""
         if hidden:  # the output layer hands back its input
             with models.hidden_instead_of_logits(model):
-                return self.outputs(model, query_responses, context_length, grad_rows)
+                return self.outputs(model, query_responses, context_length, grad_rows, images=images)
         R = query_responses.shape[1] - context_length
         attention_mask, position_ids = padding_inputs(query_responses, self.pad_token_id)
 
         def plain(rows: slice):  # (rows, R, X): one forward over full rows, the output layer on the response positions
             input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
             out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
-                        use_cache=False, **models.keep_last(model, R + 1))
+                        use_cache=False, **models.keep_last(model, R + 1),
+                        **vision.model_inputs(vision.row_images(images, rows), input_ids.device))
             return out.logits[:, -(R + 1):-1]
 
         if grad_rows is None or not 0 < grad_rows < len(query_responses):
@@ -83,9 +80,11 @@ class Forward:
         return torch.cat([logits, other_logits])
 
     def scaled(self, logits: torch.Tensor, mask_pad: bool = True) -> torch.Tensor:
-        """(..., V) the model's logits -> logits / temperature, the pad token masked (`mask_pad_`, with `mask_pad`)."""
+        """(..., V) logits -> logits / temperature, pad and `masked_token_ids` masked (`mask_pad_`, with `mask_pad`)."""
         logits = logits / self.temperature if self.temperature != 1.0 else logits
-        return mask_pad_(logits, self.pad_token_id) if mask_pad else logits
+        for token in (self.pad_token_id, *self.masked_token_ids) if mask_pad else ():
+            logits = mask_pad_(logits, token)
+        return logits
 
     def head_logits(self, model: nn.Module, hidden: torch.Tensor, mask_pad: bool = True) -> torch.Tensor:
         """(n, H) last hidden states -> (n, V) `scaled` logits: the output layer run apart from the forward, the
@@ -93,27 +92,28 @@ class Forward:
         return self.scaled(models.output_layer(model)(hidden), mask_pad)
 
     def logits(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, *, mask_pad: bool = True,
-               grad_rows: Optional[int] = None) -> torch.Tensor:
+               grad_rows: Optional[int] = None, images=None) -> torch.Tensor:
         """(B, T) ids -> (B, R, V) logits / temperature that predict the response tokens, the pad token masked
         (`mask_pad_`): the whole next-token distribution at each response position, with gradient unless called under
         no_grad (a term over the vocabulary: a KL to the reference's `Reference.logits`, a divergence to a teacher).
         `mask_pad=False` keeps the full softmax (SFT's maximum likelihood over the vocabulary)."""
-        return self.scaled(self.outputs(model, query_responses, context_length, grad_rows), mask_pad)
+        return self.scaled(self.outputs(model, query_responses, context_length, grad_rows, images=images), mask_pad)
 
     def map_logits(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, fn: Callable,
-                   *extra: torch.Tensor, mask_pad: bool = True, grad_rows: Optional[int] = None) -> tuple:
+                   *extra: torch.Tensor, mask_pad: bool = True, grad_rows: Optional[int] = None, images=None) -> tuple:
         """fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) per-token results, for `logits` at the B x R
         response positions and `extra` (B, R, ...) tensors taken alongside (the tokens, say): returns the tuple shaped
         (B, R, ...). chunked_head.py gives the same numbers a chunk of positions at a time, at the memory of one
         chunk's logits."""
         B, R = query_responses.shape[0], query_responses.shape[1] - context_length
         flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
-        logits = self.logits(model, query_responses, context_length, mask_pad=mask_pad, grad_rows=grad_rows)
+        logits = self.logits(model, query_responses, context_length, mask_pad=mask_pad, grad_rows=grad_rows,
+                             images=images)
         results = fn(logits.reshape(B * R, -1), *flat)
         return tuple(r.reshape(B, R, *r.shape[1:]) for r in results)
 
     def logprobs(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, *, entropy: bool = False,
-                 entropy_grad: bool = False, mask_pad: bool = True, grad_rows: Optional[int] = None):
+                 entropy_grad: bool = False, mask_pad: bool = True, grad_rows: Optional[int] = None, images=None):
         """(B, T) ids -> (B, R) log-probs of the response tokens under logits / temperature, with gradient unless
         called under no_grad; with `entropy` ((B, R) log-probs, (B, R) entropy at each response position, without
         gradient unless `entropy_grad`: an entropy bonus). Positions holding pad carry meaningless values: mask them
@@ -121,17 +121,19 @@ class Forward:
         fn = _logprobs_and_entropy_with_grad if entropy_grad else _logprobs_and_entropy
         results = self.map_logits(model, query_responses, context_length,
                                   fn if entropy else lambda *a: (selective_logprobs(*a),),
-                                  query_responses[:, context_length:], mask_pad=mask_pad, grad_rows=grad_rows)
+                                  query_responses[:, context_length:], mask_pad=mask_pad, grad_rows=grad_rows,
+                                  images=images)
         return results if entropy else results[0]
 
     @torch.no_grad()
     def logprobs_no_grad(self, model: nn.Module, query_responses: torch.Tensor, context_length: int, *,
-                         chunk_size: Optional[int] = None, entropy: bool = False):
+                         chunk_size: Optional[int] = None, entropy: bool = False, images=None):
         """`logprobs` without gradient, `chunk_size` rows per forward (all by default): a whole rollout batch scored
         with one chunk's activations alive at a time (reference log-probs, samples that did not come from
         `batch_generation`, old log-probs after the weights moved)."""
         chunk_size = chunk_size or query_responses.shape[0]
-        results = [self.logprobs(model, query_responses[i:i + chunk_size], context_length, entropy=entropy)
+        results = [self.logprobs(model, query_responses[i:i + chunk_size], context_length, entropy=entropy,
+                                 images=vision.row_images(images, slice(i, i + chunk_size)))
                    for i in range(0, query_responses.shape[0], chunk_size)]
         if not entropy:
             return torch.cat(results)
@@ -208,27 +210,28 @@ class Reference:
         if self.mode == "copy":
             yield self.model
         else:
-            policy = models.unwrap(self.policy)
-            with policy.disable_adapter():
+            with models.unwrap(self.policy).disable_adapter():
                 yield self.policy
 
-    def logprobs(self, query_responses: torch.Tensor, context_length: int, chunk_size: Optional[int] = None):
-        """(B, T) ids -> (B, R) reference log-probs of the response tokens, `chunk_size` rows per forward (all at
-        once by default), no gradient."""
+    def logprobs(self, query_responses: torch.Tensor, context_length: int, chunk_size: Optional[int] = None,
+                 images=None):
+        """(B, T) ids (and the rows' image inputs) -> (B, R) reference log-probs of the response tokens, `chunk_size`
+        rows per forward (all at once by default), no gradient."""
         if self.mode == "none":
             return torch.zeros(query_responses.shape[0], query_responses.shape[1] - context_length,
                                device=query_responses.device)
         with self._model() as model:
-            return self.forward.logprobs_no_grad(model, query_responses, context_length, chunk_size=chunk_size)
+            return self.forward.logprobs_no_grad(model, query_responses, context_length, chunk_size=chunk_size,
+                                                 images=images)
 
     @torch.no_grad()
-    def logits(self, query_responses: torch.Tensor, context_length: int) -> torch.Tensor:
+    def logits(self, query_responses: torch.Tensor, context_length: int, images=None) -> torch.Tensor:
         """(B, T) ids -> (B, R, V) the reference's logits / temperature at the response positions, the pad token
         masked, no gradient: its whole next-token distribution (`Forward.logits`), for a term over the vocabulary."""
         if self.mode == "none":
             raise UserError("a reference-free run (--reference_free) has no reference distribution")
         with self._model() as model:
-            return self.forward.logits(model, query_responses, context_length)
+            return self.forward.logits(model, query_responses, context_length, images=images)
 
     def unshared(self) -> "Reference":
         """This reference for rows that repeat no prompt (evaluation's): its forward without prompt sharing."""
@@ -267,10 +270,11 @@ def create_reference(policy: nn.Module, tokenizer, forward_for: Callable[[nn.Mod
 
 # ---- Generation
 def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 1.0, greedy: bool = False,
-                           min_new_tokens: Optional[int] = None, cache_implementation: Optional[str] = None):
-    """Sampling config for training (pure temperature sampling: top_k=0, top_p=1.0) or, with `greedy=True`,
-    the deterministic config used for evaluation. pad/eos ids come from the tokenizer; the pad token is
-    suppressed (never generated). cache_implementation: GenerationFlags'; "static" is never compiled (below)."""
+                           min_new_tokens: Optional[int] = None, cache_implementation: Optional[str] = None,
+                           suppress: Sequence[int] = ()):
+    """Sampling config for training (pure temperature sampling: top_k=0, top_p=1.0) or, with `greedy=True`, the
+    deterministic config used for evaluation. pad/eos ids come from the tokenizer; the pad token (and `suppress`, the
+    forward's masked_token_ids) is never generated. cache_implementation: GenerationFlags'; "static": never compiled."""
     from transformers import GenerationConfig
 
     if not greedy and temperature <= 0:
@@ -278,7 +282,7 @@ def make_generation_config(tokenizer, max_new_tokens: int, temperature: float = 
     # pad is never a valid output: a sampled pad would read as padding everywhere downstream
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                   eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                  suppress_tokens=[tokenizer.pad_token_id])
+                  suppress_tokens=[tokenizer.pad_token_id, *suppress])
     if min_new_tokens:
         kwargs["min_new_tokens"] = min_new_tokens
     if cache_implementation not in (None, "dynamic"):  # a new prompt length each batch would compile again each time
@@ -333,7 +337,7 @@ class SampledTokenStats:
 @torch.no_grad()
 def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int, eos_token_id: int,
                      generation_config, chunk_size: int, accelerator=None, forward: Optional[Forward] = None,
-                     return_entropy: bool = False):
+                     return_entropy: bool = False, images=None):
     """Generate responses for a batch of queries (B, Lq), LEFT-padded, `chunk_size` rows at a time. Returns
     (query_responses, logprobs), or (query_responses, logprobs, entropy) with `return_entropy`:
       query_responses (B, Lq + max_new_tokens): query then response, pad after the first EOS (kept) and to the end.
@@ -344,9 +348,8 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
     Only our config applies: the model's own sampling defaults are ignored (`models.no_sampling_defaults`).
     `forward`: the model's chosen forward, which fills generate's cache before it starts (`Forward.prefill`: each
     distinct query encoded once where it shares prompts, e.g. RLOO's k samples); None: generate's own prefill.
-    cache_implementation "static": a StaticCache of Lq + R positions per chunk, made here (generate's own would be as
-    long as the longest it ever made).
-    """
+    `images`: the rows' image inputs (vision.py), or None. cache_implementation "static": a StaticCache of Lq + R
+    positions per chunk, made here (generate's own would be as long as the longest it ever made)."""
     from transformers import StaticCache
 
     R = generation_config.max_new_tokens
@@ -366,7 +369,9 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             prefill = forward.prefill(gen_model, query, attention_mask, position_ids, cache)
             sampled = SampledTokenStats(generation_config, return_entropy)
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
-                                     generation_config=generation_config, logits_processor=[sampled], **prefill)
+                                     generation_config=generation_config, logits_processor=[sampled], **prefill,
+                                     **vision.model_inputs(vision.row_images(images, slice(i, i + chunk_size)),
+                                                           query.device))
             response = out.sequences[:, query.shape[1]:]
             logprob, entropy = sampled.finish(response[:, -1])  # (b, r), r <= R
             if return_entropy:
@@ -391,12 +396,11 @@ def padding_inputs(query_responses: torch.Tensor, pad_token_id: int):
 
 
 def mask_pad_(logits: torch.Tensor, pad_token_id: int) -> torch.Tensor:
-    """Give the pad token no probability, in place: (..., V) logits -> the same tensor with logits[..., pad] set
-    1e4 below the largest logit at that position. Sampling never emits pad (make_generation_config suppresses it), so
-    this makes every forward score the distribution that was sampled, p(token) / (1 - p(pad)), reference included.
-    exp(-1e4) is exactly 0 in every float format, so the probabilities are those of -inf; but a log-prob read at a
-    pad position (masked out downstream) stays a finite number near -1e4, whose square, exponential or product with
-    0 is no NaN. In place on the model's output costs no memory; the pad logit then gets no gradient."""
+    """Give the pad token no probability, in place: (..., V) logits -> the same tensor with logits[..., pad] set 1e4
+    below the largest logit at that position. Sampling never emits pad (make_generation_config suppresses it), so every
+    forward scores the distribution sampled, p(token) / (1 - p(pad)), reference included. exp(-1e4) is exactly 0 in
+    every float format; a log-prob read at a pad position (masked out downstream) stays finite, near -1e4, whose
+    square, exponential or product with 0 is no NaN. In place: no memory; the pad logit then gets no gradient."""
     if 0 <= pad_token_id < logits.shape[-1]:
         logits[..., pad_token_id] = logits.detach().amax(-1) - 1e4
     return logits
@@ -419,11 +423,8 @@ def selective_logprobs(logits: torch.Tensor, tokens: torch.Tensor, chunk_bytes: 
 def entropy_from_logits(logits: torch.Tensor, chunk_bytes: int = 2**25) -> torch.Tensor:
     """(B, R, V) -> (B, R) entropy of softmax(logits), in row chunks as `selective_logprobs` without gradient."""
     rows = max(1, chunk_bytes // (4 * logits[0].numel()))
-    out = []
-    for i in range(0, len(logits), rows):
-        chunk = logits[i:i + rows].float()
-        out.append(torch.logsumexp(chunk, -1) - (chunk.softmax(-1) * chunk).sum(-1))
-    return torch.cat(out)
+    chunks = (logits[i:i + rows].float() for i in range(0, len(logits), rows))
+    return torch.cat([torch.logsumexp(chunk, -1) - (chunk.softmax(-1) * chunk).sum(-1) for chunk in chunks])
 
 
 def _logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor):  # Forward.logprobs' fn: (n, V), (n,) ->

@@ -5,6 +5,7 @@ the clipped REINFORCE loss. Defaults: TRL's RLOO TL;DR run; metrics: docs/metric
 
     python rloo.py                                  # the toy task on a CPU, about a minute
     python rloo.py --model toy_tools                # the toy tool world: multi-turn episodes with a lookup tool
+    python rloo.py --model toy_vision               # the toy vision world: a tiny LLaVA answers about pictures
     accelerate launch rloo.py --model pythia-1b     # the published TL;DR setting
 """
 import math
@@ -73,6 +74,9 @@ ALIAS_DEFAULTS = {"toy": dict(
         tools=["toy_worlds.toy_tools:lookup"], max_tool_calling_iterations=2)}
 # toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, response_length=10)
+# toy_vision (toy_vision.py): the toy defaults, the gold reward, room for a prompt's image tokens
+ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=None, response_length=3,
+                                    reward_funcs=["gold"])
 
 
 # ALGO LOGIC: the RLOO pieces, pure functions of tensors (tested in tests/test_rloo.py)
@@ -201,7 +205,7 @@ def main():
     policy_path = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
     toolset = ep.load_toolset(args, tokenizer)  # None: single-turn completions
-    data = ro.load_prompt_data(args, tokenizer, policy_path, toolset)
+    data = ro.load_prompt_data(args, tokenizer, policy_path, toolset, images=True)
     output_dir = ru.output_dir(args, data.name, accelerator)
 
     # 3. models: policy (+LoRA) with its optimizer (linear decay per optimizer step), prepared; frozen reference;
@@ -224,7 +228,7 @@ def main():
     micro_batches = acc.micro_batches(args, accelerator, policy)  # or sized by --token_budget
     sampler = ro.Sampler(args, accelerator, tokenizer, policy, forward, reward_sources, reference,
                          prompts=data.train_prompts, rows=data.train, samples_per_prompt=args.rloo_k,
-                         prompts_per_process=local_prompts, max_prompt_length=args.max_prompt_length,
+                         prompts_per_process=local_prompts, vision=data.vision,
                          weights_version=state["step"], toolset=toolset, context_limit=data.context_limit)
     # the batches: sampled now, or with --max_staleness N by the sampler N steps ahead (pending ones checkpointed)
     rollouts = ra.RunAhead(sampler, args.max_staleness, args.resume_from)
@@ -257,7 +261,8 @@ def main():
                 for mb in micro_batches.split(mini_batch, batch.token_counts, group_size=args.rloo_k):
                     micro = batch.subset(mb)
                     with micro_batches.accumulate():
-                        new_logprobs = forward.logprobs(policy, micro.query_responses, micro.context_length)  # (b, R)
+                        new_logprobs = forward.logprobs(policy, micro.query_responses, micro.context_length,
+                                                        images=micro.images)  # (b, R)
                         # sampled by another policy (vLLM, earlier weights): each term of the loss (a completion's, or
                         # a token's) weighted by pi_old / pi_behaviour; None when pi_old sampled
                         is_weights = micro.importance_weights(micro.old_logprobs, sequence_loss=advantages.dim() == 1)

@@ -142,7 +142,7 @@ def load_demonstrations(args: Args, split: str):
     if args.dataset in du.TOY_WORLDS:
         return toy_demonstrations(split, args.toy_demonstrations, args.seed, args.dataset)
     name = du.toy_tools_world()["sft_dataset"] if args.dataset == du.TOY_TOOLS_ALIAS else args.dataset
-    data = du.load_prompt_dataset(name, split)
+    data = du.text_only(du.load_prompt_dataset(name, split), name)
     if "messages" not in data.column_names:
         du.require_columns(data, ["prompt", "completion"], args.dataset)
     return data

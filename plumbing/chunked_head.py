@@ -123,7 +123,7 @@ class ChunkedHead(pc.Forward):
     under ZeRO-3): `inner` computes the last hidden states, `map_chunks` the rest."""
 
     def __init__(self, inner: pc.Forward, chunk_tokens: Optional[int]):
-        super().__init__(inner.pad_token_id, inner.temperature)
+        super().__init__(inner.pad_token_id, inner.temperature, inner.masked_token_ids)
         self.inner, self.chunk_tokens, self.shares_prompts = inner, chunk_tokens, inner.shares_prompts
 
     def unshared(self) -> pc.Forward:
@@ -132,19 +132,20 @@ class ChunkedHead(pc.Forward):
     def chunked(self, model: nn.Module, positions: int) -> bool:
         return wanted(model, positions, self.chunk_tokens)
 
-    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False):
-        return self.inner.outputs(model, query_responses, context_length, grad_rows, hidden)
+    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False, images=None):
+        return self.inner.outputs(model, query_responses, context_length, grad_rows, hidden, images=images)
 
     def prefill(self, model, queries, attention_mask, position_ids, cache=None) -> dict:
         return self.inner.prefill(model, queries, attention_mask, position_ids, cache)
 
-    def map_logits(self, model, query_responses, context_length, fn, *extra, mask_pad=True, grad_rows=None) -> tuple:
+    def map_logits(self, model, query_responses, context_length, fn, *extra, mask_pad=True, grad_rows=None,
+                   images=None) -> tuple:
         B, R = query_responses.shape[0], query_responses.shape[1] - context_length
         if not self.chunked(model, B * R):
             return self.inner.map_logits(model, query_responses, context_length, fn, *extra, mask_pad=mask_pad,
-                                         grad_rows=grad_rows)
+                                         grad_rows=grad_rows, images=images)
         flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
-        hidden = self.inner.outputs(model, query_responses, context_length, grad_rows, hidden=True)
+        hidden = self.inner.outputs(model, query_responses, context_length, grad_rows, hidden=True, images=images)
         results = map_chunks(self, model, fn, hidden.reshape(B * R, -1), flat, chunk_tokens=self.chunk_tokens,
                              mask_pad=mask_pad, grad_positions=None if grad_rows is None else grad_rows * R)
         return tuple(r.reshape(B, R, *r.shape[1:]) for r in results)

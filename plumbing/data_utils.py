@@ -14,7 +14,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 import torch
 
 import policy_common as pc
-from plumbing import models
+from plumbing import models, vision
 from plumbing.errors import UserError, require_positive
 
 
@@ -37,6 +37,7 @@ TOY_ALIAS = "toy"
 TOY_HARD_ALIAS = "toy_hard"  # the harder toy world (toy_task.SETTINGS): longer prompts, repeats, an exploitable RM
 TOY_WORLDS = (TOY_ALIAS, TOY_HARD_ALIAS)  # the aliases toy_task.build builds, each a world of its own
 TOY_TOOLS_ALIAS = "toy_tools"  # the toy tool world (toy_tools.py): multi-turn episodes with a lookup tool
+TOY_VISION_ALIAS = "toy_vision"  # the toy vision world (toy_vision.py): questions about a picture, a tiny LLaVA
 DATASET_ALIASES = {  # alias -> (prompts, preference pairs, unpaired examples)
     "tldr": ("trl-lib/tldr", "trl-lib/tldr-preference", "trl-lib/tldr-preference"),  # kto.py unpairs the pairs
 }
@@ -69,6 +70,13 @@ def toy_tools_world() -> dict:
     return toy_tools.build()
 
 
+def toy_vision_world() -> dict:
+    """The toy vision world's paths (built offline on first use: toy_vision.build)."""
+    from toy_worlds import toy_vision
+
+    return toy_vision.build()
+
+
 def toy_teacher(setting: str = TOY_ALIAS) -> str:
     """The teacher of the toy world `setting` (built offline on first use: toy_task.build_teacher), the folder
     distill.py loads."""
@@ -77,12 +85,13 @@ def toy_teacher(setting: str = TOY_ALIAS) -> str:
     return toy_task.build_teacher(setting=setting)["teacher"]
 
 
-def gold_scorer(dataset: str) -> Optional[Callable[[str, str], float]]:
-    """A ground-truth scorer `(prompt_text, completion_text) -> float` if the dataset has one (the toy task and the
-    toy tool world do), else None. Evaluation reports `eval/gold_score` whenever one exists."""
-    from toy_worlds import toy_task, toy_tools
+def gold_scorer(dataset: str) -> Optional[Callable[[str, str, dict], float]]:
+    """A ground-truth scorer `(prompt_text, completion_text, row) -> float` (`row`: the dataset row, which the toy
+    vision world's answer is read from) if the dataset has one (the toy worlds do), else None. Evaluation reports
+    `eval/gold_score` whenever one exists."""
+    from toy_worlds import toy_task, toy_tools, toy_vision
 
-    return toy_tools.gold_scorer(dataset) or toy_task.gold_scorer(dataset)
+    return toy_vision.gold_scorer(dataset) or toy_tools.gold_scorer(dataset) or toy_task.gold_scorer(dataset)
 
 
 def _load_split(name: str, split: str):
@@ -150,6 +159,8 @@ def load_prompt_dataset(name: str, split: str):
         return _load_split(toy_world(name)["prompt_dataset"], split)
     if name == TOY_TOOLS_ALIAS:
         return _load_split(toy_tools_world()["prompt_dataset"], split)
+    if name == TOY_VISION_ALIAS:
+        return _load_split(toy_vision_world()["prompt_dataset"], split)
     return _load_split(DATASET_ALIASES[name][0] if name in DATASET_ALIASES else name, split)
 
 
@@ -157,14 +168,24 @@ def load_preference_dataset(name: str, split: str):
     """`split` of a preference dataset (`prompt`, `chosen`, `rejected`): alias, local folder/files or hub id."""
     if name in TOY_WORLDS:
         return _load_split(toy_world(name)["preference_dataset"], split)
-    return _load_split(DATASET_ALIASES[name][1] if name in DATASET_ALIASES else name, split)
+    return text_only(_load_split(DATASET_ALIASES[name][1] if name in DATASET_ALIASES else name, split), name)
 
 
 def load_unpaired_dataset(name: str, split: str):
     """`split` of unpaired feedback (`prompt`, `completion`, `label`, or pairs to unpair): alias, folder, hub id."""
     if name in TOY_WORLDS:
         return _load_split(toy_world(name)["unpaired_dataset"], split)
-    return _load_split(DATASET_ALIASES[name][2] if name in DATASET_ALIASES else name, split)
+    return text_only(_load_split(DATASET_ALIASES[name][2] if name in DATASET_ALIASES else name, split), name)
+
+
+def text_only(data, name: str):
+    """`data`, refused in one line when it has an image column: the script reading it does not take images yet (its
+    images would be dropped and the model trained blind)."""
+    column = vision.image_column(data.column_names)
+    if column is not None:
+        raise UserError(f"dataset {name!r} has an {column!r} column: this script does not take images yet (rloo.py "
+                        "and grpo.py do)")
+    return data
 
 
 def _in_datasets_cache(name: str) -> bool:

@@ -19,7 +19,8 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
     """The RL scripts' evaluation of `sampler`'s policy (rollout.Sampler): greedy completions of the held-out prompts:
     eval/scores (the weighted reward), eval/kl (sequence KL to the reference at the training temperature, like
     objective/kl; when there is a reference), eval/response_length,
-    eval/eos_rate, eval/gold_score (when the task has a gold scorer) and eval/reward/<source>/*; with
+    eval/eos_rate, eval/gold_score (when the task has a gold scorer; with images also eval/gold_score_blind, of the
+    greedy answers to blank images: a policy that reads the images sits at chance there), eval/reward/<source>/*; with
     `pass_at_k` = k > 0 and reward functions, k sampled completions per prompt: eval/mean@k (the mean of their
     weighted function rewards) and eval/pass@k (a prompt passes when one of its k completions scores >= 1 by every
     reward function that scores it, overlong shaping aside: a verifier's "correct", `Rewards.correct`). Every
@@ -29,15 +30,18 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
     args, accelerator, tokenizer = sampler.args, sampler.accelerator, sampler.tokenizer
     pad, chunk = sampler.pad, sampler.chunk
     greedy = pc.make_generation_config(tokenizer, args.response_length, greedy=True,
-                                       cache_implementation=args.cache_implementation)
+                                       cache_implementation=args.cache_implementation,
+                                       suppress=sampler.forward.masked_token_ids)
     functions = sampler.reward_sources.functions
     k = pass_at_k if functions else 0
     verifiers = rs.Rewards(tokenizer, functions=functions, weights=sampler.reward_sources.weights[-len(functions):]
                            .tolist()) if k else None  # the reward functions without the reward model
     indices, n_real = ru.even_share(range(len(held_out.prompts)), accelerator)  # this process's prompts
     sums, samples, source_scores, tool_sums = dict(scores=0.0, response_length=0.0, eos_rate=0.0), [], [], []
+    blind = held_out.gold is not None and sampler.vision is not None  # the gold of greedy answers to blank images
     sums.update({**({"kl": 0.0} if sampler.reference is not None else {}),
                  **({"gold_score": 0.0} if held_out.gold is not None else {}),
+                 **({"gold_score_blind": 0.0} if blind else {}),
                  **({f"pass@{k}": 0.0, f"mean@{k}": 0.0} if k else {})})
     # one completion per prompt: the forwards without prompt sharing
     forward, reference = sampler.forward.unshared(), sampler.reference and sampler.reference.unshared()
@@ -48,7 +52,8 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
         chunk_indices = indices[i:i + chunk]
         queries = pc.pad_sequences([held_out.prompts[j] for j in chunk_indices], pad, "left").to(accelerator.device)
         rows = [held_out.rows[j] for j in chunk_indices]
-        query_responses, context_length, mask, truncated, episodes = sampler.complete(queries, rows, greedy)
+        images = sampler.vision and sampler.vision.rows_inputs(rows)  # (b,) the rows' image inputs (None: text)
+        query_responses, context_length, mask, truncated, episodes = sampler.complete(queries, rows, greedy, images)
         queries, responses = query_responses[:, :context_length], query_responses[:, context_length:]  # (b, R)
         scores, per_source = sampler.reward_sources(query_responses, context_length, rows, accelerator,
                                                  episodes=episodes, step=step)
@@ -58,8 +63,8 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
         source_scores.append(per_source[:real])
         sums["scores"] += scores[:real].sum().item()
         if reference is not None:
-            logprobs = forward.logprobs(sampler.policy, query_responses, context_length)
-            ref_logprobs = reference.logprobs(query_responses, context_length)
+            logprobs = forward.logprobs(sampler.policy, query_responses, context_length, images=images)
+            ref_logprobs = reference.logprobs(query_responses, context_length, images=images)
             sums["kl"] += ((logprobs - ref_logprobs) * mask)[:real].sum().item()
         sums["response_length"] += mask[:real].sum().item()
         sums["eos_rate"] += (~truncated)[:real].sum().item()
@@ -67,13 +72,18 @@ def evaluate_policy(sampler, held_out: du.HeldOut, logger, step: int, *, pass_at
             row = dict(prompt=tokenizer.decode(query, skip_special_tokens=True),
                        completion=tokenizer.decode(response, skip_special_tokens=True), score=score)
             if held_out.gold is not None:
-                row["gold"] = held_out.gold(row["prompt"], row["completion"])
+                row["gold"] = held_out.gold(row["prompt"], row["completion"], rows[j])
                 sums["gold_score"] += row["gold"]
             samples.append({**row, **{column: values[j] for column, values in extra_columns.items()}})
+        if blind:  # the same prompts with blank images: a policy that reads the image scores at chance here
+            blank = sampler.complete(queries, rows, greedy, sampler.vision.rows_inputs(rows, blank=True))[0]
+            sums["gold_score_blind"] += sum(held_out.gold(tokenizer.decode(q, skip_special_tokens=True),
+                                                          tokenizer.decode(r, skip_special_tokens=True), row)
+                                            for q, r, row in zip(queries[:real], blank[:real, context_length:], rows))
         if k:  # k sampled completions per prompt, scored by the reward functions only
-            rows = [row for row in rows for _ in range(k)]
+            rows, images = [row for row in rows for _ in range(k)], images and [i for i in images for _ in range(k)]
             query_responses, context_length, _, _, episodes = sampler.complete(queries.repeat_interleave(k, 0), rows,
-                                                                            sampler.generation_config)
+                                                                            sampler.generation_config, images)
             function_reward, verdicts = verifiers(query_responses, context_length, rows, accelerator,
                                                   episodes=episodes)
             correct = verifiers.correct(verdicts)  # (b * k,): overlong shaping is no verdict

@@ -24,7 +24,7 @@ from typing import Optional
 import torch.nn as nn
 
 import policy_common as pc
-from plumbing import chunked_head, models, packing
+from plumbing import chunked_head, models, packing, vision
 from plumbing import prompt_sharing as ps
 
 
@@ -56,14 +56,27 @@ class Forwards:
         """The forward of causal LM `model`: packed where --padding_free asks and its packed forward matches its padded
         one, each repeated prompt encoded once where that saves enough, the output layer in chunks unless
         --logprob_chunk_tokens is 0 or the model transforms its output layer's result."""
-        packed = self.padding_free and packing.lm_supported(model, self.pad_token_id)
-        forward = (ps.SharedPromptForward if self.shares_prompts(packed) else pc.Forward)(self.pad_token_id,
-                                                                                        self.temperature)
+        images = vision.is_vision_model(models.causal_lm(model).config)
+        if images:  # image inputs ride with each row through the plain forward only
+            self.note_images_step_aside(model)
+        packed = self.padding_free and not images and packing.lm_supported(model, self.pad_token_id)
+        shared = self.shares_prompts(packed) and not images
+        forward = (ps.SharedPromptForward if shared else pc.Forward)(
+            self.pad_token_id, self.temperature, vision.image_token_ids(models.causal_lm(model).config))
         if packed:
             forward = packing.PackedForward(forward)
         if self.chunk_tokens != 0 and chunked_head.supported(model):
             forward = chunked_head.ChunkedHead(forward, self.chunk_tokens)
         return forward
+
+    def note_images_step_aside(self, model: nn.Module) -> None:
+        """One line naming the speed paths a vision-language model's forward does without, where the flags asked for
+        them: packing (image tokens, multimodal positions) and prompt sharing (images are encoded with their prompt)."""
+        paths = [name for name, asked in (("--padding_free", self.padding_free),
+                                          ("prompt sharing", self.shares_prompts(False))) if asked]
+        if paths:
+            print(f"note: {type(models.causal_lm(model)).__name__} takes images: its forwards run without "
+                  f"{' and '.join(paths)}", flush=True)
 
     def scalar(self, model: nn.Module) -> pc.ScalarForward:
         """The forward of sequence classifier `model` (a reward or value model): packed where --padding_free asks and

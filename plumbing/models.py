@@ -149,17 +149,19 @@ def disable_dropout(model: nn.Module) -> None:
 
 def load_causal_lm(name: str, tokenizer, precision: Precision = FP32, trust_remote_code: bool = False,
                    load_in_4bit: bool = False):
-    """AutoModelForCausalLM for `name` in `precision` (precision.py), dropout off, embeddings resized to the tokenizer,
-    pad id set."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM for `name` (AutoModelForImageTextToText for a vision-language model: LLaVA, Qwen-VL, ...)
+    in `precision` (precision.py), dropout off, embeddings resized to the tokenizer, pad id set."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    config = from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     kwargs = dict(dtype=precision.weights_dtype, trust_remote_code=trust_remote_code)
     if load_in_4bit:
         from transformers import BitsAndBytesConfig
 
         kwargs["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                            bnb_4bit_compute_dtype=DTYPES[precision.dtype])
-    model = from_pretrained(AutoModelForCausalLM, name, **kwargs)
+    model = from_pretrained(auto, name, **kwargs)
     _fit_to_tokenizer(model, tokenizer)
     disable_dropout(model)
     return precision.apply(model)

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 
 import policy_common as pc
-from plumbing import chunked_head, models
+from plumbing import chunked_head, models, vision
 
 
 @dataclass
@@ -330,13 +330,14 @@ class PackedForward(pc.Forward):
     (`response_outputs`); generation's prefill is `inner`'s."""
 
     def __init__(self, inner: pc.Forward):
-        super().__init__(inner.pad_token_id, inner.temperature)
+        super().__init__(inner.pad_token_id, inner.temperature, inner.masked_token_ids)
         self.inner, self.shares_prompts = inner, inner.shares_prompts
 
     def unshared(self) -> pc.Forward:
         return PackedForward(self.inner.unshared())
 
-    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False):
+    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False, images=None):
+        vision.require_no_images(images, "packing")  # forwards.py does not choose it for images
         if query_responses.shape[1] == context_length:  # no response position
             return self.inner.outputs(model, query_responses, context_length, grad_rows, hidden)
         return response_outputs(model, query_responses, context_length, self.pad_token_id, self.shares_prompts,

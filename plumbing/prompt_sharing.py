@@ -28,7 +28,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 import policy_common as pc
-from plumbing import models
+from plumbing import models, vision
 
 # Sharing costs one more model call: on small models that costs more than the prompt positions it saves.
 MIN_SAVED_FRACTION = 0.2  # of all input positions
@@ -204,9 +204,10 @@ class SharedPromptForward(pc.Forward):
     shares_prompts = True
 
     def unshared(self) -> pc.Forward:
-        return pc.Forward(self.pad_token_id, self.temperature)
+        return pc.Forward(self.pad_token_id, self.temperature, self.masked_token_ids)
 
-    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False):
+    def outputs(self, model, query_responses, context_length, grad_rows=None, hidden=False, images=None):
+        vision.require_no_images(images, "prompt sharing")  # forwards.py does not choose it for images
         if not hidden and query_responses.shape[1] > context_length and takes_cache(models.unwrap(model)):
             attention_mask, position_ids = pc.padding_inputs(query_responses, self.pad_token_id)
             if grad_rows is not None and 0 < grad_rows < len(query_responses):

@@ -120,8 +120,10 @@ def load_reward_function(spec: str, dataset: str) -> RewardFunction:
                             "one); name a function as path/to/file.py:function or package.module:function")
 
         def gold(prompts, completions, **columns):  # conversations: the last user and assistant messages' text
-            return [scorer(last_content(prompt, "user"), last_content(completion, "assistant"))
-                    for prompt, completion in zip(prompts, completions)]
+            rows = [{key: values[i] for key, values in columns.items() if isinstance(values, list)}
+                    for i in range(len(prompts))]  # the data columns (not trainer_state, log_metric, log_extra)
+            return [scorer(last_content(prompt, "user"), last_content(completion, "assistant"), row)
+                    for prompt, completion, row in zip(prompts, completions, rows)]
 
         return RewardFunction("gold", gold)
     fn = ru.load_object(spec, "--reward_funcs", f"a built-in ({', '.join(BUILTINS)}), nor ")

@@ -1,10 +1,10 @@
 """Rollouts for the RL scripts: prompts in, a scored batch out.
 
 rloo.py, grpo.py and ppo.py get every step's data from one call, `Sampler.rollout`: this process's next prompts of
-the data stream, `samples_per_prompt` completions of each, sampled by HF `generate` (policy_common.batch_generation)
-or by a vLLM engine (vllm_generation.py, --use_vllm) and truncated after their first EOS; the old log-probs; the
-reference model's log-probs; each reward source's score and their weighted sum, minus the missing-EOS penalty: a
-`Rollout` of tensors, from which the script computes its advantages and loss. It is `generate` then `score`: samples
+the data stream (with their images: vision.py), `samples_per_prompt` completions of each, sampled by HF `generate`
+(policy_common.batch_generation) or a vLLM engine (vllm_generation.py, --use_vllm), truncated after their first EOS;
+the old and the reference model's log-probs; each reward source's score and their weighted sum, minus the missing-EOS
+penalty: a `Rollout`, from which the script computes its advantages and loss. It is `generate` then `score`: samples
 may come from earlier weights (run_ahead.py). Evaluation: evaluation.py (offline scripts: greedy_eval.py).
 
 The sampler owns the choices that change speed, never the numbers an algorithm computes:
@@ -15,18 +15,17 @@ The sampler owns the choices that change speed, never the numbers an algorithm c
 - the order of rows in the update (`Rollout.shuffled_rows`): a prompt's samples stay together.
 
 The old log-probs, stated once. With HF generate the log-probs of the sampled tokens, read from the scores that
-generation sampled from, are the old log-probs (those of the policy before this step's update), and no forward
-recomputes them. That holds while four things agree: sampling never emits pad (`make_generation_config` suppresses
-it), generation applies the temperature and nothing else (top_k 0, top_p 1, the model's own sampling defaults
-ignored: `batch_generation`), and every forward scores that same distribution (logits / temperature with pad masked:
-`Forward.logits`, `mask_pad_`). A top-p, a top-k, a repetition penalty or a logits processor added to generation
-would break it without an error, so it is measured: at the first rollout and every LOGPROB_CHECK_EVERY-th (by step,
-so a resumed run checks the same steps), the first LOGPROB_CHECK_ROWS rows are scored again by a forward, and the
-largest |sampled - recomputed| over their tokens, on all processes, is logged as `rollout/logprob_check`, with the
-sampler-trainer mismatch on those rows as `hf/*` (importance_sampling_stats, precision.py). Above the
-tolerance (float32: 1e-3 on any token; bf16/fp16, whose kernels round differently in generation and in a forward:
-0.05 on average over the tokens) the run stops with a RolloutError, its finished steps checkpointed. With vLLM (other
-kernels, a KV cache, bf16) or earlier weights the old log-probs come from a trainer forward, and
+generation sampled from, are the old log-probs (of the policy before this step's update); no forward recomputes them.
+That holds while sampling never emits pad (`make_generation_config` suppresses it), generation applies the temperature
+and nothing else (top_k 0, top_p 1, the model's own sampling defaults ignored: `batch_generation`), and every forward
+scores that distribution (logits / temperature, pad masked: `Forward.logits`, `mask_pad_`). A top-p, top-k,
+repetition penalty or logits processor added to generation would break it silently, so it is measured: at the first
+rollout and every LOGPROB_CHECK_EVERY-th (by step: a resumed run checks the same steps) the first LOGPROB_CHECK_ROWS
+rows are scored again by a forward; the largest |sampled - recomputed| over their tokens, on all processes, is logged as
+`rollout/logprob_check`, the sampler-trainer mismatch on those rows as `hf/*` (importance_sampling_stats,
+precision.py). Above the tolerance (float32: 1e-3 on any token; bf16/fp16, whose kernels round differently in
+generation and in a forward: 0.05 on average) the run stops with a RolloutError, its finished steps checkpointed. With
+vLLM (other kernels, a KV cache, bf16) or earlier weights the old log-probs come from a trainer forward, and
 `Rollout.importance_weights` reweights the policy loss by pi_old / pi_behaviour.
 """
 
@@ -56,6 +55,7 @@ from plumbing import vllm_server as vs
 from plumbing.errors import RolloutError, UserError, require_positive
 from plumbing.forwards import Forwards
 from plumbing.importance_sampling import ImportanceSampling, importance_sampling_stats, importance_weights
+from plumbing.vision import Vision, row_images
 
 LOGPROB_CHECK_EVERY = 10  # steps between checks of the old-log-probs invariant (the first rollout is checked)
 LOGPROB_CHECK_ROWS = 4  # rows scored again by a forward at each check
@@ -95,21 +95,32 @@ class PromptData:
     eval_data: object
     held_out: du.HeldOut
     context_limit: int  # the most tokens of prompt + response a sequence may hold (multi-turn: tool tokens too)
+    vision: Optional[Vision] = None  # the data's images and the model's processor (vision.py), None for text
 
 
-def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Toolset] = None) -> PromptData:
+def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Toolset] = None,
+                     images: bool = False) -> PromptData:
     """--dataset's (None: the one paired with --model) training split and --eval_split (its first --num_eval_prompts
-    rows), column `prompt` required, tokenised once (with the chat template when conversational). A prompt longer
-    than --max_prompt_length is refused; None becomes the longest prompt in the data. --response_length is then fitted
-    into the model's positions after the longest prompt (a default lowered with a note; a value given that cannot fit,
-    a one-line error). With a `toolset` the prompts must be conversations, and are rendered with its tools."""
+    rows), column `prompt` required, tokenised once (with the chat template when conversational; with an image column
+    by the model's processor: vision.py). A prompt longer than --max_prompt_length is refused; None becomes the
+    longest prompt in the data. --response_length is then fitted into the model's positions after the longest prompt
+    (a default lowered with a note; a value given that cannot fit, a one-line error). With a `toolset` the prompts
+    must be conversations, and are rendered with its tools. `images`: the script's forwards carry image inputs (else
+    data with an image column is refused in one line)."""
     name = args.dataset or ru.default_dataset(args.model)
     train_data = du.load_prompt_dataset(name, "train")
     eval_data = du.load_prompt_dataset(name, args.eval_split)
     du.require_columns(train_data, ["prompt"], name)
     du.require_columns(eval_data, ["prompt"], name)
     eval_data = eval_data.select(range(min(args.num_eval_prompts, len(eval_data))))
-    if toolset is None:
+    vision = Vision.from_data(policy_path, ru.model_config(policy_path, args.trust_remote_code),
+                              train_data.column_names, name, args.trust_remote_code)
+    if vision is not None:
+        vision.refuse(("this script", not images), ("--tools / --environment", toolset is not None),
+                      ("--use_vllm", args.use_vllm))
+        train_prompts, eval_prompts = (vision.encode_rows(data, args.max_prompt_length) for data in (train_data,
+                                                                                                      eval_data))
+    elif toolset is None:
         train_prompts = du.tokenize_prompts(tokenizer, train_data["prompt"], args.max_prompt_length)
         eval_prompts = du.tokenize_prompts(tokenizer, eval_data["prompt"], args.max_prompt_length)
     else:
@@ -132,7 +143,8 @@ def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Too
     if toolset is not None:  # tool results take positions too: up to the model's, or twice the sampled budget
         context_limit = positions or args.max_prompt_length + 2 * args.response_length
     return PromptData(name, train_data, train_prompts, eval_data,
-                      du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)), context_limit)
+                      du.HeldOut(eval_data.to_list(), eval_prompts, tokenizer, du.gold_scorer(name)), context_limit,
+                      vision)
 
 
 def rollout_forwards(args, pad_token_id: int, samples_per_prompt: int) -> Forwards:
@@ -159,6 +171,7 @@ class Samples:
     episodes: Optional[list]
     metrics: dict
     weights_version: int
+    images: Optional[list] = None  # (B,) each row's image inputs (vision.py), None for text
 
 
 @dataclass
@@ -184,6 +197,7 @@ class Rollout:
     episode_truncated: Optional[torch.Tensor] = None  # (B,) multi-turn: the episode ended at the budget
     # how the loss of another policy's samples is reweighted (--vllm_importance_sampling_*, with behaviour_logprobs)
     importance_sampling: ImportanceSampling = ImportanceSampling()
+    images: Optional[list] = None  # (B,) each row's image inputs (vision.py: every forward of the row takes them)
 
     @property
     def responses(self) -> torch.Tensor:
@@ -244,7 +258,8 @@ class Rollout:
         per_row = ("query_responses", "scores", "source_scores", "old_logprobs", "ref_logprobs", "entropy",
                    "behaviour_logprobs", "action_mask", "episode_truncated")
         picked = {name: None if getattr(self, name) is None else getattr(self, name)[rows] for name in per_row}
-        return dataclasses.replace(self, rows=[self.rows[i] for i in rows.tolist()], **picked)
+        return dataclasses.replace(self, rows=[self.rows[i] for i in rows.tolist()], **picked,
+                                   images=row_images(self.images, rows))
 
 
 class Sampler:
@@ -253,26 +268,29 @@ class Sampler:
     policy: the causal LM that samples and is trained (rloo, grpo: the prepared policy; ppo: the policy inside its
     policy-and-value model); forward: the forward chosen for it (`rollout_forwards(...).lm(policy)`). reference: a
     policy_common.Reference, or None (no reference log-probs). prompts: the training prompts' token ids; rows: their
-    dataset rows (a datasets.Dataset or list). Each process takes `prompts_per_process` prompts of the data stream per
-    rollout and samples each `samples_per_prompt` times. max_prompt_length: the longest prompt it may see (sizes the
-    vLLM engine). weights_version: optimizer steps behind the policy's weights now (0; a resumed run's step). Reads
-    the shared flags --response_length, --temperature, --missing_eos_penalty, --local_rollout_forward_batch_size,
-    --seed and --use_vllm/--vllm_*."""
+    dataset rows (a datasets.Dataset or list); vision: their images' processor (vision.py), None for text. Each process
+    takes `prompts_per_process` prompts of the data stream per rollout and samples each `samples_per_prompt` times.
+    max_prompt_length: the longest prompt it may see (sizes the vLLM engine; None: --max_prompt_length).
+    weights_version: optimizer steps behind the policy's weights now (0; a resumed run's step). Reads the shared flags
+    --response_length, --temperature, --missing_eos_penalty, --local_rollout_forward_batch_size, --seed and
+    --use_vllm/--vllm_*."""
 
     def __init__(self, args, accelerator, tokenizer, policy: nn.Module, forward: pc.Forward,
                  reward_sources: rs.Rewards, reference, *, prompts: Sequence[List[int]], rows, samples_per_prompt: int,
-                 prompts_per_process: int, max_prompt_length: int, weights_version: int = 0,
-                 toolset: Optional[ep.Toolset] = None, context_limit: Optional[int] = None):
+                 prompts_per_process: int, max_prompt_length: Optional[int] = None, weights_version: int = 0,
+                 toolset: Optional[ep.Toolset] = None, context_limit: Optional[int] = None,
+                 vision: Optional[Vision] = None):
         self.args, self.accelerator, self.tokenizer = args, accelerator, tokenizer
         self.policy, self.forward, self.reward_sources, self.reference = policy, forward, reward_sources, reference
-        self.prompts, self.rows = prompts, rows
+        self.prompts, self.rows, self.vision = prompts, rows, vision
         self.samples_per_prompt, self.prompts_per_process = samples_per_prompt, prompts_per_process
         self.pad, self.eos = tokenizer.pad_token_id, tokenizer.eos_token_id
         self.chunk = args.local_rollout_forward_batch_size  # rows per generation / no-grad forward
         self.generation_config = pc.make_generation_config(tokenizer, args.response_length, args.temperature,
-                                                          cache_implementation=args.cache_implementation)
+                                                          cache_implementation=args.cache_implementation,
+                                                          suppress=forward.masked_token_ids)
         self.toolset, self.environments = toolset, toolset and envs.EnvironmentPool(toolset)  # multi-turn (episodes.py)
-        self.max_prompt_length = max_prompt_length
+        self.max_prompt_length = max_prompt_length = max_prompt_length or args.max_prompt_length
         self.context_limit = context_limit or max_prompt_length + args.response_length
         if args.use_vllm and args.vllm_mode == "server":  # a server the user started samples (vllm_server.py)
             self.vllm = vs.from_args(args, policy, tokenizer, accelerator, weights_version=weights_version,
@@ -309,12 +327,14 @@ class Sampler:
         # 1. sample (HF generate: the sampled tokens' log-probs are the old log-probs; vLLM: its own log-probs);
         #    with tools, whole episodes (episodes.py): sampled turns and tool results, an action mask between them
         rows = [self.rows[i] for i in indices for _ in range(k)]  # the dataset row of each completion
+        images = self.vision and self.vision.rows_inputs(rows[::k], repeats=k)  # (B,) each row's (None: text)
         training, metrics, hf = self.policy.training, {}, self.vllm is None or self.toolset is not None
         if hf:  # (a vLLM engine samples in its own process; the policy may be training meanwhile: run_ahead.py)
             self.policy.eval()
         by_engine = self.vllm is not None
         if self.toolset is None:
-            query_responses, behaviour_logprobs, entropies = self.sample(queries, weights_version, entropy, seeds=seeds)
+            query_responses, behaviour_logprobs, entropies = self.sample(queries, weights_version, entropy, seeds=seeds,
+                                                                         images=images)
             truncated, action_mask, episodes = ~(query_responses[:, context_length:] == self.eos).any(1), None, None
         else:
             episodes = self.play(rows, self.generation_config, weights_version, entropy=entropy)
@@ -328,13 +348,14 @@ class Sampler:
             response_mask &= action_mask
         if not by_engine and weights_version % LOGPROB_CHECK_EVERY == 0:
             metrics.update(self.check_logprobs(query_responses, context_length, behaviour_logprobs, response_mask,
-                                               weights_version + 1))
+                                               weights_version + 1, images))
         metrics.update({"time/weight_sync_seconds": self.vllm.last_sync_seconds} if by_engine else {})
         if hf:
             self.policy.train(training)
         metrics["time/generate_seconds"] = time.perf_counter() - start
         return Samples(query_responses, context_length, indices, rows, behaviour_logprobs, by_engine,
-                       None if by_engine else entropies, action_mask, truncated, episodes, metrics, weights_version)
+                       None if by_engine else entropies, action_mask, truncated, episodes, metrics, weights_version,
+                       images)
 
     @torch.no_grad()
     def score(self, samples: Samples, weights_version: int, *, old_logprobs: bool = True,
@@ -354,7 +375,7 @@ class Sampler:
             training = self.policy.training
             self.policy.eval()
             logprobs = self.forward.logprobs_no_grad(self.policy, query_responses, context_length,
-                                                     chunk_size=self.chunk, entropy=entropy)
+                                                     chunk_size=self.chunk, entropy=entropy, images=samples.images)
             logprobs, entropies = logprobs if entropy else (logprobs, None)
             self.policy.train(training)
         if logprobs is not None:
@@ -371,7 +392,7 @@ class Sampler:
         # 3. the reference's log-probs
         ref_logprobs = None
         if self.reference is not None:
-            ref_logprobs = self.reference.logprobs(query_responses, context_length, self.chunk)
+            ref_logprobs = self.reference.logprobs(query_responses, context_length, self.chunk, images=samples.images)
         return Rollout(query_responses=query_responses, context_length=context_length,
                        samples_per_prompt=self.samples_per_prompt, rows=samples.rows, scores=scores,
                        source_scores=source_scores, old_logprobs=logprobs if old_logprobs else None,
@@ -379,15 +400,17 @@ class Sampler:
                        metrics=dict(samples.metrics), pad_token_id=self.pad, eos_token_id=self.eos,
                        action_mask=samples.action_mask,
                        episode_truncated=None if samples.episodes is None else samples.truncated,
-                       importance_sampling=ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"))
+                       importance_sampling=ImportanceSampling.from_args(args, "vllm" if self.vllm else "async"),
+                       images=samples.images)
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
-               first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True, seeds=None):
+               first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True, seeds=None,
+               images=None):
         """One completion per row of `queries` (B, Lq), left-padded, by HF generate or vLLM -> (query_responses
         (B, Lq + R), behaviour log-probs (B, R) of the sampled tokens under the policy that sampled them, entropy
         (B, R) or None (HF only)). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
         stops each row at its own (HF generates R for every row; the caller cuts). use_vllm=False: HF generate even
-        with an engine. seeds: vLLM's per row (None: drawn)."""
+        with an engine. seeds: vLLM's per row (None: drawn). images: the rows' image inputs (HF generate)."""
         config = generation_config or self.generation_config
         if self.vllm is not None and use_vllm:
             query_responses, behaviour_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
@@ -395,7 +418,8 @@ class Sampler:
             return query_responses, behaviour_logprobs, None
         query_responses, logprobs, *entropies = pc.batch_generation(
             self.policy, queries, self.pad, self.eos, config, self.chunk, self.accelerator,
-            forward=self.forward if first_turn else None, return_entropy=entropy)  # later turns: one row per prompt
+            forward=self.forward if first_turn else None, return_entropy=entropy,  # later turns: one row per prompt
+            images=images)
         return query_responses, logprobs, entropies[0] if entropy else None
 
     def play(self, rows: Sequence[dict], generation_config, weights_version: int = 0, *, entropy: bool = False,
@@ -428,14 +452,15 @@ class Sampler:
                                max_tool_result_tokens=self.args.max_tool_result_tokens, accelerator=self.accelerator)
 
     def check_logprobs(self, query_responses: torch.Tensor, context_length: int, sampled_logprobs: torch.Tensor,
-                       response_mask: torch.Tensor, step: int) -> dict:
+                       response_mask: torch.Tensor, step: int, images=None) -> dict:
         """The old-log-probs invariant (module docstring): the first LOGPROB_CHECK_ROWS rows scored again by a
         forward; returns rollout/logprob_check, the largest |sampled - recomputed| over their tokens on all processes
         (one all-reduce), and the sampler-trainer mismatch on those rows as hf/* (importance_sampling_stats: what
         importance weights would do, were they applied); raises RolloutError on every process when it is above the
         tolerance."""
         rows = query_responses[:LOGPROB_CHECK_ROWS]
-        recomputed = self.forward.logprobs_no_grad(self.policy, rows, context_length)
+        recomputed = self.forward.logprobs_no_grad(self.policy, rows, context_length,
+                                                   images=row_images(images, slice(0, LOGPROB_CHECK_ROWS)))
         mask = response_mask[:LOGPROB_CHECK_ROWS]  # the sampled tokens
         diff = (recomputed - sampled_logprobs[:LOGPROB_CHECK_ROWS]).abs()[mask]
         stats = torch.stack([diff.max(), diff.mean()]) if diff.numel() else diff.new_zeros(2)
@@ -453,13 +478,13 @@ class Sampler:
         return {"rollout/logprob_check": largest, **importance_sampling_stats(
             recomputed, sampled_logprobs[:LOGPROB_CHECK_ROWS], mask, ImportanceSampling.from_args(self.args, "hf"))}
 
-    def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config):
-        """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq), or with
-        tools one episode per row of `rows` -> (query_responses, context_length, response_mask (b, R): the sampled
-        tokens, truncated (b,), episodes or None)."""
+    def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config, images=None):
+        """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq) (`images`:
+        the rows' image inputs), or with tools one episode per row of `rows` -> (query_responses, context_length,
+        response_mask (b, R): the sampled tokens, truncated (b,), episodes or None)."""
         if self.toolset is None:
             query_responses, _ = pc.batch_generation(self.policy, queries, self.pad, self.eos, generation_config,
-                                                     self.chunk, self.accelerator)
+                                                     self.chunk, self.accelerator, images=images)
             responses = query_responses[:, queries.shape[1]:]
             return (query_responses, queries.shape[1], responses != self.pad, ~(responses == self.eos).any(1), None)
         episodes = self.play(rows, generation_config, use_vllm=False)

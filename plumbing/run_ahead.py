@@ -252,5 +252,6 @@ def concat_rollouts(rollouts: Sequence[ro.Rollout]) -> ro.Rollout:
         old_logprobs=response_side("old_logprobs", pc.PADDING_LOGPROB), ref_logprobs=response_side("ref_logprobs", 0.0),
         entropy=response_side("entropy", 0.0), behaviour_logprobs=response_side("behaviour_logprobs", 0.0),
         action_mask=response_side("action_mask", False), metrics=metrics,
+        images=None if first.images is None else [images for r in rollouts for images in r.images],
         episode_truncated=None if first.episode_truncated is None else torch.cat([r.episode_truncated
                                                                                    for r in rollouts]))

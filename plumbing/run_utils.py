@@ -48,6 +48,8 @@ def resolve_model(name: str) -> str:
         return du.toy_world(name)["policy"]
     if name == du.TOY_TOOLS_ALIAS:
         return du.toy_tools_world()["policy"]
+    if name == du.TOY_VISION_ALIAS:
+        return du.toy_vision_world()["policy"]
     return MODEL_ALIASES[name][0] if name in MODEL_ALIASES else name
 
 
@@ -75,8 +77,8 @@ def default_reward_model(model: str) -> str:
     """The reward model paired with a `--model` alias (toy -> toy RM, pythia-1b -> its TL;DR RM)."""
     if model in du.TOY_WORLDS or model in MODEL_ALIASES:
         return model
-    if model == du.TOY_TOOLS_ALIAS:
-        raise UserError("--model toy_tools has no reward model: its reward is the verifiable gold score "
+    if model in (du.TOY_TOOLS_ALIAS, du.TOY_VISION_ALIAS):
+        raise UserError(f"--model {model} has no reward model: its reward is the verifiable gold score "
                         "(--reward_funcs gold)")
     raise UserError(f"--reward_model is required when --model is {model!r} (no paired reward model is known)")
 
@@ -96,7 +98,7 @@ def resolve_teacher(name: str) -> str:
 
 def default_dataset(model: str) -> str:
     """The dataset paired with a `--model` alias (toy -> toy, pythia-* -> tldr)."""
-    if model in (*du.TOY_WORLDS, du.TOY_TOOLS_ALIAS):
+    if model in (*du.TOY_WORLDS, du.TOY_TOOLS_ALIAS, du.TOY_VISION_ALIAS):
         return model
     if model in MODEL_ALIASES:
         return MODEL_ALIASES[model][2]

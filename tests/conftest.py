@@ -57,6 +57,15 @@ def toy_tools_world():
 
 
 @pytest.fixture(scope="session")
+def toy_vision():
+    """Paths of the built toy vision world (toy_vision.py: a tiny LLaVA answering questions about pictures; builds it on
+    first use), cached beside the toy world under $TOY_TASK_CACHE like it."""
+    from toy_worlds import toy_vision
+
+    return toy_vision.build(verbose=False)
+
+
+@pytest.fixture(scope="session")
 def fresh_toy_run(tmp_path_factory):
     """A new user's first `python rloo.py` (10 steps), on a machine without the toy world: built by that run into an
     empty cache. Returns (the CompletedProcess, the run's output folder, the cache folder). Shared by the test of

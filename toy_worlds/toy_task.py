@@ -102,9 +102,9 @@ def target_completion(prompt: str) -> str:
     return " " + " ".join(sorted(prompt_letters(prompt)))
 
 
-def gold_score(prompt: str, completion: str) -> float:
+def gold_score(prompt: str, completion: str, row: dict | None = None) -> float:
     """Ground truth in [0, 1]: position-wise matches against the sorted prompt letters, divided by the
-    longer of target and completion. Special tokens in `completion` are ignored."""
+    longer of target and completion. Special tokens in `completion` are ignored (`row`, the dataset row: unused)."""
     target = sorted(prompt_letters(prompt))
     response = [t for t in completion.split() if not (t.startswith("[") and t.endswith("]"))]
     if not response:

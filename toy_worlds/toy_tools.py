@@ -94,12 +94,12 @@ def hidden_letters(box: str) -> list:
     return rng.sample(LETTERS, rng.randint(toy_task.MIN_LETTERS, toy_task.MAX_LETTERS))
 
 
-def gold_score(prompt: str, completion: str) -> float:
+def gold_score(prompt: str, completion: str, row: dict | None = None) -> float:
     """Ground truth in [0, 1] of the final answer. `prompt`: the request ("sort box 4 8 2") or a rendered prompt (the
     box is the three digits after the word `box`); `completion`: the answer ("c f k") or a whole decoded episode
     (only the text after its last <assistant> counts, tool calls and tool results dropped). Of that text only the
     letters a..l count, scored as toy_task.gold_score against the box's letters sorted; no box in the prompt, or no
-    letters, scores 0."""
+    letters, scores 0. `row` (the dataset row): unused."""
     box = re.search(r"\bbox\s+([0-9])\s+([0-9])\s+([0-9])\b", prompt)
     if box is None:
         return 0.0
