@@ -228,6 +228,11 @@ def add_lora(model, r: int, alpha: int, dropout: float, target_modules: Optional
     lets PEFT choose the architecture's default projections."""
     from peft import LoraConfig, get_peft_model
 
+    if target_modules is None and getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        # a vision-language model, which PEFT has no default for: TRL's convention, the language model's linear layers
+        # (the vision tower and the projector stay frozen)
+        target_modules = [name for name, module in model.named_modules()
+                          if isinstance(module, nn.Linear) and ".language_model." in f".{name}."]
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type=task_type,
                         target_modules=list(target_modules) if target_modules else None)
     return get_peft_model(model, config)

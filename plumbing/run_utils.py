@@ -29,7 +29,7 @@ import torch
 import policy_common as pc
 from plumbing import data_utils as du
 from plumbing import metrics_log as ml
-from plumbing import models
+from plumbing import models, vision
 from plumbing.errors import UserError
 
 # Model aliases: short names for the public TL;DR checkpoints behind the published RLOO/PPO/DPO runs (Huang et al.
@@ -322,15 +322,19 @@ def make_accelerator(args):
     """The run's Accelerator, accumulating --gradient_accumulation_steps micro-batches. On a machine without a GPU, a
     multi-process launch (torchrun or accelerate launch) runs real ranks over gloo; a DeepSpeed launch keeps its engine
     (ZeRO code paths run on a CPU too). Under --fp16 it carries the loss scaler (precision.py), which its backward,
-    optimizer step and checkpoints then use."""
-    from accelerate import Accelerator
+    optimizer step and checkpoints then use. For a vision-language --model, DDP looks for parameters a step leaves
+    without gradient (a vision tower's unused last norm: LLaVA reads CLIP's hidden states before it)."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
 
     use_deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true"
     precision = models.Precision.from_args(args)
     if use_deepspeed and precision.dtype == "float16":
         raise UserError("--fp16 under DeepSpeed: its engine scales the loss itself; use --bf16")
+    model = getattr(args, "model", None)
+    unused = bool(model) and vision.is_vision_model(model_config(resolve_model(model), args.trust_remote_code))
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              cpu=not torch.cuda.is_available() and not use_deepspeed)
+                              cpu=not torch.cuda.is_available() and not use_deepspeed,
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=unused)])
     accelerator.scaler = precision.loss_scaler(accelerator.device)
     if precision.emulated():
         accelerator.print(precision.emulated())

@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from plumbing import data_utils as du
 from plumbing import metrics_log as ml
-from plumbing import models
+from plumbing import models, vision
 from plumbing import run_utils as ru
 from plumbing.errors import UserError, require_positive
 
@@ -145,7 +145,8 @@ def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: 
     """Save `model` (+ tokenizer) to `path` atomically, safetensors, loadable by `from_pretrained`.
     `model` is the object given to `accelerator.prepare` (under ZeRO-3 its shards are gathered); `submodule`
     names a child to save on its own (e.g. "policy" of a policy+value wrapper). A PEFT model saves its adapter;
-    with `merge_peft` the merged full weights are saved instead."""
+    with `merge_peft` the merged full weights are saved instead. A vision-language model's folder keeps its processor
+    (the image processor with the tokenizer), so it loads as it was given."""
     if accelerator is not None:
         accelerator.wait_for_everyone()
         state_dict = accelerator.get_state_dict(model)  # gathers ZeRO-3 shards on the main process
@@ -167,6 +168,7 @@ def save_model(accelerator, model: nn.Module, tokenizer, path: str, merge_peft: 
             base.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        vision.save_processor(getattr(models.causal_lm(base), "config", None), tmp)
 
 
 def save_checkpoint(accelerator, path: str, extra_state: dict, scheduler=None, extra_files=None) -> None:

@@ -42,6 +42,15 @@ def image_token_ids(config) -> tuple:
     return tuple(sorted({getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)}))
 
 
+def save_processor(config, folder: str) -> None:
+    """Into a saved vision-language model's `folder`: the processor of the model it was loaded from (config's
+    `_name_or_path`), so the folder loads as a VLM again; nothing for a text model."""
+    if is_vision_model(config) and config._name_or_path:
+        from transformers import AutoProcessor
+
+        AutoProcessor.from_pretrained(config._name_or_path).save_pretrained(folder)
+
+
 def model_inputs(images: Optional[Sequence[RowImages]], device: torch.device) -> dict:
     """The image inputs of one model call over rows whose image inputs are `images` (one entry per row, in row
     order; None or all-None: a text-only call): each key's tensors concatenated along their first dimension."""

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import read_metrics, run_script
+from conftest import read_metrics, run_distributed, run_script, without_wall_clock
 
 import policy_common as pc
 from plumbing import data_utils as du
@@ -202,6 +202,52 @@ def test_script_learns_from_what_it_sees(toy_vision, tmp_path, script):
     assert end["eval/gold_score"] > start["eval/gold_score"] + 0.15, (start["eval/gold_score"], end["eval/gold_score"])
     assert end["eval/gold_score_blind"] < end["eval/gold_score"] - 0.25
     assert rows[1]["rollout/logprob_check"] < 1e-3
+
+
+def test_lora_on_the_language_model_and_a_saved_model_keeps_its_processor(toy_vision, tmp_path):
+    """--use_peft on a VLM (PEFT has no default for it): the adapter is on the language model's linear layers only
+    (TRL's convention: the vision tower and projector frozen), the reference is the adapter-off base, and the saved
+    folder (merged) holds the processor, so it trains again as a VLM."""
+    import json
+    import os
+
+    out = str(tmp_path / "lora")
+    run_script("grpo.py", "--model", "toy_vision", "--use_peft", "--lora_r", "8", "--max_steps", "2", "--eval_steps",
+               "0", "--num_eval_prompts", "16", "--output_dir", out)
+    with open(os.path.join(out, "model", "adapter_config.json")) as f:
+        targets = json.load(f)["target_modules"]
+    assert targets and all(".language_model." in f".{name}." for name in targets)
+    assert os.path.exists(os.path.join(out, "model", "processor_config.json"))
+    rows = read_metrics(out)
+    assert abs(rows[1]["objective/kl"]) < 1e-3 and rows[1]["rollout/logprob_check"] < 1e-3  # base = start
+
+
+def test_resume_with_images_equals_the_uninterrupted_run(toy_vision, tmp_path):
+    """A run stopped at checkpoint-2 and resumed gives the uninterrupted run's steps 3 and 4 (each row's pictures
+    recomputed from the data stream's position, as the prompts are)."""
+    args = ["--model", "toy_vision", "--max_steps", "4", "--save_steps", "2", "--eval_steps", "0",
+            "--num_eval_prompts", "16", "--seed", "3"]
+    full, resumed = str(tmp_path / "full"), str(tmp_path / "resumed")
+    run_script("grpo.py", *args, "--output_dir", full, threads=1)
+    run_script("grpo.py", *args, "--output_dir", resumed, "--resume_from", f"{full}/checkpoint-2", threads=1)
+    a, b = without_wall_clock(read_metrics(full)), without_wall_clock(read_metrics(resumed))
+    assert [r["step"] for r in b][-2:] == [3, 4]
+    for x, y in zip(a[-2:], b[-2:]):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), k
+
+
+def test_two_processes_with_images(toy_vision, tmp_path):
+    """grpo.py on 2 processes with images and an uneven held-out split (15 prompts): each process samples its own
+    prompts with their pictures; the run finishes with finite numbers and the blind control."""
+    out = str(tmp_path / "two")
+    run_distributed("grpo.py", "--model", "toy_vision", "--max_steps", "2", "--per_device_train_batch_size", "16",
+                    "--eval_steps", "0", "--num_eval_prompts", "15", "--output_dir", out)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(math.isfinite(v) for row in rows for v in row.values() if isinstance(v, float))
+    assert "eval/gold_score_blind" in rows[-1]
 
 
 def test_unsupported_paths_refuse_images_in_one_line(toy_vision, tmp_path):
