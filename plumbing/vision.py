@@ -112,6 +112,11 @@ class Vision:
             raise UserError(f"dataset {dataset_name!r} has an {column!r} column but --model {model_name!r} is a "
                             f"text-only model ({type(config).__name__}, no vision config): give a vision-language "
                             "model, or data without images")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+        if "mrope_section" in rope:  # the forwards pass 1-D positions: this model's image tokens would be misplaced
+            raise UserError(f"--model {model_name!r} places image tokens with multimodal rotary positions (Qwen2-VL's "
+                            "3-D position ids), which the forwards do not compute yet: use a LLaVA-style model")
         from transformers import AutoProcessor
 
         try:

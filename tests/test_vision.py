@@ -256,3 +256,14 @@ def test_unsupported_paths_refuse_images_in_one_line(toy_vision, tmp_path):
         proc = run_script(script, "--model", "toy_vision", "--max_steps", "1", *flags, "--output_dir",
                           str(tmp_path / script), check=False)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-500:]
+
+
+def test_multimodal_rotary_models_are_refused_in_one_line():
+    """Qwen2.5-VL places image tokens with 3-D rotary positions, which the forwards do not compute yet: refused at
+    start-up rather than trained with its images misplaced."""
+    from transformers import Qwen2_5_VLConfig
+
+    config = Qwen2_5_VLConfig(text_config=dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}))
+    with pytest.raises(UserError, match="multimodal rotary positions"):
+        vision.Vision.from_data("Qwen/Qwen2.5-VL-3B-Instruct", config, ["prompt", "images"], "mine")
