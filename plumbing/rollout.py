@@ -475,8 +475,9 @@ class Sampler:
                 f"{largest:.3g}, mean {mean:.3g} per token): generation no longer samples the distribution every "
                 "forward scores (a top-p, top-k, repetition penalty or logits processor in the generation config?); "
                 "the losses would use wrong old log-probs (rollout.py's docstring)")
-        return {"rollout/logprob_check": largest, **importance_sampling_stats(
-            recomputed, sampled_logprobs[:LOGPROB_CHECK_ROWS], mask, ImportanceSampling.from_args(self.args, "hf"))}
+        stats = importance_sampling_stats(recomputed, sampled_logprobs[:LOGPROB_CHECK_ROWS], mask,
+                                          ImportanceSampling.from_args(self.args, "hf"))
+        return {"rollout/logprob_check": largest, **{k: v.item() for k, v in stats.items()}}  # JSON in checkpoints
 
     def complete(self, queries: torch.Tensor, rows: Sequence[dict], generation_config, images=None):
         """Evaluation's completions (HF generate, also with --use_vllm): one per row of `queries` (b, Lq) (`images`:

@@ -1,7 +1,7 @@
 """rollout.py: the Sampler on the toy policy: a rollout's layout and scores against the obvious computations, the
 old-log-probs invariant (kept by the sampling the scripts use; a changed sampler fails loudly), the training
 forward, the group-keeping shuffle."""
-
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -81,8 +81,11 @@ def test_rollout_layout_scores_and_old_logprobs(toy_sampler_parts):
     ref = plain.logprobs(reference.model, batch.query_responses, ctx)
     torch.testing.assert_close(batch.ref_logprobs[mask], ref[mask], atol=1e-5, rtol=0)
     assert batch.entropy.shape == mask.shape and (batch.entropy[mask] > 0).all()
-    # the invariant's check ran (step 1) and found the sampled log-probs equal to a forward's
+    # the invariant's check ran (step 1) and found the sampled log-probs equal to a forward's; its mismatch metrics
+    # (hf/*) are plain numbers: a batch sampled ahead is checkpointed with its metrics as JSON (run_ahead.py)
     assert batch.metrics["rollout/logprob_check"] < 1e-4
+    assert batch.metrics["hf/logprob_diff"] < 1e-4 and batch.metrics["hf/kl"] < 1e-6
+    json.dumps(batch.metrics)
 
 
 def test_next_rollout_takes_the_next_prompts_and_checks_every_tenth_step(toy_sampler_parts):
