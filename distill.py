@@ -6,6 +6,7 @@ generalized JSD, --beta 0 forward KL .. 1 reverse KL; --loss pg: REINFORCE on lo
 TRL's DistillationConfig / GKDConfig; details: docs/distillation.md; metrics: docs/metrics.md.
 
     python distill.py                               # the toy teacher into the toy SFT policy, on a CPU
+    python distill.py --model toy_vision            # images: the toy vision teacher into the toy LLaVA policy
     accelerate launch distill.py --model <student> --teacher_model <teacher> --dataset <prompts>
 """
 import functools
@@ -28,6 +29,7 @@ from plumbing import rollout as ro
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
 from plumbing import train_loop as tl
+from plumbing import vision as pv
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError, UserError
 
@@ -65,6 +67,10 @@ ALIAS_DEFAULTS = {"toy": dict(
     response_length=8, max_prompt_length=8, eval_steps=8, num_eval_prompts=256, local_rollout_forward_batch_size=256)}
 # toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, response_length=10)
+# toy_vision (toy_vision.py): its teacher (a wider LLaVA of the student's family, trained on the right answers), room
+# for a prompt's image tokens; reading the square's side takes the student longer than its colour: 192 steps
+ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], teacher_model="toy_vision", max_prompt_length=None,
+                                    response_length=3, learning_rate=1e-3, total_episodes=12288, eval_steps=32)
 
 
 # ALGO LOGIC: the distillation losses, pure functions of tensors (tested in tests/test_distill.py)
@@ -141,12 +147,19 @@ def token_terms(student_logits, teacher_chunk, tokens, *, teacher, teacher_forwa
     return divergence, new_logprobs, teacher_logprobs, student_entropy
 
 
-def teacher_outputs(teacher, teacher_forward, query_responses, context_length: int, hidden: bool) -> torch.Tensor:
-    """(b, T) -> the teacher's (b, R, V) logits / temperature at the response positions (pad masked), or with
-    `hidden` its (b, R, H) last hidden states there (its forward's `head_logits` turns a chunk into those logits)."""
-    if not hidden:
-        return teacher_forward.logits(teacher, query_responses, context_length)
-    return teacher_forward.outputs(teacher, query_responses, context_length, hidden=True)
+def teacher_outputs(teacher, teacher_forward, query_responses, context_length: int, row_chunks, hidden: bool,
+                    images=None) -> torch.Tensor:
+    """(B, T) and the rows' image inputs (None: text) -> for the rows of `row_chunks` (index tensors, one forward
+    each), the teacher's (b, R, V) logits / temperature at the response positions (pad masked), or with `hidden` its
+    (b, R, H) last hidden states there (its forward's `head_logits` turns a chunk into those logits)."""
+    def outputs(rows):
+        if not hidden:
+            return teacher_forward.logits(teacher, query_responses[rows], context_length,
+                                          images=pv.row_images(images, rows))
+        return teacher_forward.outputs(teacher, query_responses[rows], context_length, hidden=True,
+                                       images=pv.row_images(images, rows))
+
+    return torch.cat([outputs(rows) for rows in row_chunks])
 
 
 def validate(args: Args) -> int:
@@ -165,42 +178,70 @@ def validate(args: Args) -> int:
     return args.per_device_train_batch_size * args.gradient_accumulation_steps
 
 
-def load_teacher(args, tokenizer, positions_needed: int, accelerator):
+def load_teacher(args, tokenizer, accelerator, vision: Optional[pv.Vision] = None):
     """The frozen teacher: --teacher_model (None: the one paired with --model), its vocabulary the student's and its
-    positions enough for prompt + completion; one-line errors name both models otherwise."""
+    positions enough for prompt + completion (--max_prompt_length + --response_length); with images (`vision`), a
+    vision-language model of the student's family that reads the student's image inputs; one-line errors name both
+    models otherwise."""
     name = args.teacher_model or ru.default_teacher(args.model)
-    path = ru.resolve_teacher(name)
+    path = du.toy_teacher(name) if name == du.TOY_VISION_ALIAS else ru.resolve_teacher(name)
+    if vision is not None:
+        check_teacher_images(name, path, vision, args.trust_remote_code)
     teacher_tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)
     if teacher_tokenizer.get_vocab() != tokenizer.get_vocab():
         raise UserError(f"the teacher {name!r} has another vocabulary than the student {args.model!r} ("
                         f"{len(teacher_tokenizer)} vs {len(tokenizer)} tokens): distillation compares next-token "
                         "distributions token by token, so they must share one")
+    positions_needed = args.max_prompt_length + args.response_length
     positions = ru.model_positions(path, args.trust_remote_code)
     if positions is not None and positions < positions_needed:
         raise UserError(f"the teacher {name!r} has {positions} positions, fewer than a prompt + completion of "
                         f"{positions_needed} tokens (--max_prompt_length + --response_length): lower them")
     teacher = models.load_causal_lm(path, tokenizer, models.Precision.from_args(args),
                                     trust_remote_code=args.trust_remote_code)
-    return models.prepare_frozen(teacher, accelerator), name
+    return models.prepare_frozen(teacher, accelerator)
+
+
+def check_teacher_images(name: str, path: str, vision: pv.Vision, trust_remote_code: bool) -> None:
+    """The data has images, which the student's processor turned into image tokens and pixel inputs: the teacher must
+    read both as the student does (a VLM of its family, the same image tokens and image processor)."""
+    from transformers import AutoProcessor
+
+    config, student = (ru.model_config(p, trust_remote_code) for p in (path, vision.model_name))
+    if not pv.is_vision_model(config):
+        raise UserError(f"--teacher_model {name!r} is a text-only model ({type(config).__name__}) but the data has "
+                        f"images (its {vision.column!r} column): give a vision-language teacher of the student's "
+                        "family")
+    try:
+        images = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code).image_processor.to_dict()
+    except (OSError, ValueError, AttributeError):  # no image processor beside the teacher
+        images = None
+    if (config.model_type, pv.image_token_ids(config), images) != (
+            student.model_type, pv.image_token_ids(student), vision.processor.image_processor.to_dict()):
+        raise UserError(f"--teacher_model {name!r} ({config.model_type}) does not read the student's images as "
+                        f"--model {vision.model_name!r} ({student.model_type}) does (another family, image token or "
+                        "image processor): distillation with images needs one family and processor")
 
 
 def off_policy_completions(args, data, tokenizer, teacher, prompts_seen: int, local_batch_size: int, accelerator):
     """An off-policy step's batch: this process's next local_batch_size prompts of the data stream with the teacher's
     samples (--seq_kd) or their `completion` column (`dataset_completions`). Returns (query_responses (B, Lq + R),
-    Lq)."""
+    Lq, the rows' image inputs (B,) or None for text)."""
     pad = tokenizer.pad_token_id
     indices = du.data_positions(len(data.train_prompts), args.seed,
                                 prompts_seen + accelerator.process_index * local_batch_size, local_batch_size)
     queries = pc.pad_sequences([data.train_prompts[i] for i in indices], pad, "left").to(accelerator.device)
-    if args.seq_kd:
+    images = data.vision and data.vision.rows_inputs([data.train[i] for i in indices])
+    if args.seq_kd:  # the teacher never samples an image placeholder (a picture that is not there)
         config = pc.make_generation_config(tokenizer, args.response_length, args.temperature,
-                                           cache_implementation=args.cache_implementation)
+                                           cache_implementation=args.cache_implementation,
+                                           suppress=pv.image_token_ids(models.causal_lm(teacher).config))
         query_responses, _ = pc.batch_generation(teacher, queries, pad, tokenizer.eos_token_id, config,
-                                                 args.local_rollout_forward_batch_size, accelerator)
-        return query_responses, queries.shape[1]
+                                                 args.local_rollout_forward_batch_size, accelerator, images=images)
+        return query_responses, queries.shape[1], images
     completions = dataset_completions(data.train, indices, tokenizer, args.response_length)
     completions = pc.pad_sequences(completions, pad, "right").to(accelerator.device)
-    return torch.cat([queries, completions], 1), queries.shape[1]
+    return torch.cat([queries, completions], 1), queries.shape[1], images
 
 
 def dataset_completions(data, indices, tokenizer, response_length: int) -> List[List[int]]:
@@ -222,7 +263,7 @@ def main():
     # 2. tokenizer and data: prompts tokenised once; completions fitted into the model's positions after them
     policy_path = ru.resolve_model(args.model)
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    data = ro.load_prompt_data(args, tokenizer, policy_path)
+    data = ro.load_prompt_data(args, tokenizer, policy_path, images=True)  # images: the forwards carry them
     if args.lmbda < 1 and not args.seq_kd:
         du.require_columns(data.train, ["completion"], data.name)  # the off-policy steps' completions
     if args.reward_funcs is None and data.held_out.gold is not None:
@@ -232,7 +273,7 @@ def main():
     # 3. models: the student (+LoRA), the frozen teacher; reward functions (logged only); each one's forward (logits /
     #    temperature; packed, the output layer in chunks, ...), chosen once (plumbing/forwards.py)
     forwards = ro.rollout_forwards(args, tokenizer.pad_token_id, samples_per_prompt=1)
-    teacher, teacher_name = load_teacher(args, tokenizer, args.max_prompt_length + args.response_length, accelerator)
+    teacher = load_teacher(args, tokenizer, accelerator, data.vision)
     teacher_forward = forwards.lm(teacher)
     policy = models.load_policy(policy_path, tokenizer, args)
     reward_sources = rs.Rewards(tokenizer, functions=[rs.load_reward_function(spec, data.name)
@@ -251,7 +292,7 @@ def main():
     sampler = ro.Sampler(args, accelerator, tokenizer, policy, forward, reward_sources, None,
                          prompts=data.train_prompts, rows=data.train, samples_per_prompt=1,
                          prompts_per_process=local_batch_size, max_prompt_length=args.max_prompt_length,
-                         weights_version=state["step"])
+                         weights_version=state["step"], vision=data.vision)
     pad, chunk = tokenizer.pad_token_id, args.local_rollout_forward_batch_size
     stop = tl.StopSignal()
     if state["step"] == 0:
@@ -268,10 +309,10 @@ def main():
             with tl.checkpoint_on_error(RolloutError, accelerator, output_dir, dict(state), scheduler):
                 batch = sampler.rollout(state["prompts_seen"], weights_version=state["step"],
                                         old_logprobs=args.loss == "pg")
-            query_responses, context_length, response_mask = batch.query_responses, batch.context_length, \
-                batch.response_mask
+            query_responses, context_length, response_mask, images = batch.query_responses, batch.context_length, \
+                batch.response_mask, batch.images
         else:
-            query_responses, context_length = off_policy_completions(
+            query_responses, context_length, images = off_policy_completions(
                 args, data, tokenizer, teacher, state["prompts_seen"], local_batch_size, accelerator)
             response_mask = query_responses[:, context_length:] != pad
         global_tokens = ru.global_sum(accelerator, response_mask.sum().item())
@@ -286,14 +327,15 @@ def main():
             # then runs a chunk of positions at a time, beside the student's), no grad, a chunk of rows at a time
             teacher_hidden = teacher_forward.chunked(teacher, tokens.numel())
             with torch.no_grad():
-                teacher_out = torch.cat([teacher_outputs(teacher, teacher_forward, query_responses[rows],
-                                                         context_length, teacher_hidden) for rows in mb.split(chunk)])
+                teacher_out = teacher_outputs(teacher, teacher_forward, query_responses, context_length,
+                                              mb.split(chunk), teacher_hidden, images)
             terms = functools.partial(token_terms, teacher=teacher, teacher_forward=teacher_forward,
                                       teacher_hidden=teacher_hidden, args=args)
 
             with micro_batches.accumulate():
                 divergence, new_logprobs, teacher_logprobs, token_entropy = forward.map_logits(
-                    policy, query_responses[mb], context_length, terms, teacher_out, tokens)  # (b, R) each
+                    policy, query_responses[mb], context_length, terms, teacher_out, tokens,
+                    images=pv.row_images(images, mb))  # (b, R) each
                 if args.loss == "gkd":
                     token_loss = divergence
                 else:

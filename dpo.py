@@ -22,7 +22,7 @@ from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import forwards as fw
 from plumbing import greedy_eval as ge
-from plumbing import models
+from plumbing import models, vision
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
@@ -37,6 +37,8 @@ ALIAS_DEFAULTS = {
 }
 # toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, max_length=22, response_length=10)
+# toy_vision (toy_vision.py): its preference pairs (the right answer against a wrong one), room for the image tokens
+ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=None, max_length=16, response_length=3)
 
 
 @dataclass
@@ -128,9 +130,10 @@ def batch_losses(args, policy, forward: pc.Forward, reference, rows, pad_token_i
     reference log-probs precomputed or from the reference."""
     query_responses, context_length = du.concatenated_inputs(rows, pad_token_id)
     query_responses = query_responses.to(device)  # (2b, Lq + R): chosen rows, rejected rows
-    token_logprobs = forward.logprobs(policy, query_responses, context_length)  # (2b, R)
+    images = vision.batch_inputs(rows, copies=2)  # (2b,) the prompts' image inputs, None for text
+    token_logprobs = forward.logprobs(policy, query_responses, context_length, images=images)  # (2b, R)
     policy_logps, lengths = completion_sums(token_logprobs, query_responses, context_length, pad_token_id)  # (2b,)
-    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id)
+    ref_logps = reference_logps(reference, rows, query_responses, context_length, pad_token_id, images)
     return pair_losses(args, policy_logps, ref_logps, lengths)
 
 
@@ -139,17 +142,18 @@ def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length:
     """Text or conversational pairs -> (rows, dropped): rows of token-id lists `prompt`, `chosen`, `rejected`
     (completions ending with one EOS, du.tokenize_completion, then cut by du.tokenize_prompt_completion's rule); a pair
     with a completion cut to nothing is dropped and counted. A value that is neither text nor a list of messages is a
-    UserError."""
+    UserError. A pair whose prompt has images (du.with_images) keeps them under `images`."""
     rows, dropped = [], 0
     for i, example in enumerate(dataset):
         du.require_text_or_messages({column: example[column] for column in ("prompt", "chosen", "rejected")}, name, i)
         (prompt_ids, chosen_ids), (_, rejected_ids) = [du.tokenize_prompt_completion(
-            tokenizer, example["prompt"], example[column], max_prompt_length, max_length)
+            tokenizer, example["prompt"], example[column], max_prompt_length, max_length, images=example.get("images"))
             for column in ("chosen", "rejected")]
         if not prompt_ids or not chosen_ids or not rejected_ids:
             dropped += 1
             continue
-        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids})
+        rows.append({"prompt": prompt_ids, "chosen": chosen_ids, "rejected": rejected_ids,
+                     **({"images": example["images"]} if example.get("images") else {})})
     if not rows:
         raise UserError(f"dataset {name!r}: no pair is left after truncation to --max_prompt_length "
                         f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
@@ -158,12 +162,13 @@ def tokenize_preferences(tokenizer, dataset, max_prompt_length: int, max_length:
 
 # Reference log-probs and evaluation: each process takes an even share (ru.even_share), so that every process makes
 # the same model calls; results are combined over all processes
-def reference_logps(reference, rows, query_responses, context_length, pad_token_id):
-    """(2b,) reference log-probs summed over each completion of the concatenated batch of `rows`: their precomputed
-    `ref_logps` when they have them (--precompute_ref_logprobs), else computed with the reference model (no grad)."""
+def reference_logps(reference, rows, query_responses, context_length, pad_token_id, images=None):
+    """(2b,) reference log-probs summed over each completion of the concatenated batch of `rows` (`images`: its image
+    inputs): their precomputed `ref_logps` when they have them (--precompute_ref_logprobs), else computed with the
+    reference model (no grad)."""
     if "ref_logps" in rows[0]:
         return torch.stack([row["ref_logps"] for row in rows], 1).reshape(-1).to(query_responses.device)
-    token_logprobs = reference.logprobs(query_responses, context_length)
+    token_logprobs = reference.logprobs(query_responses, context_length, images=images)
     return completion_sums(token_logprobs, query_responses, context_length, pad_token_id)[0]
 
 
@@ -178,7 +183,7 @@ def precompute_reference_logps(reference, rows, batch_size: int, pad_token_id: i
             batch = share[i:i + batch_size]
             query_responses, context_length = du.concatenated_inputs(batch, pad_token_id)
             logps = reference_logps(reference, batch, query_responses.to(accelerator.device), context_length,
-                                    pad_token_id)
+                                    pad_token_id, vision.batch_inputs(batch, copies=2))
             table.append(torch.stack(logps.chunk(2), 1))  # (b, 2)
         return torch.cat(table)
 
@@ -239,15 +244,16 @@ def main() -> None:
     du.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)
     if args.max_eval_pairs:
         eval_data = eval_data.select(range(min(args.max_eval_pairs, len(eval_data))))
+    images, train_data, eval_data = ru.with_images(args, policy_path, args.dataset, train_data, eval_data)
     scorer = du.gold_scorer(args.dataset) if args.num_eval_prompts else None
-    eval_prompts = du.load_held_out_prompts(args.dataset, args.eval_split, args.num_eval_prompts) if scorer else []
-    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, [*train_data["prompt"], *eval_data["prompt"]],
-                                  eval_prompts)
+    eval_prompts = du.load_held_out_prompts(args.dataset, args.eval_split, args.num_eval_prompts,
+                                            images) if scorer else []
+    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, du.prompts_of(train_data, eval_data), eval_prompts)
     train_rows, dropped = tokenize_preferences(tokenizer, train_data, args.max_prompt_length, args.max_length,
                                                args.dataset)
     eval_rows, eval_dropped = tokenize_preferences(tokenizer, eval_data, args.max_prompt_length, args.max_length,
                                                    f"{args.dataset}:{args.eval_split}")
-    held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer)
+    held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer, images and eval_prompts)
     loop = tl.EpochLoop(args, len(train_rows), batch_size, "pairs")
 
     # 3. models: policy (+ LoRA with --use_peft) with its optimizer and schedule, prepared; reference (frozen copy /

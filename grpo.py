@@ -130,7 +130,7 @@ ALIAS_DEFAULTS["toy_tools"] = dict(ALIAS_DEFAULTS["toy"], total_episodes=12288, 
                                    response_length=24, max_prompt_length=16, reward_funcs=["gold"],
                                    tools=["toy_worlds.toy_tools:lookup"], max_tool_calling_iterations=2)
 ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=None, response_length=3,
-                                    reward_funcs=["gold"])
+                                    reward_funcs=["gold"], total_episodes=64 * 48)
 
 
 # ALGO LOGIC: the GRPO pieces, pure functions of tensors (tests/test_grpo*.py), composed in sample_batch and GRPOLoss

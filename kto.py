@@ -22,7 +22,7 @@ from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import forwards as fw
 from plumbing import greedy_eval as ge
-from plumbing import models
+from plumbing import models, vision
 from plumbing import prompt_sharing as ps
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
@@ -41,6 +41,9 @@ ALIAS_DEFAULTS = {
 # EOS token they share with the good answers) are pushed down (benchmark/results/kto_toy_hard.md)
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], response_length=10, desirable_weight=None,
                                   undesirable_weight=None, beta=1.0)
+# toy_vision (toy_vision.py): its unpaired examples (about half right: weights from the counts), room for image tokens
+ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=None, max_length=16, response_length=3,
+                                    desirable_weight=None, undesirable_weight=None)
 
 
 @dataclass
@@ -126,11 +129,12 @@ def kto_step(policy, forward, reference, batch: dict, args: Args, pad_token_id: 
     # log pi(y|x) of each example's own completion, with gradient, and log pi(y'|x) of its mismatched pair
     # (x_k, y_{k-1}), without; the reference's the same way (unless precomputed), first: its forward's memory is
     # free again before the policy's activations are kept for the backward
+    images, pad = batch["images"], pad_token_id  # (2B,) the prompts' image inputs, None for text
     all_ref_logps = (batch["ref_logps"].to(device) if "ref_logps" in batch
-                     else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad_token_id, joint))
+                     else completion_logprob_sums(reference.logprobs, query_responses, ctx, pad, joint, images))
     ref_logps, kl_ref_logps = all_ref_logps.chunk(2)
-    policy_logps, kl_policy_logps = policy_logprob_sums(policy, forward, query_responses, ctx, pad_token_id,
-                                                        joint).chunk(2)
+    policy_logps, kl_policy_logps = policy_logprob_sums(policy, forward, query_responses, ctx, pad_token_id, joint,
+                                                        images).chunk(2)
     z0 = kl_reference_point(kl_policy_logps, kl_ref_logps, accelerator)
     rewards = policy_logps - ref_logps
     loss = kto_losses(rewards, z0, desirable, args.beta, args.desirable_weight, args.undesirable_weight).mean()
@@ -175,25 +179,26 @@ def kto_forwards(args, pad_token_id: int) -> fw.Forwards:
 
 
 def completion_logprob_sums(logprobs_fn, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                            joint: bool) -> torch.Tensor:
-    """(2B, T) collated rows -> (2B,) log p(completion | prompt) under a model (`logprobs_fn(rows, context_length)`
-    -> (b, R) log-probs, by a forward that shares prompts when `joint`): all rows in one call, each prompt encoded once
-    (`joint`), or the own half and then the mismatched half, without gradient, in two calls."""
-    def summed(rows):  # (b, T) -> (b,) response log-probs summed over the real tokens
-        logprobs = logprobs_fn(rows, context_length)  # (b, R)
+                            joint: bool, images=None) -> torch.Tensor:
+    """(2B, T) collated rows (and their (2B,) `images`, None: text) -> (2B,) log p(completion | prompt) under a model
+    (`logprobs_fn(rows, context_length, images=)` -> (b, R) log-probs, by a forward that shares prompts when `joint`):
+    all rows in one call, each prompt encoded once (`joint`), or the own half and then the mismatched half, without
+    gradient, in two calls."""
+    def summed(rows, rows_images):  # (b, T) -> (b,) response log-probs summed over the real tokens
+        logprobs = logprobs_fn(rows, context_length, images=rows_images)  # (b, R)
         return (logprobs * (rows[:, context_length:] != pad_token_id)).sum(1)
 
     if joint:
-        return summed(query_responses)
+        return summed(query_responses, images)
     own, mismatched = query_responses.chunk(2)
-    own_logps = summed(own)
+    own_logps = summed(own, images and images[:len(own)])
     with torch.no_grad():
-        mismatched_logps = summed(mismatched)
+        mismatched_logps = summed(mismatched, images and images[len(own):])
     return torch.cat([own_logps, mismatched_logps])
 
 
 def policy_logprob_sums(policy, forward, query_responses: torch.Tensor, context_length: int, pad_token_id: int,
-                        joint: bool) -> torch.Tensor:
+                        joint: bool, images=None) -> torch.Tensor:
     """`completion_logprob_sums` of the policy (run by its `forward`), (2B, T) -> (2B,), the mismatched half (rows
     B..2B-1) without gradient. Joint: each prompt encoded once, with gradient; the mismatched completions run on a
     no-grad fork of its keys and values, then the own completions with gradient (`grad_rows`,
@@ -201,7 +206,7 @@ def policy_logprob_sums(policy, forward, query_responses: torch.Tensor, context_
     forwards."""
     grad_rows = len(query_responses) // 2 if joint else None
     logprobs_fn = functools.partial(forward.logprobs, policy, grad_rows=grad_rows)
-    return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint)
+    return completion_logprob_sums(logprobs_fn, query_responses, context_length, pad_token_id, joint, images)
 
 
 @torch.no_grad()
@@ -209,9 +214,9 @@ def precompute_reference(groups: list, reference, pad_token_id: int, accelerator
     """Store ref_logps and kl_ref_logps in every example: the groups in even shares over the processes (the same
     model calls everywhere), the results gathered back in order (tl.gather_in_order)."""
     def score(share):  # this process's groups -> (len(share), 2B): own completions, then mismatched ones
-        batches = [collate(group, pad_token_id) for group in share]
         return torch.stack([completion_logprob_sums(reference.logprobs, b["query_responses"].to(accelerator.device),
-                                                    b["context_length"], pad_token_id, joint) for b in batches])
+                                                    b["context_length"], pad_token_id, joint, b["images"])
+                            for b in (collate(group, pad_token_id) for group in share)])
 
     for group, logps in zip(groups, tl.gather_in_order(groups, score, accelerator).cpu()):
         ref, kl_ref = logps.chunk(2)
@@ -240,11 +245,11 @@ def make_kl_groups(examples: list, group_size: int, seed: int, max_length: int) 
 def collate(group: list, pad_token_id: int) -> dict:
     """A micro-batch of B examples: query_responses (2B, Lq + R), rows 0..B-1 each prompt with its own
     completion and rows B..2B-1 each prompt with its mismatched completion; context_length Lq; desirable (B,)
-    bool; ref_logps (2B,) when precomputed."""
+    bool; images (2B,): their prompts' image inputs (None: text); ref_logps (2B,) when precomputed."""
     query_responses, context_length = du.concatenated_inputs(group, pad_token_id, prompt="prompt_ids",
                                                              completions=("completion_ids", "kl_completion_ids"))
     batch = dict(query_responses=query_responses, context_length=context_length,
-                 desirable=torch.tensor([e["label"] for e in group]))
+                 desirable=torch.tensor([e["label"] for e in group]), images=vision.batch_inputs(group, copies=2))
     if "ref_logps" in group[0]:
         batch["ref_logps"] = torch.tensor([e["ref_logps"] for e in group] + [e["kl_ref_logps"] for e in group])
     return batch
@@ -299,23 +304,22 @@ def main():
     train_data = du.to_unpaired(du.load_unpaired_dataset(dataset_name, "train"), dataset_name)
     eval_data = du.to_unpaired(du.load_unpaired_dataset(dataset_name, args.eval_split), dataset_name)
     eval_data = eval_data.select(range(min(args.num_eval_examples or len(eval_data), len(eval_data))))
-    eval_prompts = du.load_held_out_prompts(dataset_name, args.eval_split, args.num_eval_prompts)
-    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, [*train_data["prompt"], *eval_data["prompt"]],
-                                  eval_prompts, cut_held_out=True)
-    examples, dropped = du.tokenize_unpaired(train_data, tokenizer, args.max_prompt_length, args.max_length,
-                                             dataset_name)
-    eval_examples, eval_dropped = du.tokenize_unpaired(eval_data, tokenizer, args.max_prompt_length, args.max_length,
-                                                       dataset_name)
+    images, train_data, eval_data = ru.with_images(args, policy_path, dataset_name, train_data, eval_data)
+    eval_prompts = du.load_held_out_prompts(dataset_name, args.eval_split, args.num_eval_prompts, images)
+    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, du.prompts_of(train_data, eval_data), eval_prompts,
+                                  cut_held_out=True)
+    (examples, dropped), (eval_examples, eval_dropped) = (du.tokenize_unpaired(
+        data, tokenizer, args.max_prompt_length, args.max_length, dataset_name) for data in (train_data, eval_data))
     groups = make_kl_groups(examples, args.per_device_train_batch_size, args.seed, args.max_length)
     eval_groups = make_kl_groups(eval_examples, args.per_device_eval_batch_size, args.seed, args.max_length)
     if len(groups) < groups_per_step or len(eval_groups) < world:
         raise UserError(f"dataset {dataset_name!r}: {len(examples)} train / {len(eval_examples)} eval examples do not "
                         f"fill one batch ({batch_size} train, {args.per_device_eval_batch_size * world} eval)")
-    held_out = du.HeldOut(eval_groups, eval_queries, tokenizer, du.gold_scorer(dataset_name))
+    held_out = du.HeldOut(eval_groups, eval_queries, tokenizer, du.gold_scorer(dataset_name), images and eval_prompts)
     loop = tl.EpochLoop(args, len(groups), groups_per_step, "samples", rows_per_item=args.per_device_train_batch_size,
                         per_step_time=True)
     n_desirable = sum(e["label"] for e in examples)
-    n_undesirable = len(examples) - n_desirable
+    n_undesirable = len(examples) - n_desirable  # the class weights from the counts where not given
     args.desirable_weight, args.undesirable_weight = loss_weights(n_desirable, n_undesirable, args.desirable_weight,
                                                                   args.undesirable_weight)
     advice = weight_advice(n_desirable, n_undesirable, args.desirable_weight, args.undesirable_weight)

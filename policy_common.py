@@ -67,9 +67,9 @@ class Forward:
 
         def plain(rows: slice):  # (rows, R, X): one forward over full rows, the output layer on the response positions
             input_ids = query_responses[rows].masked_fill(attention_mask[rows] == 0, 0)  # pad ids: maybe no embedding
-            out = model(input_ids=input_ids, attention_mask=attention_mask[rows], position_ids=position_ids[rows],
-                        use_cache=False, **models.keep_last(model, R + 1),
-                        **vision.model_inputs(vision.row_images(images, rows), input_ids.device))
+            out = model(input_ids=input_ids, attention_mask=attention_mask[rows], use_cache=False,
+                        **models.keep_last(model, R + 1), **vision.model_inputs(  # positions: ours or, images, its own
+                            vision.row_images(images, rows), input_ids.device, model, input_ids, position_ids[rows]))
             return out.logits[:, -(R + 1):-1]
 
         if grad_rows is None or not 0 < grad_rows < len(query_responses):
@@ -103,8 +103,7 @@ class Forward:
                    *extra: torch.Tensor, mask_pad: bool = True, grad_rows: Optional[int] = None, images=None) -> tuple:
         """fn(logits (n, V), *extra (n, ...)) -> tuple of (n, ...) per-token results, for `logits` at the B x R
         response positions and `extra` (B, R, ...) tensors taken alongside (the tokens, say): returns the tuple shaped
-        (B, R, ...). chunked_head.py gives the same numbers a chunk of positions at a time, at the memory of one
-        chunk's logits."""
+        (B, R, ...). chunked_head.py: the same numbers a chunk of positions at a time, at the memory of one chunk's."""
         B, R = query_responses.shape[0], query_responses.shape[1] - context_length
         flat = [e.reshape(B * R, *e.shape[2:]) for e in extra]
         logits = self.logits(model, query_responses, context_length, mask_pad=mask_pad, grad_rows=grad_rows,
@@ -371,7 +370,7 @@ def batch_generation(model: nn.Module, queries: torch.Tensor, pad_token_id: int,
             out = gen_model.generate(input_ids=query, attention_mask=attention_mask,
                                      generation_config=generation_config, logits_processor=[sampled], **prefill,
                                      **vision.model_inputs(vision.row_images(images, slice(i, i + chunk_size)),
-                                                           query.device))
+                                                           query.device, gen_model, query))
             response = out.sequences[:, query.shape[1]:]
             logprob, entropy = sampled.finish(response[:, -1])  # (b, r), r <= R
             if return_entropy:

@@ -222,7 +222,7 @@ def main() -> None:
     # the reward model reads them, the epochs' order
     tokenizer = models.load_tokenizer(model_path, trust_remote_code=args.trust_remote_code)
     pad = tokenizer.pad_token_id
-    train_data = du.load_preference_dataset(args.dataset, "train")
+    train_data = du.text_only(du.load_preference_dataset(args.dataset, "train"), args.dataset)  # a scalar head on text
     du.require_columns(train_data, ["prompt", "chosen", "rejected"], args.dataset)
     eval_data = du.load_preference_dataset(args.dataset, args.eval_split)
     du.require_columns(eval_data, ["prompt", "chosen", "rejected"], args.dataset)

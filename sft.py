@@ -23,7 +23,7 @@ from plumbing import accumulation as acc
 from plumbing import data_utils as du
 from plumbing import forwards as fw
 from plumbing import greedy_eval as ge
-from plumbing import models
+from plumbing import models, vision
 from plumbing import run_utils as ru
 from plumbing import throughput as tp
 from plumbing import train_loop as tl
@@ -43,6 +43,8 @@ ALIAS_DEFAULTS = {
 }
 # toy_hard (toy_task.SETTINGS): the toy defaults and budget, with room for its longer prompts and answers
 ALIAS_DEFAULTS["toy_hard"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=10, max_length=22, response_length=10)
+# toy_vision (toy_vision.py): the right answers about its pictures, room for a prompt's image tokens
+ALIAS_DEFAULTS["toy_vision"] = dict(ALIAS_DEFAULTS["toy"], max_prompt_length=None, max_length=16, response_length=3)
 
 
 @dataclass
@@ -84,7 +86,7 @@ def completion_token_stats(model, forward: pc.Forward, rows, pad_token_id: int, 
     # the full softmax, as TRL's SFTTrainer: pad is never a target, so maximum likelihood pushes its probability
     # down and the checkpoint does not emit it under samplers that do not suppress it (the RL scripts mask it)
     token_logprobs, top1 = forward.map_logits(model, query_responses, context_length, token_logprob_and_top1,
-                                              completions, mask_pad=False)  # (b, R) each
+                                              completions, mask_pad=False, images=vision.batch_inputs(rows))  # (b, R)
     mask = (completions != pad_token_id) & completion_mask.to(completions.device)
     return -token_logprobs, top1 & mask, mask
 
@@ -136,13 +138,16 @@ def toy_demonstrations(split: str, kind: str, seed: int, world: str = "toy"):
 
 
 def load_demonstrations(args: Args, split: str):
-    """`split` of the SFT data: the toy demonstrations for `toy`, the tool world's conversations for `toy_tools`,
-    else the dataset (alias `tldr` = trl-lib/tldr, whose columns are prompt and completion; a hub id, folder or files)
-    with its columns checked."""
+    """`split` of the SFT data: the toy demonstrations for `toy`, the tool world's conversations for `toy_tools`, the
+    right answers for `toy_vision`, else the dataset (alias `tldr` = trl-lib/tldr, whose columns are prompt and
+    completion; a hub id, folder or files) with its columns checked."""
     if args.dataset in du.TOY_WORLDS:
         return toy_demonstrations(split, args.toy_demonstrations, args.seed, args.dataset)
+    if args.dataset == du.TOY_VISION_ALIAS:  # its pictures' right answers, as the assistant's message
+        data = du.load_prompt_dataset(args.dataset, split)
+        return data.add_column("completion", [[{"role": "assistant", "content": a}] for a in data["answer"]])
     name = du.toy_tools_world()["sft_dataset"] if args.dataset == du.TOY_TOOLS_ALIAS else args.dataset
-    data = du.text_only(du.load_prompt_dataset(name, split), name)
+    data = du.load_prompt_dataset(name, split)
     if "messages" not in data.column_names:
         du.require_columns(data, ["prompt", "completion"], args.dataset)
     return data
@@ -156,10 +161,11 @@ def is_tool_conversation(messages: list, tools) -> bool:
 
 
 def prompt_completion_pairs(data, name: str) -> list:
-    """Rows -> [(prompt, completion, tools)], prompt and completion text or lists of messages. A `messages` row is
-    cut before its last message, which must be the assistant's; a tool conversation (is_tool_conversation) before
-    its first assistant message, `tools` then its `tools` column (JSON schemas, or a JSON string of them) or [];
-    else tools is None. Anything else is a UserError naming the row."""
+    """Rows (du.with_images) -> [(prompt, completion, tools, images)], prompt and completion text or lists of messages.
+    A `messages` row is cut before its last message, which must be the assistant's; a tool conversation
+    (is_tool_conversation) before its first assistant message, `tools` then its `tools` column (JSON schemas, or a JSON
+    string of them) or []; else tools is None. `images`: the prompt's (vision.ImageSource), None for text. Anything
+    else is a UserError naming the row."""
     pairs = []
     for i, example in enumerate(data):
         tools = None
@@ -181,22 +187,26 @@ def prompt_completion_pairs(data, name: str) -> list:
             else:
                 prompt, completion, tools = messages[:-1], messages[-1:], None
         du.require_text_or_messages({"prompt": prompt, "completion": completion}, name, i)
-        pairs.append((prompt, completion, tools))
+        images = example.get("images")
+        if images is not None and tools is not None:
+            raise UserError(f"dataset {name!r} row {i}: a tool conversation with images is not supported; give "
+                            "single-turn demonstrations with images, or tool conversations without")
+        pairs.append((prompt, completion, tools, images and images.with_prompt(prompt)))
     return pairs
 
 
 def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length: int, name: str):
-    """[(prompt, completion, tools)] -> (rows, dropped): rows of token-id lists `prompt`, `completion` and the bool
-    list `completion_mask` (True on the tokens trained on). A pair: the completion ending with EOS
-    (du.tokenize_completion), cut by du.tokenize_prompt_completion's rule, every completion token trained. A tool
-    conversation (tools not None): du.tokenize_conversation's tokens and mask (each assistant turn through its EOS,
-    not the tool results), cut by the same rule. An example with an empty prompt or no trained token left is dropped
-    and counted. No example left is a UserError."""
+    """[(prompt, completion, tools, images)] -> (rows, dropped): rows of token-id lists `prompt`, `completion`, the bool
+    list `completion_mask` (True on the tokens trained on) and the prompt's `images` where it has them. A pair: the
+    completion ending with EOS (du.tokenize_completion), cut by du.tokenize_prompt_completion's rule, every completion
+    token trained. A tool conversation (tools not None): du.tokenize_conversation's tokens and mask (each assistant
+    turn through its EOS, not the tool results), cut by the same rule. An example with an empty prompt or no trained
+    token left is dropped and counted. No example left is a UserError."""
     rows, dropped = [], 0
-    for prompt, completion, tools in pairs:
+    for prompt, completion, tools, images in pairs:
         if tools is None:
             prompt_ids, completion_ids = du.tokenize_prompt_completion(tokenizer, prompt, completion,
-                                                                       max_prompt_length, max_length)
+                                                                       max_prompt_length, max_length, images=images)
             completion_mask = [True] * len(completion_ids)
         else:
             prompt_ids, completion_ids, completion_mask = du.tokenize_conversation(tokenizer, prompt + completion,
@@ -207,7 +217,8 @@ def tokenize_demonstrations(tokenizer, pairs, max_prompt_length: int, max_length
         if not prompt_ids or not any(completion_mask):
             dropped += 1
             continue
-        rows.append({"prompt": prompt_ids, "completion": completion_ids, "completion_mask": completion_mask})
+        rows.append({"prompt": prompt_ids, "completion": completion_ids, "completion_mask": completion_mask,
+                     **({"images": images} if images else {})})
     if not rows:
         raise UserError(f"dataset {name!r}: no example is left after truncation to --max_prompt_length "
                         f"{max_prompt_length} / --max_length {max_length} ({dropped} dropped)")
@@ -256,20 +267,23 @@ def main() -> None:
     # 2. tokenizer and data (before the model loads): demonstrations, held-out prompts for the gold score, lengths
     # fitted to the data and the model, token ids, the epochs' order
     tokenizer = models.load_tokenizer(policy_path, trust_remote_code=args.trust_remote_code)
-    train_pairs = prompt_completion_pairs(load_demonstrations(args, "train"), args.dataset)
-    eval_pairs = prompt_completion_pairs(load_demonstrations(args, args.eval_split), args.dataset)
+    images, *data = ru.with_images(args, policy_path, args.dataset, load_demonstrations(args, "train"),
+                                   load_demonstrations(args, args.eval_split))  # the prompts' images (None: text)
+    train_pairs, eval_pairs = (prompt_completion_pairs(split, args.dataset) for split in data)
     if args.max_eval_examples:
         eval_pairs = eval_pairs[:args.max_eval_examples]
     scorer = du.gold_scorer(args.dataset) if args.num_eval_prompts else None
-    # completed greedily (single-turn: a tool conversation's prompt is not; grpo.py/rloo.py evaluate whole episodes)
-    eval_prompts = [p for p, _, tools in eval_pairs[:args.num_eval_prompts] if tools is None] if scorer else []
-    prompts, _, tools = zip(*train_pairs, *eval_pairs)
-    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, prompts, eval_prompts, tools=tools)
+    # completed greedily (single-turn: a tool conversation's prompt is not; grpo.py/rloo.py evaluate whole episodes);
+    # a prompt with images is measured and completed with them (its vision.ImageSource)
+    eval_prompts = [s or p for p, _, tools, s in eval_pairs[:args.num_eval_prompts] if tools is None] if scorer else []
+    prompts, _, tools, sources = zip(*train_pairs, *eval_pairs)
+    eval_queries = tl.fit_lengths(args, tokenizer, policy_path, [s or p for p, s in zip(prompts, sources)],
+                                  eval_prompts, tools=tools)
     train_rows, dropped = tokenize_demonstrations(tokenizer, train_pairs, args.max_prompt_length, args.max_length,
                                                   args.dataset)
     eval_rows, eval_dropped = tokenize_demonstrations(tokenizer, eval_pairs, args.max_prompt_length, args.max_length,
                                                       f"{args.dataset}:{args.eval_split}")
-    held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer)
+    held_out = du.HeldOut(eval_rows, eval_queries, tokenizer, scorer, images and eval_prompts)
     loop = tl.EpochLoop(args, len(train_rows), batch_size, "examples")
 
     # 3. the policy (+ LoRA with --use_peft)

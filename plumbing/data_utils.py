@@ -49,11 +49,12 @@ class HeldOut:
     pairs, demonstrations, unpaired examples; the RL scripts' prompt rows, which reward functions read), `prompts`
     (token ids of held-out prompts completed greedily: eval/gold_score and the sample table), `tokenizer` (the one
     that encoded them, which decodes the completions) and `gold` (the task's ground-truth scorer
-    `(prompt text, completion text) -> float`, or None)."""
+    `(prompt text, completion text, row) -> float`, or None)."""
     rows: Sequence
     prompts: List[List[int]]
     tokenizer: object
     gold: Optional[Callable[[str, str], float]] = None
+    images: Optional[Sequence] = None  # offline scripts: the held-out prompts' vision.ImageSource, None for text
 
 
 def toy_world(setting: str = TOY_ALIAS) -> dict:
@@ -78,11 +79,21 @@ def toy_vision_world() -> dict:
 
 
 def toy_teacher(setting: str = TOY_ALIAS) -> str:
-    """The teacher of the toy world `setting` (built offline on first use: toy_task.build_teacher), the folder
-    distill.py loads."""
+    """The teacher of the toy world `setting` (`toy`, `toy_hard`: toy_task.build_teacher; `toy_vision`:
+    `toy_vision_teacher`; built offline on first use), the folder distill.py loads."""
     from toy_worlds import toy_task
 
+    if setting == TOY_VISION_ALIAS:
+        return toy_vision_teacher()
     return toy_task.build_teacher(setting=setting)["teacher"]
+
+
+def toy_vision_teacher() -> str:
+    """The toy vision world's teacher folder (built offline on first use: toy_vision.build_teacher): a tiny LLaVA with
+    the student's processor, trained on the right answers."""
+    from toy_worlds import toy_vision
+
+    return toy_vision.build_teacher()["teacher"]
 
 
 def gold_scorer(dataset: str) -> Optional[Callable[[str, str, dict], float]]:
@@ -165,17 +176,23 @@ def load_prompt_dataset(name: str, split: str):
 
 
 def load_preference_dataset(name: str, split: str):
-    """`split` of a preference dataset (`prompt`, `chosen`, `rejected`): alias, local folder/files or hub id."""
+    """`split` of a preference dataset (`prompt`, `chosen`, `rejected`; an image column with them where the prompts
+    show images): alias, local folder/files or hub id."""
     if name in TOY_WORLDS:
         return _load_split(toy_world(name)["preference_dataset"], split)
-    return text_only(_load_split(DATASET_ALIASES[name][1] if name in DATASET_ALIASES else name, split), name)
+    if name == TOY_VISION_ALIAS:
+        return _load_split(toy_vision_world()["preference_dataset"], split)
+    return _load_split(DATASET_ALIASES[name][1] if name in DATASET_ALIASES else name, split)
 
 
 def load_unpaired_dataset(name: str, split: str):
-    """`split` of unpaired feedback (`prompt`, `completion`, `label`, or pairs to unpair): alias, folder, hub id."""
+    """`split` of unpaired feedback (`prompt`, `completion`, `label`, or pairs to unpair; an image column with them
+    where the prompts show images): alias, folder, hub id."""
     if name in TOY_WORLDS:
         return _load_split(toy_world(name)["unpaired_dataset"], split)
-    return text_only(_load_split(DATASET_ALIASES[name][2] if name in DATASET_ALIASES else name, split), name)
+    if name == TOY_VISION_ALIAS:
+        return _load_split(toy_vision_world()["unpaired_dataset"], split)
+    return _load_split(DATASET_ALIASES[name][2] if name in DATASET_ALIASES else name, split)
 
 
 def text_only(data, name: str):
@@ -183,9 +200,26 @@ def text_only(data, name: str):
     images would be dropped and the model trained blind)."""
     column = vision.image_column(data.column_names)
     if column is not None:
-        raise UserError(f"dataset {name!r} has an {column!r} column: this script does not take images yet (rloo.py "
-                        "and grpo.py do)")
+        raise UserError(f"dataset {name!r} has an {column!r} column: this script does not take images (sft, dpo, "
+                        "kto, rloo, grpo and distill do)")
     return data
+
+
+def with_images(data, images: Optional[vision.Vision]):
+    """The offline scripts' examples: `data` as it is for text (`images` None), else its rows as dicts, each with its
+    prompt's images under `images` (vision.ImageSource; the pictures read undecoded, encoded when a batch needs them),
+    which the tokenisers and `prompts_of` read."""
+    if images is None:
+        return data
+    return [{**row, "images": images.source(row)} for row in images.undecoded(data)]
+
+
+def prompts_of(*datasets) -> list:
+    """The prompts of `with_images` examples (of each of `datasets`, one after another), as tl.fit_lengths measures
+    them: the `prompt` column for text, each example's vision.ImageSource (its prompt with the image tokens) where the
+    prompts have images."""
+    return [p for examples in datasets for p in ([example["images"] for example in examples]
+                                                 if isinstance(examples, list) else examples["prompt"])]
 
 
 def _in_datasets_cache(name: str) -> bool:
@@ -311,16 +345,21 @@ def tokenize_completion(tokenizer, prompt, completion) -> List[int]:
 
 
 def tokenize_prompt_completion(tokenizer, prompt, completion, max_prompt_length: int, max_length: int,
-                               end_with_eos: bool = True):
+                               end_with_eos: bool = True, images: Optional[vision.ImageSource] = None):
     """Token ids of (prompt, completion), each text or a list of messages (rendered here: render_prompt,
     render_completion), under the documented truncation rule:
     1. the prompt keeps its LAST `max_prompt_length` tokens (truncated from the left);
     2. the completion, ending with EOS by tokenize_completion's rule (end_with_eos=False: its rendered tokens, nothing
        appended nor cut: reward.py's text mode), keeps its FIRST `max_length - len(prompt)` tokens (truncated from
        the right), so a truncated completion has no EOS. Returns (prompt_ids, completion_ids); completion_ids is
-       empty when truncation removed all of it (callers drop and count)."""
-    prompt_ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-    prompt_ids = prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []
+       empty when truncation removed all of it (callers drop and count).
+    `images`: the prompt's (vision.ImageSource): its ids come from the model's processor, each image placeholder
+    expanded, and are never cut (one longer than max_prompt_length is a UserError)."""
+    if images is not None:
+        prompt_ids = images.prompt_ids(max_prompt_length)
+    else:
+        prompt_ids = tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+        prompt_ids = prompt_ids[-max_prompt_length:] if max_prompt_length > 0 else []
     if end_with_eos:
         completion_ids = tokenize_completion(tokenizer, prompt, completion)
     else:
@@ -376,11 +415,15 @@ def to_unpaired(dataset, name: str):
 
     if "completion" not in dataset.column_names and {"chosen", "rejected"} <= set(dataset.column_names):
         require_columns(dataset, ["prompt", "chosen", "rejected"], name)
-        rows = {"prompt": [], "completion": [], "label": []}
-        for prompt, chosen, rejected in zip(dataset["prompt"], dataset["chosen"], dataset["rejected"]):
+        column = vision.image_column(dataset.column_names)  # a pair's images go with both its rows
+        rows = {"prompt": [], "completion": [], "label": [], **({column: []} if column else {})}
+        images = dataset[column] if column else [None] * len(dataset)
+        for prompt, chosen, rejected, image in zip(dataset["prompt"], dataset["chosen"], dataset["rejected"], images):
             rows["prompt"] += [prompt, prompt]
             rows["completion"] += [chosen, rejected]
             rows["label"] += [True, False]
+            if column:
+                rows[column] += [image, image]
         return Dataset.from_dict(rows)
     require_columns(dataset, ["prompt", "completion", "label"], name)
     dtype = getattr(dataset.features["label"], "dtype", type(dataset.features["label"]).__name__)
@@ -390,18 +433,19 @@ def to_unpaired(dataset, name: str):
 
 
 def tokenize_unpaired(dataset, tokenizer, max_prompt_length: int, max_length: int, name: str):
-    """kto.py's unpaired rows (`to_unpaired`) -> (examples, dropped). Each example: index, prompt_ids, completion_ids
-    (ending with one EOS: tokenize_completion), label. Rows whose prompt or completion is emptied by truncation are
-    dropped and counted."""
+    """kto.py's unpaired rows (`to_unpaired`, then `with_images`) -> (examples, dropped). Each example: index,
+    prompt_ids, completion_ids (ending with one EOS: tokenize_completion), label, and the prompt's `images` where it
+    has them. Rows whose prompt or completion is emptied by truncation are dropped and counted."""
     examples, dropped = [], 0
     for row in dataset:
         prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"],
-                                                                   max_prompt_length, max_length)
+                                                                   max_prompt_length, max_length,
+                                                                   images=row.get("images"))
         if not prompt_ids or not completion_ids:
             dropped += 1
             continue
         examples.append(dict(index=len(examples), prompt_ids=prompt_ids, completion_ids=completion_ids,
-                             label=bool(row["label"])))
+                             label=bool(row["label"]), **({"images": row["images"]} if row.get("images") else {})))
     if not examples:
         raise UserError(f"dataset {name!r}: every row was emptied by truncation (max_length {max_length})")
     return examples, dropped
@@ -416,14 +460,15 @@ def require_text_or_messages(values: dict, name: str, row: int) -> None:
                             f"{{role, content}} messages, got {type(value).__name__}")
 
 
-def load_held_out_prompts(name: str, split: str, count: int) -> list:
+def load_held_out_prompts(name: str, split: str, count: int, images: Optional[vision.Vision] = None) -> list:
     """The first `count` prompts of `split` of the prompt dataset `name` (load_prompt_dataset, its `prompt` column
-    checked): what dpo.py and kto.py complete greedily at each evaluation. [] when `count` is 0 (nothing loaded)."""
+    checked): what dpo.py and kto.py complete greedily at each evaluation; with `images` (the run's, vision.py), each
+    an ImageSource (its row's images and columns, which a gold scorer reads). [] when `count` is 0 (nothing loaded)."""
     if count <= 0:
         return []
     data = load_prompt_dataset(name, split)
     require_columns(data, ["prompt"], name)
-    return data["prompt"][:count]
+    return prompts_of(with_images(data.select(range(min(count, len(data)))), images))
 
 
 # ---------------------------------------------------------------------------------------------------------

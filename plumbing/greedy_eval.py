@@ -10,6 +10,7 @@ import torch
 
 import policy_common as pc
 from plumbing import data_utils as du
+from plumbing import models, vision
 from plumbing import run_utils as ru
 from plumbing.errors import UserError
 
@@ -34,18 +35,22 @@ class GenerationFlags:
 
 @torch.no_grad()
 def greedy_completions(policy, tokenizer, prompts: Sequence[List[int]], response_length: int, batch_size: int,
-                       accelerator, cache_implementation: Optional[str] = None):
+                       accelerator, cache_implementation: Optional[str] = None, images: Optional[Sequence] = None,
+                       blank: bool = False):
     """This process's even share of `prompts` (token-id lists) completed greedily, `batch_size` rows per generate
     call (every process makes the same calls), with HF generate's `cache_implementation`: the offline scripts'
-    held-out completions. Returns (prompt texts, completion texts) of its real rows, special tokens skipped; the
-    padding rows of the share are dropped."""
+    held-out completions. `images`: the prompts' vision.ImageSource (None: text), shown as they are or, `blank`,
+    replaced by blank pictures (the blind control). Returns (prompt texts, completion texts) of its real rows, special
+    tokens skipped; the padding rows of the share are dropped."""
     mine, n_real = ru.even_share(prompts, accelerator)
     pad = tokenizer.pad_token_id
     queries = pc.pad_sequences(mine, pad, "left").to(accelerator.device)  # (n, Lq)
     config = pc.make_generation_config(tokenizer, response_length, greedy=True,
-                                       cache_implementation=cache_implementation)
+                                       cache_implementation=cache_implementation,
+                                       suppress=vision.image_token_ids(models.unwrap(policy).config))
+    pixels = images and [s.inputs(blank) for s in ru.even_share(images, accelerator)[0]]  # (n,) image inputs
     query_responses, _ = pc.batch_generation(policy, queries, pad, tokenizer.eos_token_id, config, batch_size,
-                                             accelerator)
+                                             accelerator, images=pixels)
     return (tokenizer.batch_decode(queries[:n_real], skip_special_tokens=True),
             tokenizer.batch_decode(query_responses[:n_real, queries.shape[1]:], skip_special_tokens=True))
 
@@ -55,15 +60,24 @@ def held_out_completions(policy, held_out: du.HeldOut, args, accelerator, logger
     (`greedy_completions`, --response_length new tokens, --per_device_eval_batch_size rows per call,
     --cache_implementation), a few of them shown in the sample table (--num_samples_printed rows {prompt,
     completion[, gold]}). Returns eval/gold_score, the mean over every process's prompts, when the task has a gold
-    scorer (else {})."""
+    scorer (else {}); with images also eval/gold_score_blind, the gold of the answers to blank pictures (a policy that
+    reads the images sits at chance there)."""
     if not held_out.prompts:
         return {}
-    prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, args.response_length,
-                                              args.per_device_eval_batch_size, accelerator, args.cache_implementation)
-    gold = held_out.gold
-    samples = [{"prompt": p, "completion": c, **({} if gold is None else {"gold": gold(p, c)})}
-               for p, c in zip(prompts, completions)]
+    gold, images = held_out.gold, held_out.images
+    rows = ru.even_share(images or [None] * len(held_out.prompts), accelerator)[0]  # gold reads a row's columns
+
+    def complete(blank=False):  # -> (prompt texts, completion texts, their gold or None)
+        prompts, completions = greedy_completions(policy, held_out.tokenizer, held_out.prompts, args.response_length,
+                                                  args.per_device_eval_batch_size, accelerator,
+                                                  args.cache_implementation, images, blank)
+        return prompts, completions, gold and [gold(p, c, r and r.row) for p, c, r in zip(prompts, completions, rows)]
+
+    prompts, completions, scores = complete()
+    samples = [{"prompt": p, "completion": c, **({} if gold is None else {"gold": g})}
+               for p, c, g in zip(prompts, completions, scores or [None] * len(prompts))]
     logger.log_samples("eval/samples", samples, step, args.num_samples_printed)
     if gold is None:
         return {}
-    return ru.global_means(accelerator, {"eval/gold_score": sum(row["gold"] for row in samples)}, len(samples))
+    sums = {"eval/gold_score": sum(scores), **({"eval/gold_score_blind": sum(complete(True)[2])} if images else {})}
+    return ru.global_means(accelerator, sums, len(samples))

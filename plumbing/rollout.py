@@ -116,8 +116,7 @@ def load_prompt_data(args, tokenizer, policy_path: str, toolset: Optional[ep.Too
     vision = Vision.from_data(policy_path, ru.model_config(policy_path, args.trust_remote_code),
                               train_data.column_names, name, args.trust_remote_code)
     if vision is not None:
-        vision.refuse(("this script", not images), ("--tools / --environment", toolset is not None),
-                      ("--use_vllm", args.use_vllm))
+        vision.refuse(("this script", not images), ("--tools / --environment", toolset is not None))
         train_prompts, eval_prompts = (vision.encode_rows(data, args.max_prompt_length) for data in (train_data,
                                                                                                       eval_data))
     elif toolset is None:
@@ -328,13 +327,14 @@ class Sampler:
         #    with tools, whole episodes (episodes.py): sampled turns and tool results, an action mask between them
         rows = [self.rows[i] for i in indices for _ in range(k)]  # the dataset row of each completion
         images = self.vision and self.vision.rows_inputs(rows[::k], repeats=k)  # (B,) each row's (None: text)
+        pictures = self.vllm and self.vision and [p for row in rows[::k] for p in [self.vision.images_of(row)] * k]
         training, metrics, hf = self.policy.training, {}, self.vllm is None or self.toolset is not None
         if hf:  # (a vLLM engine samples in its own process; the policy may be training meanwhile: run_ahead.py)
             self.policy.eval()
         by_engine = self.vllm is not None
         if self.toolset is None:
             query_responses, behaviour_logprobs, entropies = self.sample(queries, weights_version, entropy, seeds=seeds,
-                                                                         images=images)
+                                                                         images=images, pictures=pictures)
             truncated, action_mask, episodes = ~(query_responses[:, context_length:] == self.eos).any(1), None, None
         else:
             episodes = self.play(rows, self.generation_config, weights_version, entropy=entropy)
@@ -405,16 +405,16 @@ class Sampler:
 
     def sample(self, queries: torch.Tensor, weights_version: int, entropy: bool = False, generation_config=None,
                first_turn: bool = True, budgets: Optional[List[int]] = None, use_vllm: bool = True, seeds=None,
-               images=None):
+               images=None, pictures=None):
         """One completion per row of `queries` (B, Lq), left-padded, by HF generate or vLLM -> (query_responses
         (B, Lq + R), behaviour log-probs (B, R) of the sampled tokens under the policy that sampled them, entropy
         (B, R) or None (HF only)). R = the config's max_new_tokens; responses cut after their EOS. `budgets`: vLLM
         stops each row at its own (HF generates R for every row; the caller cuts). use_vllm=False: HF generate even
-        with an engine. seeds: vLLM's per row (None: drawn). images: the rows' image inputs (HF generate)."""
+        with an engine. seeds: vLLM's per row (None: drawn). images: image inputs (HF); pictures: PIL images (vLLM)."""
         config = generation_config or self.generation_config
         if self.vllm is not None and use_vllm:
             query_responses, behaviour_logprobs = self.vllm.generate(self.policy, weights_version, queries, config,
-                                                                     budgets, seeds)
+                                                                     budgets, seeds, pictures)
             return query_responses, behaviour_logprobs, None
         query_responses, logprobs, *entropies = pc.batch_generation(
             self.policy, queries, self.pad, self.eos, config, self.chunk, self.accelerator,

@@ -309,6 +309,15 @@ def model_config(name: str, trust_remote_code: bool = False):
     return models.from_pretrained(AutoConfig, name, trust_remote_code=trust_remote_code)
 
 
+def with_images(args, policy_path: str, name: str, *datasets) -> tuple:
+    """The offline scripts' images, read once at setup: (the run's vision.Vision, from the first of `datasets`: None
+    when it has no image column, a one-line error for a model that cannot take them; then each of `datasets` as
+    du.with_images makes it: unchanged for text, its rows with their prompts' images otherwise)."""
+    images = vision.Vision.from_data(policy_path, model_config(policy_path, args.trust_remote_code),
+                                     datasets[0].column_names, name, args.trust_remote_code)
+    return (images, *(du.with_images(data, images) for data in datasets))
+
+
 def model_positions(name: str, trust_remote_code: bool = False) -> Optional[int]:
     """How many positions the model `name` (hub id or folder) attends to, from its config (no weights loaded):
     max_position_embeddings, or None when the config sets no limit."""

@@ -378,12 +378,12 @@ def fit_lengths(args, tokenizer, model_path: str, prompts, held_out_prompts=(), 
     config: ru.model_positions) before any model loads (ru.fit_length: a default is lowered with a note, a value given
     on the command line that does not fit is a UserError):
     1. --max_length into the model's positions;
-    2. --max_prompt_length, when None, from the data: the longest of `prompts` (text or messages, rendered with the chat
-       template and tools[i] when `tools` is given; values neither text nor messages are skipped here, tokenising the
-       rows fails on them) and `held_out_prompts`; then lowered to leave one completion token of --max_length;
+    2. --max_prompt_length, when None, from the data: the longest of `prompts` (text or messages rendered with the chat
+       template and tools[i] when given, or vision.ImageSource; others are skipped here, tokenising the rows fails on
+       them) and `held_out_prompts`; then lowered to leave one completion token of --max_length;
     3. the held-out prompts (completed greedily at each evaluation) as token ids: a prompt longer than
        --max_prompt_length is a UserError (du.tokenize_prompts), or with `cut_held_out` (kto.py) keeps its last
-       --max_prompt_length tokens;
+       --max_prompt_length tokens (prompts with images are never cut);
     4. --response_length, when there are held-out prompts (with `cut_held_out`: always), into the positions the longest
        of them leaves (with `cut_held_out`: the positions --max_prompt_length leaves).
     Returns the held-out prompts' token ids."""
@@ -395,10 +395,13 @@ def fit_lengths(args, tokenizer, model_path: str, prompts, held_out_prompts=(), 
                  for prompt, prompt_tools in [*zip(prompts, tools), *((p, None) for p in held_out_prompts)]
                  if isinstance(prompt, str) or du.is_conversational(prompt)}
         ids = tokenizer(sorted(texts), add_special_tokens=False)["input_ids"] if texts else []
+        ids += [p.prompt_ids() for p in [*prompts, *held_out_prompts] if isinstance(p, vision.ImageSource)]
         args.max_prompt_length = max((len(prompt_ids) for prompt_ids in ids), default=1)
     ru.fit_length(args, "max_prompt_length", args.max_length - 1,
                   f"one completion token of --max_length {args.max_length}")
-    if cut_held_out:
+    if held_out_prompts and isinstance(held_out_prompts[0], vision.ImageSource):  # never cut: refused when longer
+        held_out, longest = [p.prompt_ids(args.max_prompt_length) for p in held_out_prompts], args.max_prompt_length
+    elif cut_held_out:
         held_out = [ids[-args.max_prompt_length:] for ids in du.tokenize_prompts(tokenizer, held_out_prompts)]
         longest = args.max_prompt_length
     else:

@@ -35,6 +35,16 @@ def is_vision_model(config) -> bool:
     return getattr(config, "vision_config", None) is not None
 
 
+def places_own_positions(model) -> bool:
+    """Does `model` (or the model a wrapper holds) compute its own position ids, from the token ids, the attention mask
+    and the image inputs? Qwen2-VL and its successors place image tokens with multimodal rotary positions (3-D ids:
+    time, height, width), which 1-D positions counting tokens would misplace."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return "mrope_section" in rope
+
+
 def image_token_ids(config) -> tuple:
     """The ids a vision-language model uses as image (and video) placeholders, which sampling must never emit (a
     sampled one would be read as a picture that is not there); () for a text model."""
@@ -51,13 +61,19 @@ def save_processor(config, folder: str) -> None:
         AutoProcessor.from_pretrained(config._name_or_path).save_pretrained(folder)
 
 
-def model_inputs(images: Optional[Sequence[RowImages]], device: torch.device) -> dict:
+def model_inputs(images: Optional[Sequence[RowImages]], device: torch.device, model=None, input_ids=None,
+                 position_ids=None) -> dict:
     """The image inputs of one model call over rows whose image inputs are `images` (one entry per row, in row
-    order; None or all-None: a text-only call): each key's tensors concatenated along their first dimension."""
+    order; None or all-None: a text-only call): each key's tensors concatenated along their first dimension (images,
+    or Qwen2-VL's patches). With the call's `input_ids`: its positions too, `position_ids` (ours: counting real tokens;
+    None: the model's own), except for a call with images to a `model` that places its own (places_own_positions):
+    then `mm_token_type_ids` (1 on image tokens), from which it computes its 3-D ids (generate's decoding steps too)."""
     rows = [r for r in images or () if r is not None]
-    if not rows:
-        return {}
-    return {key: torch.cat([r[key] for r in rows]).to(device) for key in rows[0]}
+    inputs = {key: torch.cat([r[key] for r in rows]).to(device) for key in rows[0]} if rows else {}
+    if inputs and model is not None and places_own_positions(model):
+        config = getattr(model, "module", model).config
+        return {**inputs, "mm_token_type_ids": (input_ids == config.image_token_id).int()}
+    return {**inputs, **({} if position_ids is None else {"position_ids": position_ids})}
 
 
 def row_images(images: Optional[Sequence[RowImages]], rows) -> Optional[List[RowImages]]:
@@ -112,11 +128,6 @@ class Vision:
             raise UserError(f"dataset {dataset_name!r} has an {column!r} column but --model {model_name!r} is a "
                             f"text-only model ({type(config).__name__}, no vision config): give a vision-language "
                             "model, or data without images")
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-        if "mrope_section" in rope:  # the forwards pass 1-D positions: this model's image tokens would be misplaced
-            raise UserError(f"--model {model_name!r} places image tokens with multimodal rotary positions (Qwen2-VL's "
-                            "3-D position ids), which the forwards do not compute yet: use a LLaVA-style model")
         from transformers import AutoProcessor
 
         try:
@@ -150,7 +161,8 @@ class Vision:
                             f"{self.column!r} holds {len(images)}: {prompt[:80]!r}")
         inputs = self.processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
         ids = inputs.pop("input_ids")[0].tolist()
-        inputs.pop("attention_mask", None)
+        for per_token in ("attention_mask", "token_type_ids", "mm_token_type_ids"):  # the model derives them from ids
+            inputs.pop(per_token, None)
         if max_prompt_length is not None and len(ids) > max_prompt_length:
             raise UserError(f"a prompt with its image tokens is {len(ids)} tokens, longer than --max_prompt_length "
                             f"{max_prompt_length}")
@@ -175,10 +187,75 @@ class Vision:
         """`row_inputs` of each row, repeated `repeats` times in a row (a prompt's samples share its inputs)."""
         return [inputs for row in rows for inputs in [self.row_inputs(row, blank)] * repeats]
 
+    def undecoded(self, data):
+        """A datasets.Dataset with its image column read as the files' bytes (datasets.Image(decode=False)): the
+        offline scripts keep every row, and a dataset's worth of decoded pictures would not fit in memory."""
+        from datasets import Image, List, Sequence
+
+        feature = data.features.get(self.column)
+        if isinstance(feature, Image):
+            return data.cast_column(self.column, Image(decode=False))
+        if isinstance(feature, (List, Sequence)) and isinstance(feature.feature, Image):
+            return data.cast_column(self.column, List(Image(decode=False)))
+        return data
+
+    def source(self, row: dict) -> "ImageSource":
+        """An offline dataset row's images, with its prompt (`ImageSource`)."""
+        return ImageSource(self, row)
+
     def refuse(self, *features) -> None:
         """A one-line error for the first (flag, asked) of `features` that was asked for and does not take images
         yet."""
         for flag, asked in features:
             if asked:
-                raise UserError(f"{flag} with images (the data's {self.column!r} column): not supported yet (rloo.py "
-                                "and grpo.py take images with HF generation)")
+                raise UserError(f"{flag} with images (the data's {self.column!r} column): not supported yet (sft, dpo, "
+                                "kto, rloo, grpo and distill take images)")
+
+
+class ImageSource:
+    """One offline example's prompt with its images, as the dataset holds them (undecoded: `Vision.undecoded`), and
+    the rest of its dataset row (`row`: what a gold scorer reads). The offline scripts (sft, dpo, kto) keep one in each
+    tokenised row under `images` and encode it when a micro-batch needs it (`batch_inputs`): the pixels of one batch
+    are held at a time, never a dataset's."""
+
+    def __init__(self, vision: Vision, row: dict):
+        self.vision, self.row, self._ids = vision, row, None
+
+    def prompt_ids(self, max_prompt_length: Optional[int] = None) -> List[int]:
+        """The prompt's token ids, each image placeholder expanded (computed once); longer than `max_prompt_length`
+        is a UserError: a prompt with images is never cut (a cut would split an image's tokens)."""
+        if self._ids is None:
+            self._ids = self.vision.encode(self.row["prompt"], self.vision.images_of(self.row))[0]
+        if max_prompt_length is not None and len(self._ids) > max_prompt_length:
+            raise UserError(f"a prompt with its image tokens is {len(self._ids)} tokens, longer than "
+                            f"--max_prompt_length {max_prompt_length} (prompts with images are not cut)")
+        return self._ids
+
+    def inputs(self, blank: bool = False) -> RowImages:
+        """The image inputs of the prompt (`blank`: of blank images the same size, Vision.row_inputs)."""
+        return self.vision.row_inputs(self.row, blank)
+
+    def with_prompt(self, prompt) -> "ImageSource":
+        """The same row's images before another prompt (sft.py's `messages` rows: the conversation before the last
+        message)."""
+        return ImageSource(self.vision, {**self.row, "prompt": prompt})
+
+
+def batch_inputs(rows: Sequence[dict], copies: int = 1, blank: bool = False) -> Optional[List[RowImages]]:
+    """The image inputs of offline `rows` (each holding its ImageSource under `images`, or none: text) in the row order
+    of data_utils.concatenated_inputs: the rows' own, repeated `copies` times (one per completion); None for text."""
+    if not rows or rows[0].get("images") is None:
+        return None
+    return [row["images"].inputs(blank) for row in rows] * copies
+
+
+def vllm_prompt(ids: List[int], images: Optional[list], image_token_ids: Sequence[int]) -> dict:
+    """vLLM's prompt of one row: its token ids; with `images` (its PIL images) these as multi_modal_data, and each
+    image's run of placeholder tokens (`image_token_ids`; as many per image: LLaVA's) as one placeholder: vLLM expands
+    the placeholders of a token prompt itself (given expanded ones, it expands the first again)."""
+    if not images:
+        return {"prompt_token_ids": ids}
+    placeholders = [i for i, token in enumerate(ids) if token in image_token_ids]
+    dropped = set(placeholders) - set(placeholders[::max(len(placeholders) // len(images), 1)])
+    return {"prompt_token_ids": [t for i, t in enumerate(ids) if i not in dropped],
+            "multi_modal_data": {"image": images}}

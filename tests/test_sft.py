@@ -201,9 +201,9 @@ def test_toy_demonstrations(toy):
 
 def test_tokenisation_truncation_rule_and_dropped_rows(toy_tokenizer):
     tokenizer, eos = toy_tokenizer, toy_tokenizer.eos_token_id
-    pairs = [("a b c d =", " a b c d", None),  # prompt cut to "c d =", completion to " a b" (no EOS)
-             ("a =", " a b", None),  # fits, EOS included
-             ("a b c d e f =", " a", None)]  # prompt cut to "e f =", " a" + EOS fit
+    pairs = [("a b c d =", " a b c d", None, None),  # prompt cut to "c d =", completion to " a b" (no EOS)
+             ("a =", " a b", None, None),  # fits, EOS included
+             ("a b c d e f =", " a", None, None)]  # prompt cut to "e f =", " a" + EOS fit
     rows, dropped = tokenize_demonstrations(tokenizer, pairs, max_prompt_length=3, max_length=5, name="hand")
     assert dropped == 0
     assert rows[0] == {"prompt": encode(tokenizer, "c d ="), "completion": encode(tokenizer, " a b"),

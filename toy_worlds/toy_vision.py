@@ -36,14 +36,17 @@ import time
 import torch
 import torch.nn.functional as F
 
-BUILDER_VERSION = 1  # bump whenever the build or anything it calls changes
+BUILDER_VERSION = 3  # bump whenever the build or anything it calls changes (2: unpaired completions as messages; 3:
+# 900 SFT steps, after which the SFT policy reads the square's side: at 300 it read the colour only, so no method could
+# learn the side within a short run and every one stopped at the same greedy answers; attention heads 32 wide, the
+# narrowest vLLM's CPU attention takes)
 SIZE, PATCH = 28, 14  # pixels of a picture, of a patch: 2 x 2 patches, 4 image tokens
 COLORS = {"red": (210, 40, 40), "green": (40, 170, 60), "blue": (40, 70, 210), "yellow": (225, 205, 40)}
 SIDES = ("left", "right")
 QUESTIONS = {"color": "what color is the shape ?", "side": "where is the shape ?"}
 CONFUSED = {"green": "blue", "yellow": "red", "right": "left"}  # what demonstrators say instead, DEMO_BIAS of the time
 DEMO_BIAS = 0.55
-SFT_STEPS, SFT_BATCH, SFT_LR = 300, 64, 3e-3
+SFT_STEPS, SFT_BATCH, SFT_LR = 900, 64, 3e-3
 WORDS = ["USER:", "ASSISTANT:", *" ".join(QUESTIONS.values()).split(), *COLORS, *SIDES]
 SPECIAL = ["[PAD]", "[EOS]", "[UNK]", "<image>"]
 CHAT_TEMPLATE = (
@@ -132,7 +135,7 @@ def make_model(processor):
 
     tokenizer = processor.tokenizer
     text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=64,
                        tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -216,7 +219,8 @@ def save_dataset(splits: dict, path: str) -> None:
             png = io.BytesIO()
             row["image"].save(png, format="PNG")
             encoded.append({**row, "image": {"bytes": png.getvalue(), "path": None}})
-        columns = {k: Value("string") for k in rows[0] if k not in ("image", "prompt", "chosen", "rejected", "label")}
+        columns = {k: Value("string") for k in rows[0]
+                   if k not in ("image", "prompt", "chosen", "rejected", "completion", "label")}
         features = Features({**{k: v for k, v in Dataset.from_list([
             {k: v for k, v in rows[0].items() if k != "image"}]).features.items()}, **columns, "image": Image()})
         ds = Dataset.from_list(encoded, features=features)
@@ -285,3 +289,108 @@ def build(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> 
     root = os.path.join(cache_dir or toy_task.cache_root(), folder_name(seed))
     toy_task.cached_build(root, lambda tmp: _build_into(tmp, seed, verbose))
     return paths(root)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The teacher (distill.py --model toy_vision): the student's family, processor and vocabulary, trained on the right
+# answers, so it reads the pictures as the demonstrators did not
+# ---------------------------------------------------------------------------------------------------------
+TEACHER_VERSION = 1  # bump whenever the teacher's build changes (its folder also names the world's BUILDER_VERSION)
+TEACHER_STEPS = 200
+TEACHER_SIZE = {"text_config": dict(hidden_size=128, intermediate_size=256),  # the student: 64, 128
+                "vision_config": dict(hidden_size=64, intermediate_size=128)}  # the student: 32, 64
+PROCESSOR_FILES = ("chat_template.jinja", "processor_config.json", "tokenizer.json", "tokenizer_config.json")
+
+
+def make_teacher_model(processor):
+    """`make_model`'s LLaVA, wider (TEACHER_SIZE): the student's family, image token and processor."""
+    from transformers import LlavaForConditionalGeneration
+
+    config = make_model(processor).config
+    for part, sizes in TEACHER_SIZE.items():
+        getattr(config, part).update(sizes)
+    return LlavaForConditionalGeneration(config)
+
+
+def train_teacher(processor, rng: random.Random):
+    """TEACHER_STEPS AdamW steps on the right answers of fresh items (no DEMO_BIAS), `train_sft`'s recipe otherwise;
+    loss on the answer and its EOS."""
+    model = make_teacher_model(processor)
+    pad = processor.tokenizer.pad_token_id
+    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                  lambda s: min(1.0, (s + 1) / 30) * (1 - s / TEACHER_STEPS))
+    model.train()
+    for _ in range(TEACHER_STEPS):
+        items = [make_item(rng) for _ in range(SFT_BATCH)]
+        batch = encode(processor, items, [item["answer"] for item in items])
+        length = batch.pop("prompt_length")
+        logits = model(**batch).logits
+        labels = batch["input_ids"][:, length:].masked_fill(batch["input_ids"][:, length:] == pad, -100)
+        F.cross_entropy(logits[:, length - 1:-1].reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model.eval()
+
+
+def _build_teacher_into(root: str, seed: int, world: dict, verbose: bool) -> dict:
+    import shutil
+
+    from datasets import load_from_disk
+    from transformers import AutoProcessor
+
+    rng = random.Random(f"vision-teacher-{seed}")  # an item stream of its own, not the world's
+    torch.manual_seed(seed)
+    t0 = time.time()
+    log = (lambda *a: print("[toy_vision teacher]", *a, flush=True)) if verbose else (lambda *a: None)
+    teacher_dir = os.path.join(root, "teacher")
+    os.makedirs(teacher_dir)
+    for name in PROCESSOR_FILES:  # the student's processor files as they are: one tokenizer, one image processor
+        shutil.copyfile(os.path.join(world["policy"], name), os.path.join(teacher_dir, name))
+    processor = AutoProcessor.from_pretrained(teacher_dir)
+    teacher = train_teacher(processor, rng)
+    teacher.save_pretrained(teacher_dir, safe_serialization=True)
+    log(f"teacher trained ({time.time() - t0:.0f}s)")
+
+    test = load_from_disk(world["prompt_dataset"])["test"].to_list()
+    from PIL import Image
+
+    test = [{**row, "image": Image.open(io.BytesIO(row["image"]["bytes"])).convert("RGB")} for row in test]
+    blank = [{**row, "image": draw(None, "left", rng)} for row in test]
+    with open(os.path.join(world["root"], "report.json")) as f:
+        student = json.load(f)
+    report = {"teacher_version": TEACHER_VERSION, "builder_version": BUILDER_VERSION, "seed": seed,
+              "teacher_gold_greedy": round(mean_gold(test, answer(teacher, processor, test, greedy=True)), 4),
+              "teacher_gold_greedy_blind": round(mean_gold(blank, answer(teacher, processor, blank, greedy=True)), 4),
+              "student_sft_gold_greedy": student["sft_gold_greedy"], "chance": student["chance"],
+              "teacher_steps": TEACHER_STEPS, "teacher_size": TEACHER_SIZE, "n_prompt_test": len(test),
+              "teacher_parameters": sum(p.numel() for p in teacher.parameters()),
+              "student_parameters": student["parameters"], "build_seconds": round(time.time() - t0, 1)}
+    with open(os.path.join(root, "report.json"), "w") as f:
+        json.dump(report, f, indent=2, sort_keys=True)
+    log(f"teacher built in {time.time() - t0:.0f}s: {report}")
+    return report
+
+
+def teacher_folder_name(seed: int) -> str:
+    """The teacher's cache folder, beside the world's: teacher and world versions, seed, library releases."""
+    import transformers
+
+    return (f"vision-teacher-v{TEACHER_VERSION}-world{BUILDER_VERSION}-seed{seed}-torch{torch.__version__}"
+            f"-transformers{transformers.__version__}")
+
+
+def build_teacher(seed: int = 0, cache_dir: str | None = None, verbose: bool = True) -> dict:
+    """Build the toy vision world's teacher once per (seed, versions, library releases), after the world itself
+    (`build`, same seed and cache: the teacher copies its processor and reports on its test split), and return its
+    paths: root, teacher (the folder distill.py loads), report (report.json: its greedy gold, and blind)."""
+    from toy_worlds import toy_task
+
+    cache_dir = cache_dir or toy_task.cache_root()
+    root = os.path.join(cache_dir, teacher_folder_name(seed))
+    if not os.path.exists(os.path.join(root, "report.json")):
+        world = build(seed, cache_dir, verbose)
+        toy_task.cached_build(root, lambda tmp: _build_teacher_into(tmp, seed, world, verbose))
+    return {"root": root, "teacher": os.path.join(root, "teacher"), "report": os.path.join(root, "report.json")}
