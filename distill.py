@@ -184,7 +184,7 @@ def load_teacher(args, tokenizer, accelerator, vision: Optional[pv.Vision] = Non
     vision-language model of the student's family that reads the student's image inputs; one-line errors name both
     models otherwise."""
     name = args.teacher_model or ru.default_teacher(args.model)
-    path = du.toy_teacher(name) if name == du.TOY_VISION_ALIAS else ru.resolve_teacher(name)
+    path = ru.resolve_teacher(name)
     if vision is not None:
         check_teacher_images(name, path, vision, args.trust_remote_code)
     teacher_tokenizer = models.load_tokenizer(path, trust_remote_code=args.trust_remote_code)

@@ -84,16 +84,16 @@ def default_reward_model(model: str) -> str:
 
 
 def default_teacher(model: str) -> str:
-    """The teacher paired with a `--model` alias (toy, toy_hard -> that toy world's teacher)."""
-    if model in du.TOY_WORLDS:
+    """The teacher paired with a `--model` alias (toy, toy_hard, toy_vision -> that toy world's teacher)."""
+    if model in (*du.TOY_WORLDS, du.TOY_VISION_ALIAS):
         return model
     raise UserError(f"--teacher_model is required when --model is {model!r} (no paired teacher is known)")
 
 
 def resolve_teacher(name: str) -> str:
-    """`--teacher_model` -> a hub id or local folder (`toy`, `toy_hard`: that toy world's teacher, built on first
-    use)."""
-    return du.toy_teacher(name) if name in du.TOY_WORLDS else name
+    """`--teacher_model` -> a hub id or local folder (`toy`, `toy_hard`, `toy_vision`: that toy world's teacher, built
+    on first use)."""
+    return du.toy_teacher(name) if name in (*du.TOY_WORLDS, du.TOY_VISION_ALIAS) else name
 
 
 def default_dataset(model: str) -> str:

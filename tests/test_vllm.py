@@ -642,6 +642,16 @@ def test_engine_sees_the_pictures_and_takes_synced_weights(vision_engine):
     generator.sync(policy, version + 2)  # leave the module's engine as it started
 
 
+def assert_two_synced_fp32_steps(rows: list) -> None:
+    """A 2-step run's metrics with an fp32 engine: the steps logged, the engine's log-probs the trainer's (importance
+    weights near 1), finite numbers, and the weights synced before the second step."""
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for row in rows[1:]:
+        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
+    assert rows[2]["time/weight_sync_seconds"] > 0
+
+
 def test_grpo_with_images_and_vllm(toy_vision, tmp_path):
     """grpo.py --use_vllm on the vision world: the engine samples each prompt with its picture, the trainer's log-probs
     (a forward with the pictures) agree with the engine's, and the weights are synced after each step."""
@@ -650,12 +660,7 @@ def test_grpo_with_images_and_vllm(toy_vision, tmp_path):
                "--use_vllm", "--reward_funcs", "gold", "--response_length", "3", "--num_generations", "4",
                "--per_device_train_batch_size", "16", "--gradient_accumulation_steps", "1", "--max_steps", "2",
                "--eval_steps", "0", "--num_eval_prompts", "8", "--output_dir", out)
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
-        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
-        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
-    assert rows[2]["time/weight_sync_seconds"] > 0
+    assert_two_synced_fp32_steps(read_metrics(out))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -682,12 +687,7 @@ def test_ppo_runs_with_vllm(toy, tmp_path):
     out = str(tmp_path / "ppo")
     run_script("ppo.py", "--use_vllm", "--max_steps", "2", "--per_device_train_batch_size", "16",
                "--gradient_accumulation_steps", "1", "--num_eval_prompts", "16", "--output_dir", out)
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    for row in rows[1:]:
-        assert row["vllm/logprob_diff"] < 1e-3 and abs(row["vllm/is_weight_mean"] - 1) < 1e-2
-        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float))
-    assert rows[2]["time/weight_sync_seconds"] > 0
+    assert_two_synced_fp32_steps(read_metrics(out))
 
 
 def test_distill_pg_with_vllm(toy, tmp_path):

@@ -163,16 +163,16 @@ def encode(processor, items: list, completions: list | None = None) -> dict:
     return batch
 
 
-def train_sft(processor, rng: random.Random):
-    """SFT_STEPS AdamW steps on biased demonstrations of fresh items; loss on the answer and its EOS."""
-    model = make_model(processor)
+def train(model, processor, rng: random.Random, steps: int, target):
+    """`steps` AdamW steps on fresh items (SFT_BATCH each), the completion of each `target(answer, rng)`; loss on the
+    answer and its EOS. The recipe of both the SFT policy (biased demonstrations) and the teacher (right answers)."""
     pad = processor.tokenizer.pad_token_id
     optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30) * (1 - s / SFT_STEPS))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 30) * (1 - s / steps))
     model.train()
-    for _ in range(SFT_STEPS):
+    for _ in range(steps):
         items = [make_item(rng) for _ in range(SFT_BATCH)]
-        batch = encode(processor, items, [demonstration(item["answer"], rng) for item in items])
+        batch = encode(processor, items, [target(item["answer"], rng) for item in items])
         length = batch.pop("prompt_length")
         logits = model(**batch).logits
         labels = batch["input_ids"][:, length:].masked_fill(batch["input_ids"][:, length:] == pad, -100)
@@ -183,6 +183,11 @@ def train_sft(processor, rng: random.Random):
         scheduler.step()
         optimizer.zero_grad()
     return model.eval()
+
+
+def train_sft(processor, rng: random.Random):
+    """SFT_STEPS steps (`train`) on biased demonstrations of fresh items."""
+    return train(make_model(processor), processor, rng, SFT_STEPS, demonstration)
 
 
 @torch.no_grad()
@@ -313,26 +318,8 @@ def make_teacher_model(processor):
 
 
 def train_teacher(processor, rng: random.Random):
-    """TEACHER_STEPS AdamW steps on the right answers of fresh items (no DEMO_BIAS), `train_sft`'s recipe otherwise;
-    loss on the answer and its EOS."""
-    model = make_teacher_model(processor)
-    pad = processor.tokenizer.pad_token_id
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  lambda s: min(1.0, (s + 1) / 30) * (1 - s / TEACHER_STEPS))
-    model.train()
-    for _ in range(TEACHER_STEPS):
-        items = [make_item(rng) for _ in range(SFT_BATCH)]
-        batch = encode(processor, items, [item["answer"] for item in items])
-        length = batch.pop("prompt_length")
-        logits = model(**batch).logits
-        labels = batch["input_ids"][:, length:].masked_fill(batch["input_ids"][:, length:] == pad, -100)
-        F.cross_entropy(logits[:, length - 1:-1].reshape(-1, logits.shape[-1]), labels.reshape(-1)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-    return model.eval()
+    """TEACHER_STEPS steps (`train`) on the right answers of fresh items (no DEMO_BIAS)."""
+    return train(make_teacher_model(processor), processor, rng, TEACHER_STEPS, lambda answer, rng: answer)
 
 
 def _build_teacher_into(root: str, seed: int, world: dict, verbose: bool) -> dict:
